@@ -1,0 +1,128 @@
+"""conv1d / conv2d / conv3d with the signatures and defaults of torch.nn.functional."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from gemmconv.autograd import ConvFunction
+from gemmconv.dispatch import Choice, explain_problem
+from gemmconv.problem import ConvProblem
+from gemmconv.validate import check_conv_args
+
+IntOrTuple = int | Sequence[int]
+Padding = IntOrTuple | str
+
+
+def _tuple(value: IntOrTuple, dims: int) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,) * dims
+    value = tuple(int(v) for v in value)
+    return value * dims if len(value) == 1 else value
+
+
+def _resolve_padding(
+    input: torch.Tensor, weight: torch.Tensor, padding: Padding, stride, dilation, dims: int
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Integer padding per dimension; 'same' with an odd total pads the input's far
+    side by one first, exactly as torch does."""
+    if not isinstance(padding, str):
+        return input, _tuple(padding, dims)
+    if padding == "valid":
+        return input, (0,) * dims
+    if padding != "same":
+        raise ValueError(f"Invalid padding string {padding!r}, should be one of {{'valid', 'same'}}")
+    if any(u != 1 for u in _tuple(stride, dims)):
+        raise ValueError("padding='same' is not supported for strided convolutions")
+    totals = [d * (r - 1) for d, r in zip(_tuple(dilation, dims), weight.shape[2:])]
+    extra = []
+    for total in reversed(totals):
+        extra += [0, total % 2]
+    if any(extra):
+        input = F.pad(input, extra)
+    return input, tuple(total // 2 for total in totals)
+
+
+def _autocast(*tensors: torch.Tensor | None, device_type: str) -> list[torch.Tensor | None]:
+    """Cast to the autocast dtype as torch's convolutions are, when autocast is on."""
+    if not torch.is_autocast_enabled(device_type):
+        return list(tensors)
+    dtype = torch.get_autocast_dtype(device_type)
+    return [t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors]
+
+
+def _conv(dims, input, weight, bias, stride, padding, dilation, groups) -> torch.Tensor:
+    check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
+    input, weight, bias = _autocast(input, weight, bias, device_type=input.device.type)
+    unbatched = input.dim() == dims + 1
+    if unbatched:
+        input = input.unsqueeze(0)
+    input, pad = _resolve_padding(input, weight, padding, stride, dilation, dims)
+    y = ConvFunction.apply(
+        input, weight, bias, _tuple(stride, dims), pad, _tuple(dilation, dims), groups
+    )
+    return y.squeeze(0) if unbatched else y
+
+
+def conv1d(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride: IntOrTuple = 1,
+    padding: Padding = 0,
+    dilation: IntOrTuple = 1,
+    groups: int = 1,
+) -> torch.Tensor:
+    return _conv(1, input, weight, bias, stride, padding, dilation, groups)
+
+
+def conv2d(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride: IntOrTuple = 1,
+    padding: Padding = 0,
+    dilation: IntOrTuple = 1,
+    groups: int = 1,
+) -> torch.Tensor:
+    return _conv(2, input, weight, bias, stride, padding, dilation, groups)
+
+
+def conv3d(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride: IntOrTuple = 1,
+    padding: Padding = 0,
+    dilation: IntOrTuple = 1,
+    groups: int = 1,
+) -> torch.Tensor:
+    return _conv(3, input, weight, bias, stride, padding, dilation, groups)
+
+
+def explain(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride: IntOrTuple = 1,
+    padding: Padding = 0,
+    dilation: IntOrTuple = 1,
+    groups: int = 1,
+) -> dict[str, Choice]:
+    """Which solver would run each direction, and why the others would not; runs nothing.
+
+    Keys are "forward", "backward_data" and "backward_weights"; each value has
+    ``.solver`` (an id) and ``.rejected`` (id -> list of reasons).
+    """
+    dims = weight.dim() - 2
+    check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
+    input, weight, bias = _autocast(input, weight, bias, device_type=input.device.type)
+    if input.dim() == dims + 1:
+        input = input.unsqueeze(0)
+    input, pad = _resolve_padding(input, weight, padding, stride, dilation, dims)
+    problem = ConvProblem.from_tensors(
+        input, weight, bias, _tuple(stride, dims), pad, _tuple(dilation, dims), groups
+    )
+    return explain_problem(problem)

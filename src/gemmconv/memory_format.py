@@ -1,0 +1,77 @@
+"""Layouts: which memory order a convolution is computed in, and tensors in that order.
+
+A tensor of logical shape [N, C, S1..Sd] is "channels-first" when it is contiguous
+in that order and "channels-last" when its memory order is [N, S1..Sd, C]. PyTorch
+has memory formats for 4-D and 5-D tensors only; a 3-D tensor is channels-last here
+when its transpose(1, 2) is contiguous, so 1-D convolutions keep their layout too.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import torch
+from torch._prims_common import suggest_memory_format
+
+
+class Layout(str, enum.Enum):
+    CHANNELS_FIRST = "channels_first"
+    CHANNELS_LAST = "channels_last"
+
+
+def _is_channels_last(t: torch.Tensor) -> bool:
+    if t.dim() in (4, 5):
+        return suggest_memory_format(t) in (torch.channels_last, torch.channels_last_3d)
+    if t.dim() == 3:
+        return t.shape[1] > 1 and not t.is_contiguous() and t.transpose(1, 2).is_contiguous()
+    return False
+
+
+def layout_of(input: torch.Tensor, weight: torch.Tensor) -> Layout:
+    """The layout a convolution of these tensors is computed in.
+
+    For 2-D and 3-D convolutions this is the layout of the output F.conv* would
+    return: channels-last when the input or the weight is channels-last. A 1-D
+    convolution follows its input (its output is always contiguous).
+    """
+    if input.dim() == 3:
+        return Layout.CHANNELS_LAST if _is_channels_last(input) else Layout.CHANNELS_FIRST
+    if _is_channels_last(input) or _is_channels_last(weight):
+        return Layout.CHANNELS_LAST
+    return Layout.CHANNELS_FIRST
+
+
+def output_layout(layout: Layout, dims: int) -> Layout:
+    """The layout F.conv* gives its output (and autograd its gradients) for a problem layout."""
+    return Layout.CHANNELS_FIRST if dims == 1 else layout
+
+
+def to_layout(t: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """``t`` dense in ``layout``; returns ``t`` itself when it already is."""
+    if layout is Layout.CHANNELS_FIRST:
+        return t.contiguous()
+    if t.movedim(1, -1).is_contiguous():
+        return t
+    return t.movedim(1, -1).contiguous().movedim(-1, 1)
+
+
+def is_dense_in(t: torch.Tensor, layout: Layout) -> bool:
+    if layout is Layout.CHANNELS_FIRST:
+        return t.is_contiguous()
+    return t.movedim(1, -1).is_contiguous()
+
+
+def empty_in(
+    shape: Sequence[int], layout: Layout, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """An uninitialised tensor of logical ``shape`` laid out in ``layout``."""
+    if layout is Layout.CHANNELS_FIRST:
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+    n, c, *spatial = shape
+    return torch.empty((n, *spatial, c), dtype=dtype, device=device).movedim(-1, 1)
+
+
+def channels_last_view(t: torch.Tensor) -> torch.Tensor:
+    """[N, C, S..] -> [N, S.., C] as a view (dense when ``t`` is channels-last)."""
+    return t.movedim(1, -1)

@@ -1,0 +1,111 @@
+"""The numeric contract of every GEMM gemmconv issues.
+
+fp16/bf16 operands accumulate in fp32: cuBLAS may otherwise use reduced-precision
+reductions (split-K in half precision), which a convolution never does. fp32 follows
+the flag PyTorch convolutions follow, torch.backends.cudnn.allow_tf32, not the
+matmul flag, so a converted convolution computes in the same math mode as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+_matmul = torch.backends.cuda.matmul
+
+
+def convolutions_allow_tf32() -> bool:
+    return bool(torch.backends.cudnn.allow_tf32)
+
+
+@contextlib.contextmanager
+def _fp32_matmul_mode(allow_tf32: bool) -> Iterator[None]:
+    # torch >= 2.9 has per-backend precision strings and refuses a mix of the new and
+    # the legacy API in one process, so use the new one where it exists.
+    if hasattr(_matmul, "fp32_precision"):
+        saved = _matmul.fp32_precision
+        _matmul.fp32_precision = "tf32" if allow_tf32 else "ieee"
+        try:
+            yield
+        finally:
+            _matmul.fp32_precision = saved
+    else:
+        saved = _matmul.allow_tf32
+        _matmul.allow_tf32 = allow_tf32
+        try:
+            yield
+        finally:
+            _matmul.allow_tf32 = saved
+
+
+@contextlib.contextmanager
+def _full_precision_reductions() -> Iterator[None]:
+    saved = (
+        _matmul.allow_fp16_reduced_precision_reduction,
+        _matmul.allow_bf16_reduced_precision_reduction,
+    )
+    _matmul.allow_fp16_reduced_precision_reduction = False
+    _matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        (
+            _matmul.allow_fp16_reduced_precision_reduction,
+            _matmul.allow_bf16_reduced_precision_reduction,
+        ) = saved
+
+
+@contextlib.contextmanager
+def conv_gemm_precision(dtype: torch.dtype, device_type: str) -> Iterator[None]:
+    """Run the GEMMs inside with a convolution's accumulation rules (CUDA only; CPU GEMMs
+    already accumulate half-precision products in fp32 and never use TF32)."""
+    if device_type != "cuda":
+        yield
+    elif dtype == torch.float32:
+        with _fp32_matmul_mode(convolutions_allow_tf32()):
+            yield
+    elif dtype in (torch.float16, torch.bfloat16):
+        with _full_precision_reductions():
+            yield
+    else:
+        yield
+
+
+def reduce_batched_products(a: torch.Tensor, b: torch.Tensor, workspace_cap: int) -> torch.Tensor:
+    """sum_n a[n] @ b[n] in fp32, whatever the operands' dtype.
+
+    Used where a reduction runs over a batch as well as inside each product (the
+    channels-first weight gradient). Partial products are kept in fp32 so no rounding
+    to half precision happens before the whole sum; the batch is walked in chunks so
+    the fp32 partials never take more than ``workspace_cap`` bytes.
+    """
+    n, rows, _ = a.shape
+    cols = b.shape[2]
+    per_sample = rows * cols * 4
+    chunk = max(1, min(n, workspace_cap // max(per_sample, 1)))
+    total = torch.zeros(rows, cols, dtype=torch.float32, device=a.device)
+    half = a.dtype in (torch.float16, torch.bfloat16)
+    for start in range(0, n, chunk):
+        a_part, b_part = a[start : start + chunk], b[start : start + chunk]
+        if half and a.device.type == "cuda" and _has_bmm_out_dtype():
+            partial = torch.bmm(a_part, b_part, out_dtype=torch.float32)
+        elif a.dtype == torch.float64:
+            partial = torch.bmm(a_part, b_part)
+        else:
+            partial = torch.bmm(a_part.float(), b_part.float())
+        total += partial.sum(0)
+    return total
+
+
+def fp32_workspace_chunk_bytes(n: int, rows: int, cols: int, workspace_cap: int) -> int:
+    """Bytes reduce_batched_products holds for its fp32 partials."""
+    per_sample = rows * cols * 4
+    chunk = max(1, min(n, workspace_cap // max(per_sample, 1)))
+    return (chunk + 1) * per_sample
+
+
+def _has_bmm_out_dtype() -> bool:
+    # torch.bmm(..., out_dtype=) exists from torch 2.8 on, for CUDA only.
+    return hasattr(torch.ops.aten.bmm, "dtype")

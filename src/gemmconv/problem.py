@@ -1,0 +1,255 @@
+"""ConvProblem: the frozen description of one convolution in one direction.
+
+A problem holds everything a solver needs to decide applicability and cost, and
+nothing that depends on tensor contents, so it can be hashed, cached and stored
+in the find database.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Sequence
+
+import torch
+
+from gemmconv.memory_format import Layout, layout_of
+
+
+class Direction(str, enum.Enum):
+    FORWARD = "forward"
+    BACKWARD_DATA = "backward_data"
+    BACKWARD_WEIGHTS = "backward_weights"
+
+
+DIRECTIONS: tuple[Direction, ...] = (
+    Direction.FORWARD,
+    Direction.BACKWARD_DATA,
+    Direction.BACKWARD_WEIGHTS,
+)
+
+_DTYPE_NAMES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _as_tuple(value: int | Sequence[int], dims: int, name: str) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,) * dims
+    out = tuple(int(v) for v in value)
+    if len(out) == 1:
+        return out * dims
+    if len(out) != dims:
+        raise ValueError(f"{name}={tuple(value)!r}: expected an int or {dims} ints")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvProblem:
+    """One convolution, groups and layout included, in one direction.
+
+    ``spatial`` is the input's spatial size, ``kernel`` the filter's; padding is
+    symmetric per spatial dimension (string paddings are resolved before this).
+    """
+
+    n: int
+    c: int
+    k: int
+    spatial: tuple[int, ...]
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int = 1
+    layout: Layout = Layout.CHANNELS_FIRST
+    dtype: torch.dtype = torch.float32
+    device_type: str = "cpu"
+    direction: Direction = Direction.FORWARD
+    has_bias: bool = False
+
+    # ---- construction -------------------------------------------------------
+
+    @classmethod
+    def from_sizes(
+        cls,
+        n: int,
+        c: int,
+        k: int,
+        spatial: Sequence[int],
+        kernel: int | Sequence[int],
+        stride: int | Sequence[int] = 1,
+        padding: int | Sequence[int] = 0,
+        dilation: int | Sequence[int] = 1,
+        groups: int = 1,
+        layout: Layout | str = Layout.CHANNELS_FIRST,
+        dtype: torch.dtype = torch.float32,
+        device_type: str = "cpu",
+        direction: Direction | str = Direction.FORWARD,
+        has_bias: bool = False,
+    ) -> ConvProblem:
+        dims = len(spatial)
+        return cls(
+            n=int(n),
+            c=int(c),
+            k=int(k),
+            spatial=tuple(int(s) for s in spatial),
+            kernel=_as_tuple(kernel, dims, "kernel"),
+            stride=_as_tuple(stride, dims, "stride"),
+            padding=_as_tuple(padding, dims, "padding"),
+            dilation=_as_tuple(dilation, dims, "dilation"),
+            groups=int(groups),
+            layout=Layout(layout),
+            dtype=dtype,
+            device_type=str(device_type),
+            direction=Direction(direction),
+            has_bias=bool(has_bias),
+        )
+
+    @classmethod
+    def from_tensors(
+        cls,
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        stride: int | Sequence[int] = 1,
+        padding: int | Sequence[int] = 0,
+        dilation: int | Sequence[int] = 1,
+        groups: int = 1,
+        direction: Direction | str = Direction.FORWARD,
+    ) -> ConvProblem:
+        dims = input.dim() - 2
+        return cls.from_sizes(
+            n=input.shape[0],
+            c=input.shape[1],
+            k=weight.shape[0],
+            spatial=tuple(input.shape[2:]),
+            kernel=tuple(weight.shape[2:]),
+            stride=_as_tuple(stride, dims, "stride"),
+            padding=_as_tuple(padding, dims, "padding"),
+            dilation=_as_tuple(dilation, dims, "dilation"),
+            groups=groups,
+            layout=layout_of(input, weight),
+            dtype=input.dtype,
+            device_type=input.device.type,
+            direction=direction,
+            has_bias=bias is not None,
+        )
+
+    def with_direction(self, direction: Direction | str) -> ConvProblem:
+        return dataclasses.replace(self, direction=Direction(direction))
+
+    # ---- derived sizes ------------------------------------------------------
+
+    @property
+    def dims(self) -> int:
+        return len(self.spatial)
+
+    @property
+    def output_spatial(self) -> tuple[int, ...]:
+        return tuple(
+            (s + 2 * p - d * (r - 1) - 1) // u + 1
+            for s, r, u, p, d in zip(
+                self.spatial, self.kernel, self.stride, self.padding, self.dilation
+            )
+        )
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return (self.n, self.c, *self.spatial)
+
+    @property
+    def weight_shape(self) -> tuple[int, ...]:
+        return (self.k, self.c // self.groups, *self.kernel)
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        return (self.n, self.k, *self.output_spatial)
+
+    @property
+    def gemm_m(self) -> int:
+        """Rows of the forward GEMM: one per output pixel."""
+        return self.n * math.prod(self.output_spatial)
+
+    @property
+    def gemm_k(self) -> int:
+        """Reduction length of the forward GEMM, per group."""
+        return (self.c // self.groups) * math.prod(self.kernel)
+
+    @property
+    def gemm_n(self) -> int:
+        """Output channels of the forward GEMM, per group."""
+        return self.k // self.groups
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    # ---- work and traffic ---------------------------------------------------
+
+    def flops(self) -> int:
+        """Multiply-adds of the GEMM, counted as two flops, equal in every direction."""
+        return 2 * self.gemm_m * self.gemm_k * self.gemm_n * self.groups
+
+    def min_bytes(self) -> int:
+        """The fewest bytes the direction must move: each operand read once, the result written once.
+
+        The forward reads only the input elements some window touches (the patch
+        class never reads its spatial remainder); backward-data writes all of dx.
+        """
+        e = self.element_size
+        x_all = math.prod(self.input_shape)
+        x_read = self.n * self.c * math.prod(self._touched_extent())
+        w = math.prod(self.weight_shape)
+        y = math.prod(self.output_shape)
+        bias = self.k if self.has_bias else 0
+        if self.direction is Direction.FORWARD:
+            return e * (x_read + w + y + bias)
+        if self.direction is Direction.BACKWARD_DATA:
+            return e * (y + w + x_all)
+        return e * (y + x_read + w + bias)
+
+    def _touched_extent(self) -> tuple[int, ...]:
+        """Per dimension, how many input positions some kernel window reads (padding excluded)."""
+        extent = []
+        for s, r, u, p, d, o in zip(
+            self.spatial,
+            self.kernel,
+            self.stride,
+            self.padding,
+            self.dilation,
+            self.output_spatial,
+        ):
+            if p == 0 and d == 1 and u >= r:
+                extent.append(min(s, o * r))
+            elif p == 0 and r == 1:
+                extent.append(min(s, o))
+            else:
+                extent.append(s)
+        return tuple(extent)
+
+    # ---- identity -----------------------------------------------------------
+
+    def key(self) -> str:
+        """Canonical string, stable across processes: the find database key."""
+
+        def j(values: tuple[int, ...]) -> str:
+            return "x".join(str(v) for v in values)
+
+        return (
+            f"{self.dims}d-n{self.n}-c{self.c}-k{self.k}-s{j(self.spatial)}"
+            f"-r{j(self.kernel)}-u{j(self.stride)}-p{j(self.padding)}"
+            f"-l{j(self.dilation)}-g{self.groups}-{self.layout.value}"
+            f"-{dtype_name(self.dtype)}-{self.device_type}-{self.direction.value}"
+            f"-b{int(self.has_bias)}"
+        )
+
+    def __str__(self) -> str:
+        return self.key()

@@ -1,0 +1,147 @@
+"""Pointwise (1x1) convolutions, with and without stride, as GEMMs over channels.
+
+Channels-last: x is already [N*prod(S), C] in memory, so the convolution is one
+flat GEMM [M, C] @ [C, K] that reads x and writes y in place. Channels-first: each
+sample is [C, prod(S)], so y[n] = W @ x[n] is one batched GEMM with the weight
+broadcast (stride 0), again with no copy of x or y.
+
+Strided pointwise reads the subsampled view x[..., ::U]; its dx is zero except at
+the strided positions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gemmconv.memory_format import Layout
+from gemmconv.precision import fp32_workspace_chunk_bytes, reduce_batched_products
+from gemmconv.problem import ConvProblem, Direction
+from gemmconv.solvers.base import ConvTensors, Solver
+from gemmconv.solvers.views import (
+    result_buffer,
+    rows,
+    store_batched,
+    store_rows,
+)
+
+# Upper bound for the fp32 partial products of a channels-first weight gradient.
+WGRAD_PARTIALS_CAP = 64 << 20
+
+
+class PointwiseSolver(Solver):
+    id = "pointwise"
+
+    def problem_reasons(self, p: ConvProblem) -> list[str]:
+        reasons = []
+        if any(r != 1 for r in p.kernel):
+            reasons.append(f"kernel {p.kernel} is not 1x1")
+        if any(p.padding):
+            reasons.append(f"padding {p.padding} != 0")
+        if p.groups != 1:
+            reasons.append(f"groups {p.groups} != 1")
+        reasons += self.stride_reasons(p)
+        return reasons
+
+    def stride_reasons(self, p: ConvProblem) -> list[str]:
+        if any(u != 1 for u in p.stride):
+            return [f"stride {p.stride} != 1"]
+        return []
+
+    # ---- the operand x as the GEMM sees it ----------------------------------
+
+    def source(self, x: torch.Tensor, p: ConvProblem) -> torch.Tensor:
+        """The input pixels the GEMM reads (all of them, for stride 1)."""
+        return x
+
+    def dx_target(self, dx: torch.Tensor, p: ConvProblem) -> torch.Tensor:
+        """Where in dx the GEMM's result goes (all of it, for stride 1)."""
+        return dx
+
+    def subsample_is_copied(self, p: ConvProblem) -> bool:
+        return False
+
+    # ---- cost ---------------------------------------------------------------
+
+    def _x_rows_bytes(self, p: ConvProblem) -> int:
+        return p.gemm_m * p.c * p.element_size
+
+    def workspace_bytes(self, p: ConvProblem) -> int:
+        ws = self._x_rows_bytes(p) if self.subsample_is_copied(p) else 0
+        if p.direction is Direction.BACKWARD_WEIGHTS and p.layout is Layout.CHANNELS_FIRST:
+            ws += fp32_workspace_chunk_bytes(p.n, p.k, p.c, WGRAD_PARTIALS_CAP)
+        return ws
+
+    def copied_bytes(self, p: ConvProblem) -> int:
+        moved = 2 * self._x_rows_bytes(p) if self.subsample_is_copied(p) else 0
+        if p.direction is Direction.BACKWARD_DATA and self.subsample_is_copied(p):
+            moved += math.prod(p.input_shape) * p.element_size  # zero fill of dx
+        if p.direction is Direction.BACKWARD_WEIGHTS and p.layout is Layout.CHANNELS_FIRST:
+            moved += 2 * fp32_workspace_chunk_bytes(p.n, p.k, p.c, WGRAD_PARTIALS_CAP)
+        return moved
+
+    # ---- the three directions ----------------------------------------------
+
+    def forward(self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None) -> torch.Tensor:
+        x = self.source(t.input, p)
+        y = result_buffer(p, x, out)
+        w = t.weight.reshape(p.k, p.c)
+        if p.layout is Layout.CHANNELS_LAST:
+            store_rows(y, rows(x), w.t(), t.bias)
+        else:
+            x3 = x.reshape(p.n, p.c, -1)
+            store_batched(y, w.expand(p.n, p.k, p.c), x3, t.bias)
+        return y
+
+    def backward_data(
+        self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        dy = t.grad_output
+        dx = result_buffer(p, dy, out)
+        target = self.dx_target(dx, p)
+        w = t.weight.reshape(p.k, p.c)
+        if p.layout is Layout.CHANNELS_LAST:
+            store_rows(target, rows(dy), w)
+        else:
+            dy3 = dy.reshape(p.n, p.k, -1)
+            store_batched(target, w.t().expand(p.n, p.c, p.k), dy3)
+        return dx
+
+    def backward_weights(
+        self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        dy = t.grad_output
+        x = self.source(t.input, p)
+        dw = result_buffer(p, x, out)
+        dw_rows = dw.view(p.k, p.c)  # a [K, C, 1..] tensor is [K, C] in either layout
+        if p.layout is Layout.CHANNELS_LAST:
+            torch.mm(rows(dy).t(), rows(x), out=dw_rows)
+        else:
+            # sum over samples of dY[n] [K, P] @ x[n]^T [P, C], in fp32 throughout.
+            dy3 = dy.reshape(p.n, p.k, -1)
+            x3 = x.reshape(p.n, p.c, -1)
+            dw_rows.copy_(reduce_batched_products(dy3, x3.transpose(1, 2), WGRAD_PARTIALS_CAP))
+        return dw
+
+
+class StridedPointwiseSolver(PointwiseSolver):
+    id = "strided_pointwise"
+
+    def stride_reasons(self, p: ConvProblem) -> list[str]:
+        if all(u == 1 for u in p.stride):
+            return [f"stride {p.stride} is 1 in every dimension (pointwise)"]
+        return []
+
+    def _strided(self, t: torch.Tensor, p: ConvProblem) -> torch.Tensor:
+        return t[(slice(None), slice(None), *(slice(None, None, u) for u in p.stride))]
+
+    def source(self, x: torch.Tensor, p: ConvProblem) -> torch.Tensor:
+        return self._strided(x, p)
+
+    def dx_target(self, dx: torch.Tensor, p: ConvProblem) -> torch.Tensor:
+        dx.zero_()
+        return self._strided(dx, p)
+
+    def subsample_is_copied(self, p: ConvProblem) -> bool:
+        return True

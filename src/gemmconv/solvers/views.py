@@ -1,0 +1,129 @@
+"""Views that let a GEMM read or write a convolution tensor in place.
+
+Every helper here returns a view when the memory already has the order the GEMM
+needs, and None (or a copy, where the name says so) when it has not; solvers try
+the view first so zero-copy paths are taken whenever the layout allows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gemmconv.memory_format import Layout, empty_in, output_layout
+from gemmconv.problem import ConvProblem, Direction
+
+
+def try_view(t: torch.Tensor, *shape: int) -> torch.Tensor | None:
+    try:
+        return t.view(*shape)
+    except RuntimeError:
+        return None
+
+
+def rows_view(t: torch.Tensor) -> torch.Tensor | None:
+    """[N, K, S..] -> [N*prod(S), K] without a copy, when ``t`` is channels-last dense."""
+    return try_view(t.movedim(1, -1), -1, t.shape[1])
+
+
+def batched_view(t: torch.Tensor) -> torch.Tensor | None:
+    """[N, K, S..] -> [N, K, prod(S)] without a copy, when ``t`` is channels-first dense."""
+    return try_view(t, t.shape[0], t.shape[1], -1)
+
+
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """[N, K, S..] as [N*prod(S), K]: a view where possible, else one copy."""
+    return t.movedim(1, -1).reshape(-1, t.shape[1])
+
+
+def result_buffer(problem: ConvProblem, like: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``out`` when the caller gave one, else a new uninitialised result in the layout
+    F.conv* would give (forward, backward-data) or the weight's own (backward-weights)."""
+    if out is not None:
+        return out
+    if problem.direction is Direction.FORWARD:
+        shape, layout = problem.output_shape, output_layout(problem.layout, problem.dims)
+    elif problem.direction is Direction.BACKWARD_DATA:
+        shape, layout = problem.input_shape, output_layout(problem.layout, problem.dims)
+    else:
+        shape, layout = problem.weight_shape, problem.layout
+    return empty_in(shape, layout, problem.dtype, like.device)
+
+
+def weight_rows(weight: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The weight flattened to [K, Kred] in the column order of ``layout``:
+    (c, r1..rd) for channels-first, (r1..rd, c) for channels-last. The weight is
+    small, so a permuted copy here is cheap."""
+    if layout is Layout.CHANNELS_FIRST:
+        return weight.reshape(weight.shape[0], -1)
+    return weight.movedim(1, -1).reshape(weight.shape[0], -1)
+
+
+def weight_rows_target(dw: torch.Tensor, layout: Layout) -> torch.Tensor | None:
+    """``dw`` seen as [K, Kred] in the column order of ``layout``, when that is a view."""
+    if layout is Layout.CHANNELS_FIRST:
+        return try_view(dw, dw.shape[0], -1)
+    return try_view(dw.movedim(1, -1), dw.shape[0], -1)
+
+
+def store_weight_rows(dw: torch.Tensor, dw_rows: torch.Tensor, layout: Layout) -> None:
+    """Copy a [K, Kred] result in ``layout``'s column order into ``dw``."""
+    if layout is Layout.CHANNELS_FIRST:
+        dw.copy_(dw_rows.view(dw.shape))
+    else:
+        k, c, *kernel = dw.shape
+        dw.copy_(dw_rows.view(k, *kernel, c).movedim(-1, 1))
+
+
+def zero_outside(t: torch.Tensor, covered: tuple[int, ...]) -> None:
+    """Zero every element of ``t`` [N, C, S..] whose spatial index lies beyond ``covered``
+    in some dimension: the part of dx no output pixel reads from."""
+    for dim, (size, keep) in enumerate(zip(t.shape[2:], covered), start=2):
+        if keep < size:
+            t.narrow(dim, keep, size - keep).zero_()
+
+
+def bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
+    """Sum of dy over batch and space, accumulated in fp32 (or fp64 for fp64)."""
+    acc = torch.float64 if grad_output.dtype == torch.float64 else torch.float32
+    dims = [0, *range(2, grad_output.dim())]
+    return grad_output.sum(dim=dims, dtype=acc).to(grad_output.dtype)
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def gemm_into(
+    dest: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """dest[M, K] = a @ b (+ bias), written in place when ``dest`` is a GEMM-able view."""
+    if bias is None:
+        return torch.mm(a, b, out=dest)
+    return torch.addmm(bias, a, b, out=dest)
+
+
+def store_rows(dest: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias=None) -> None:
+    """dest [N, K, S..] = (a @ b + bias) where the product's rows are dest's pixels in
+    channels-last order; straight into dest when it is channels-last dense."""
+    dest_rows = rows_view(dest)
+    if dest_rows is not None:
+        gemm_into(dest_rows, a, b, bias)
+        return
+    result = torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
+    n, k, *spatial = dest.shape
+    dest.copy_(result.view(n, *spatial, k).movedim(-1, 1))
+
+
+def store_batched(dest: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias=None) -> None:
+    """dest [N, K, S..] = a[n] @ b[n] (+ bias) per sample, as [N, K, prod(S)] products;
+    straight into dest when it is channels-first dense. ``a`` may be an expanded
+    (stride-0) weight: one batched GEMM, no copy of it."""
+    dest3 = batched_view(dest)
+    if dest3 is not None:
+        torch.bmm(a, b, out=dest3)
+    else:
+        dest.copy_(torch.bmm(a, b).view(dest.shape))
+    if bias is not None:
+        dest.add_(bias.view(1, -1, *([1] * (dest.dim() - 2))))
