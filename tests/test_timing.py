@@ -1,0 +1,115 @@
+"""Timing: one measurement per repetition, each launch counted once, setup excluded."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from gemmconv.timing import Timing, time_ms
+
+
+def _spin(ms: float):
+    """A callable that busy-waits ``ms`` of wall time (deterministic, unlike sleep)."""
+
+    def run() -> None:
+        end = time.perf_counter() + ms / 1000.0
+        while time.perf_counter() < end:
+            pass
+
+    return run
+
+
+def test_cpu_sequence_time_is_the_sum_of_its_parts():
+    a, b = _spin(1.0), _spin(2.0)
+
+    def both() -> None:
+        a()
+        b()
+
+    ta = time_ms(a, device="cpu", warmup=1, reps=7)
+    tb = time_ms(b, device="cpu", warmup=1, reps=7)
+    tab = time_ms(both, device="cpu", warmup=1, reps=7)
+    parts = ta.min_ms + tb.min_ms
+    # Each part is counted once: not zero times (ratio < 1) and not twice (ratio ~ 2).
+    assert 0.97 <= tab.min_ms / parts <= 1.4, (ta, tb, tab)
+    assert ta.min_ms >= 1.0 and tb.min_ms >= 2.0
+
+
+def test_samples_are_per_repetition_and_sum_to_the_total():
+    t = time_ms(_spin(0.5), device="cpu", warmup=0, reps=5)
+    assert t.reps == len(t.samples) == 5
+    assert t.total_ms == pytest.approx(sum(t.samples))
+    assert t.total_ms >= 5 * 0.5
+    assert t.min_ms <= t.median_ms <= max(t.samples)
+    assert t.mean_ms == pytest.approx(t.total_ms / 5)
+
+
+def test_setup_runs_before_every_call_and_is_not_timed():
+    calls = {"setup": 0, "fn": 0}
+
+    def setup() -> None:
+        calls["setup"] += 1
+        _spin(5.0)()
+
+    def fn() -> None:
+        calls["fn"] += 1
+        _spin(0.5)()
+
+    t = time_ms(fn, device="cpu", warmup=2, reps=4, setup=setup)
+    assert calls == {"setup": 6, "fn": 6}
+    assert t.min_ms < 5.0  # the 5 ms setup lies outside every timed region
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"reps": 0}, "reps=0"), ({"warmup": -1}, "warmup=-1"), ({"device": "meta"}, "meta")],
+)
+def test_bad_arguments_are_named(kwargs, match):
+    args = {"device": "cpu", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        time_ms(lambda: None, **args)
+
+
+def test_timing_from_no_samples_is_an_error():
+    with pytest.raises(ValueError, match="samples"):
+        Timing.from_samples(())
+
+
+@pytest.mark.gpu
+def test_cuda_sequence_time_is_the_sum_of_its_parts():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    b = torch.randn(2048, 8192, device="cuda", dtype=torch.bfloat16, generator=g)
+    out_a = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    out_b = torch.empty(2048, 2048, device="cuda", dtype=torch.bfloat16)
+
+    def fa() -> None:
+        torch.matmul(a, a, out=out_a)
+
+    def fb() -> None:
+        torch.matmul(b, b.t(), out=out_b)
+
+    def both() -> None:
+        fa()
+        fb()
+
+    ta = time_ms(fa, device="cuda", reps=50)
+    tb = time_ms(fb, device="cuda", reps=50)
+    tab = time_ms(both, device="cuda", reps=50)
+    assert tab.median_ms == pytest.approx(ta.median_ms + tb.median_ms, rel=0.15), (ta, tb, tab)
+
+
+@pytest.mark.gpu
+def test_cuda_flush_keeps_operands_out_of_l2():
+    # A copy that fits in L2 runs faster warm than after a flush; the flushed time
+    # must not be below the warm time (the flush really evicts, and is not timed).
+    src = torch.randn(4 * 1024 * 1024, device="cuda")  # 16 MiB, fits in an H200's L2
+    dst = torch.empty_like(src)
+    warm = time_ms(lambda: dst.copy_(src), device="cuda", reps=50, flush_l2=False)
+    cold = time_ms(lambda: dst.copy_(src), device="cuda", reps=50, flush_l2=True)
+    assert cold.median_ms >= warm.median_ms * 0.95
+    # The copy moves 32 MiB (~8 us at 4 TB/s); the 256 MiB flush write (~65 us) would
+    # show if it were inside the timed region.
+    assert cold.median_ms < 0.04
