@@ -74,7 +74,7 @@ def conv_gemm_precision(dtype: torch.dtype, device_type: str) -> Iterator[None]:
 
 
 def reduce_batched_products(a: torch.Tensor, b: torch.Tensor, workspace_cap: int) -> torch.Tensor:
-    """sum_n a[n] @ b[n] in fp32, whatever the operands' dtype.
+    """sum_n a[n] @ b[n] in fp32 (fp64 for fp64 operands), whatever the operands' dtype.
 
     Used where a reduction runs over a batch as well as inside each product (the
     channels-first weight gradient). Partial products are kept in fp32 so no rounding
@@ -85,16 +85,16 @@ def reduce_batched_products(a: torch.Tensor, b: torch.Tensor, workspace_cap: int
     cols = b.shape[2]
     per_sample = rows * cols * 4
     chunk = max(1, min(n, workspace_cap // max(per_sample, 1)))
-    total = torch.zeros(rows, cols, dtype=torch.float32, device=a.device)
+    acc_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
+    acc_dtype = _reduction_dtype(a) or acc_dtype
+    total = torch.zeros(rows, cols, dtype=acc_dtype, device=a.device)
     half = a.dtype in (torch.float16, torch.bfloat16)
     for start in range(0, n, chunk):
         a_part, b_part = a[start : start + chunk], b[start : start + chunk]
         if half and a.device.type == "cuda" and _has_bmm_out_dtype():
             partial = torch.bmm(a_part, b_part, out_dtype=torch.float32)
-        elif a.dtype == torch.float64:
-            partial = torch.bmm(a_part, b_part)
         else:
-            partial = torch.bmm(a_part.float(), b_part.float())
+            partial = torch.bmm(a_part.to(acc_dtype), b_part.to(acc_dtype))
         total += partial.sum(0)
     return total
 
@@ -109,3 +109,33 @@ def fp32_workspace_chunk_bytes(n: int, rows: int, cols: int, workspace_cap: int)
 def _has_bmm_out_dtype() -> bool:
     # torch.bmm(..., out_dtype=) exists from torch 2.8 on, for CUDA only.
     return hasattr(torch.ops.aten.bmm, "dtype")
+
+
+def _reduction_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The dtype to run a long-reduction GEMM in, when it differs from the operands'.
+
+    On the CPU an fp32 GEMM accumulates each long dot product sequentially; over the
+    weight gradient's reduction (all of N * prod(O)) that loses about twice the
+    accuracy of the CPU's own convolution, which reduces in blocks. The CPU is not
+    where speed matters, so there the reduction runs in fp64 and rounds once.
+    """
+    if t.device.type == "cpu" and t.dtype == torch.float32:
+        return torch.float64
+    return None
+
+
+def reduction_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b for a GEMM whose inner dimension is the long weight-gradient reduction."""
+    wide = _reduction_dtype(a)
+    if wide is None:
+        return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
+    result = torch.mm(a.to(wide), b.to(wide))
+    return result.to(a.dtype) if out is None else out.copy_(result)
+
+
+def reduction_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched a @ b whose inner dimension is the long weight-gradient reduction."""
+    wide = _reduction_dtype(a)
+    if wide is None:
+        return torch.bmm(a, b)
+    return torch.bmm(a.to(wide), b.to(wide)).to(a.dtype)

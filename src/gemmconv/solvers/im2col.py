@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from gemmconv.precision import reduction_bmm
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors, Solver
 from gemmconv.solvers.views import result_buffer
@@ -141,6 +142,6 @@ class Im2colSolver(Solver):
         dw = result_buffer(p, t.input, out)
         col = self._columns(t.input, p)
         dyg = self._dy_groups(t.grad_output, p)
-        dwg = torch.bmm(dyg.transpose(1, 2), col)  # [G, Kg, Cg*R]
+        dwg = reduction_bmm(dyg.transpose(1, 2), col)  # [G, Kg, Cg*R]
         dw.copy_(dwg.view(dw.shape))
         return dw

@@ -22,6 +22,7 @@ import math
 import torch
 
 from gemmconv.memory_format import Layout
+from gemmconv.precision import reduction_mm
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors, Solver
 from gemmconv.solvers.views import (
@@ -155,9 +156,9 @@ class PatchSolver(Solver):
         dy_rows = rows(dy)
         target = weight_rows_target(dw, p.layout)
         if target is not None:
-            torch.mm(dy_rows.t(), col, out=target)
+            reduction_mm(dy_rows.t(), col, out=target)
         else:
-            store_weight_rows(dw, torch.mm(dy_rows.t(), col), p.layout)
+            store_weight_rows(dw, reduction_mm(dy_rows.t(), col), p.layout)
         return dw
 
 

@@ -16,7 +16,11 @@ import math
 import torch
 
 from gemmconv.memory_format import Layout
-from gemmconv.precision import fp32_workspace_chunk_bytes, reduce_batched_products
+from gemmconv.precision import (
+    fp32_workspace_chunk_bytes,
+    reduce_batched_products,
+    reduction_mm,
+)
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors, Solver
 from gemmconv.solvers.views import (
@@ -116,7 +120,7 @@ class PointwiseSolver(Solver):
         dw = result_buffer(p, x, out)
         dw_rows = dw.view(p.k, p.c)  # a [K, C, 1..] tensor is [K, C] in either layout
         if p.layout is Layout.CHANNELS_LAST:
-            torch.mm(rows(dy).t(), rows(x), out=dw_rows)
+            reduction_mm(rows(dy).t(), rows(x), out=dw_rows)
         else:
             # sum over samples of dY[n] [K, P] @ x[n]^T [P, C], in fp32 throughout.
             dy3 = dy.reshape(p.n, p.k, -1)

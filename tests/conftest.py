@@ -1,0 +1,39 @@
+"""Shared test fixtures: seeded random operands, NaN-filled outputs, the gpu marker."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemmconv.memory_format import Layout, empty_in
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dispatch_cache():
+    from gemmconv import dispatch
+
+    dispatch.clear_cache()
+    yield
+    dispatch.clear_cache()
+
+
+def random_in(shape, layout: Layout, dtype, device, generator) -> torch.Tensor:
+    """Uniform(-1, 1) values (never zeros) dense in ``layout``."""
+    t = empty_in(shape, layout, torch.float32, device)
+    values = torch.rand(tuple(shape), generator=generator, dtype=torch.float32) * 2 - 1
+    t.copy_(values.to(device))
+    return t.to(dtype)
+
+
+def nan_in(shape, layout: Layout, dtype, device) -> torch.Tensor:
+    t = empty_in(shape, layout, dtype, device)
+    return t.fill_(float("nan"))
