@@ -158,9 +158,15 @@ def nan_output(problem: ConvProblem, device) -> torch.Tensor:
     from gemmconv.memory_format import output_layout
 
     if problem.direction is Direction.FORWARD:
-        shape, layout = problem.output_shape, output_layout(problem.layout, problem.dims)
+        shape, layout = (
+            problem.output_shape,
+            output_layout(problem.layout, problem.dims, problem.dtype, problem.device_type),
+        )
     elif problem.direction is Direction.BACKWARD_DATA:
-        shape, layout = problem.input_shape, output_layout(problem.layout, problem.dims)
+        shape, layout = (
+            problem.input_shape,
+            output_layout(problem.layout, problem.dims, problem.dtype, problem.device_type),
+        )
     else:
         shape, layout = problem.weight_shape, problem.layout
     return nan_in(shape, layout, problem.dtype, device)

@@ -42,9 +42,20 @@ def layout_of(input: torch.Tensor, weight: torch.Tensor) -> Layout:
     return Layout.CHANNELS_FIRST
 
 
-def output_layout(layout: Layout, dims: int) -> Layout:
-    """The layout F.conv* gives its output (and autograd its gradients) for a problem layout."""
-    return Layout.CHANNELS_FIRST if dims == 1 else layout
+def output_layout(layout: Layout, dims: int, dtype: torch.dtype, device_type: str) -> Layout:
+    """The layout F.conv* gives its output (and autograd its gradients) for a problem layout.
+
+    torch's backends differ: 1-D outputs are always contiguous; cuDNN and the CPU's
+    oneDNN path keep channels-last, but cuDNN never computes fp64 channels-last and
+    the CPU's 3-D fp16/fp64 kernels only produce contiguous outputs.
+    """
+    if dims == 1:
+        return Layout.CHANNELS_FIRST
+    if dtype == torch.float64 and device_type == "cuda":
+        return Layout.CHANNELS_FIRST
+    if dims == 3 and device_type == "cpu" and dtype in (torch.float16, torch.float64):
+        return Layout.CHANNELS_FIRST
+    return layout
 
 
 def to_layout(t: torch.Tensor, layout: Layout) -> torch.Tensor:

@@ -37,15 +37,23 @@ def rows(t: torch.Tensor) -> torch.Tensor:
     return t.movedim(1, -1).reshape(-1, t.shape[1])
 
 
-def result_buffer(problem: ConvProblem, like: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+def result_buffer(
+    problem: ConvProblem, like: torch.Tensor, out: torch.Tensor | None
+) -> torch.Tensor:
     """``out`` when the caller gave one, else a new uninitialised result in the layout
     F.conv* would give (forward, backward-data) or the weight's own (backward-weights)."""
     if out is not None:
         return out
     if problem.direction is Direction.FORWARD:
-        shape, layout = problem.output_shape, output_layout(problem.layout, problem.dims)
+        shape, layout = (
+            problem.output_shape,
+            output_layout(problem.layout, problem.dims, problem.dtype, problem.device_type),
+        )
     elif problem.direction is Direction.BACKWARD_DATA:
-        shape, layout = problem.input_shape, output_layout(problem.layout, problem.dims)
+        shape, layout = (
+            problem.input_shape,
+            output_layout(problem.layout, problem.dims, problem.dtype, problem.device_type),
+        )
     else:
         shape, layout = problem.weight_shape, problem.layout
     return empty_in(shape, layout, problem.dtype, like.device)
