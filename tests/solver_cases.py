@@ -130,9 +130,9 @@ def case_id(case) -> str:
 
 def operands(problem: ConvProblem, device, seed: int):
     """Fresh seeded random operands of the problem's direction, dense in its layout."""
-    from conftest import random_in
-
     from gemmconv import ConvTensors
+
+    from conftest import random_in
 
     gen = torch.Generator().manual_seed(seed)
     layout, dtype = problem.layout, problem.dtype
@@ -153,9 +153,9 @@ def operands(problem: ConvProblem, device, seed: int):
 
 def nan_output(problem: ConvProblem, device) -> torch.Tensor:
     """The direction's result buffer, NaN everywhere, in the layout the result takes."""
-    from conftest import nan_in
-
     from gemmconv.memory_format import output_layout
+
+    from conftest import nan_in
 
     if problem.direction is Direction.FORWARD:
         shape, layout = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import zlib
 
 import pytest
+
 from solver_cases import case_id, check_case, solver_matrix
 
 CPU_CASES = solver_matrix("cpu")

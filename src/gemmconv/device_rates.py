@@ -50,7 +50,7 @@ _CPU = DeviceRates(
 )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def rates_for(device_type: str, index: int = 0) -> DeviceRates:
     if device_type != "cuda" or not torch.cuda.is_available():
         return _CPU

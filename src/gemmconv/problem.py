@@ -199,7 +199,7 @@ class ConvProblem:
         return 2 * self.gemm_m * self.gemm_k * self.gemm_n * self.groups
 
     def min_bytes(self) -> int:
-        """The fewest bytes the direction must move: each operand read once, the result written once.
+        """The fewest bytes the direction must move: operands read once, the result written once.
 
         The forward reads only the input elements some window touches (the patch
         class never reads its spatial remainder); backward-data writes all of dx.

@@ -117,7 +117,9 @@ class Solver:
                 return self.backward_data(problem, tensors, out)
             return self.backward_weights(problem, tensors, out)
 
-    def forward(self, problem: ConvProblem, t: ConvTensors, out: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, problem: ConvProblem, t: ConvTensors, out: torch.Tensor | None
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def backward_data(
@@ -138,4 +140,3 @@ def _math_mode(problem: ConvProblem) -> str:
     if problem.dtype == torch.float32 and problem.device_type == "cuda":
         return "tf32" if convolutions_allow_tf32() else "fp32"
     return dtype_name(problem.dtype)
-
