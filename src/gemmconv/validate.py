@@ -1,33 +1,105 @@
 """Argument checks for the functional API, run before any kernel.
 
-Each error is of the type torch raises for the same mistake (RuntimeError for shapes,
-dtypes and devices; ValueError for padding strings) and names the argument, the
-value it got and what was expected.
+Each error is of the type torch.nn.functional.conv* raises for the same mistake
+(TypeError for an argument of the wrong kind, RuntimeError for every bad value:
+shapes, dtypes, devices, padding strings) and names the argument, the value it got
+and what was expected. The checks run in the order torch runs its own, so an input
+with several mistakes reports the one torch would.
 """
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
+PADDING_STRINGS = ("valid", "same")
 
-def _tuple_arg(name: str, value, dims: int, fn: str) -> tuple[int, ...] | None:
-    if isinstance(value, str):
-        return None
-    if isinstance(value, int):
-        return (value,) * dims
-    values = tuple(value)
-    if len(values) not in (1, dims):
+# The dtypes gemmconv computes in. torch's CPU convolution also takes integer and
+# complex tensors; gemmconv refuses them by name instead of failing in a solver.
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _as_int(fn: str, name: str, value: Any) -> int:
+    """``value`` as a Python int; bools and floats are refused, as torch refuses them."""
+    if isinstance(value, bool):
+        raise TypeError(f"{fn}: {name}={value!r} is a bool; expected an integer")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{fn}: {name}={value!r} of type {type(value).__name__}; expected an integer"
+        ) from None
+
+
+def _int_tuple(fn: str, name: str, value: Any, dims: int) -> tuple[int, ...]:
+    """An int or a sequence of 1 or ``dims`` ints, as ``dims`` ints."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        values = tuple(_as_int(fn, name, v) for v in value)
+        if len(values) not in (1, dims):
+            raise RuntimeError(
+                f"{fn}: expected {name} to be a single integer value or a list of {dims} "
+                f"values to match the convolution dimensions, but got {name}={list(values)}"
+            )
+        return values * dims if len(values) == 1 else values
+    return (_as_int(fn, name, value),) * dims
+
+
+def _padding(fn: str, padding: Any, strides: tuple[int, ...], dims: int) -> tuple[int, ...] | None:
+    """Integer padding per dimension, (0,..) for 'valid', None for 'same' (resolved later,
+    from the kernel)."""
+    if not isinstance(padding, str):
+        pads = _int_tuple(fn, "padding", padding, dims)
+        if any(p < 0 for p in pads):
+            raise RuntimeError(f"{fn}: padding={pads}; expected every value >= 0")
+        return pads
+    if padding not in PADDING_STRINGS:
         raise RuntimeError(
-            f"{fn}: expected {name} to be a single integer value or a list of {dims} "
-            f"values to match the convolution dimensions, but got {name}={list(values)}"
+            f"{fn}: padding={padding!r}; expected an int, a tuple of ints, or one of "
+            f"{', '.join(repr(s) for s in PADDING_STRINGS)}"
         )
-    return values * dims if len(values) == 1 else values
+    if padding == "valid":
+        return (0,) * dims
+    if any(u != 1 for u in strides):
+        raise RuntimeError(
+            f"{fn}: padding='same' with stride={strides}; padding='same' is not supported "
+            "for strided convolutions, expected stride 1 in every dimension"
+        )
+    return None
 
 
-def check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups) -> None:
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (meta, for one)
+        return False
+
+
+def check_conv_args(
+    dims: int,
+    input: Any,
+    weight: Any,
+    bias: Any,
+    stride: Any,
+    padding: Any,
+    dilation: Any,
+    groups: Any,
+) -> None:
+    """Raise, before any work is done, for every call F.conv{dims}d would refuse
+    (and for the dtypes gemmconv does not compute in)."""
     fn = f"conv{dims}d"
-    if not isinstance(input, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        raise TypeError(f"{fn}: input and weight must be tensors")
+    for name, t in (("input", input), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} is a {type(t).__name__}; expected a torch.Tensor")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"{fn}: bias is a {type(bias).__name__}; expected a torch.Tensor or None")
+    groups = _as_int(fn, "groups", groups)
+    strides = _int_tuple(fn, "stride", stride, dims)
+    dilations = _int_tuple(fn, "dilation", dilation, dims)
+    pads = _padding(fn, padding, strides, dims)
+
     if input.dim() not in (dims + 1, dims + 2):
         raise RuntimeError(
             f"{fn}: input of shape {tuple(input.shape)} has {input.dim()} dims; expected "
@@ -38,23 +110,32 @@ def check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups
             f"{fn}: weight of shape {tuple(weight.shape)} has {weight.dim()} dims; "
             f"expected {dims + 2} ([out_channels, in_channels/groups, *kernel])"
         )
-    if not isinstance(groups, int) or groups < 1:
-        raise RuntimeError(f"{fn}: groups={groups!r}; expected a positive integer")
-    strides = _tuple_arg("stride", stride, dims, fn)
-    pads = _tuple_arg("padding", padding, dims, fn)
-    dilations = _tuple_arg("dilation", dilation, dims, fn)
+    if groups < 1:
+        raise RuntimeError(f"{fn}: groups={groups}; expected a positive integer")
     if any(u <= 0 for u in strides):
         raise RuntimeError(f"{fn}: stride={strides}; expected every value > 0")
     if any(d <= 0 for d in dilations):
         raise RuntimeError(f"{fn}: dilation={dilations}; expected every value > 0")
-    if pads is not None and any(p < 0 for p in pads):
-        raise RuntimeError(f"{fn}: padding={pads}; expected every value >= 0")
+
+    _check_dtypes_and_devices(fn, input, weight, bias)
+
+    batched = input.dim() == dims + 2
+    n = input.shape[0] if batched else 1
     channels = input.shape[-dims - 1]
+    spatial = tuple(input.shape[-dims:])
     k = weight.shape[0]
-    if k % groups != 0:
+    kernel = tuple(weight.shape[2:])
+    if k < 1:
         raise RuntimeError(
-            f"{fn}: weight out_channels={k} is not divisible by groups={groups}"
+            f"{fn}: weight of shape {tuple(weight.shape)} has out_channels={k}; expected at least 1"
         )
+    if any(r < 1 for r in kernel):
+        raise RuntimeError(
+            f"{fn}: weight of shape {tuple(weight.shape)} has kernel size {kernel}; "
+            "expected every kernel size >= 1"
+        )
+    if k % groups != 0:
+        raise RuntimeError(f"{fn}: weight out_channels={k} is not divisible by groups={groups}")
     if channels % groups != 0:
         raise RuntimeError(f"{fn}: input channels={channels} is not divisible by groups={groups}")
     if weight.shape[1] * groups != channels:
@@ -67,10 +148,34 @@ def check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups
         raise RuntimeError(
             f"{fn}: bias of shape {tuple(bias.shape)}; expected ({k},) to match out_channels"
         )
+    if n > 0 and channels > 0 and 0 in spatial:
+        # torch computes empty batches and empty channel sets, never empty images.
+        raise RuntimeError(
+            f"{fn}: input of shape {tuple(input.shape)} has an empty spatial size {spatial}; "
+            "expected every spatial size >= 1 (only the batch or channel size may be 0)"
+        )
+    if pads is None:
+        return  # 'same' pads d*(r-1) in total, so any non-empty input fits the kernel
+    for i, (s, r, p, d) in enumerate(zip(spatial, kernel, pads, dilations, strict=True)):
+        if s + 2 * p < d * (r - 1) + 1:
+            raise RuntimeError(
+                f"{fn}: kernel size {kernel} (dilation {dilations}) is larger than the "
+                f"padded input: spatial dimension {i} has input size {s} and padding {p}, "
+                f"so {s + 2 * p} positions; expected at least {d * (r - 1) + 1}"
+            )
+
+
+def _check_dtypes_and_devices(fn: str, input, weight, bias) -> None:
+    autocast = _autocast_enabled(input.device.type)
+    if input.dtype not in SUPPORTED_DTYPES and not autocast:
+        names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+        raise RuntimeError(
+            f"{fn}: input dtype {input.dtype} is not supported; expected one of {names}"
+        )
     for name, t in (("weight", weight), ("bias", bias)):
         if t is None:
             continue
-        if t.dtype != input.dtype and not torch.is_autocast_enabled(input.device.type):
+        if t.dtype != input.dtype and not autocast:
             raise RuntimeError(
                 f"{fn}: {name} dtype {t.dtype} differs from input dtype {input.dtype}; "
                 "expected the same dtype"
@@ -80,13 +185,3 @@ def check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups
                 f"{fn}: {name} is on {t.device} but input is on {input.device}; expected "
                 "the same device"
             )
-    if pads is not None:
-        for i, (s, r, p, d) in enumerate(
-            zip(input.shape[-dims:], weight.shape[2:], pads, dilations)
-        ):
-            if s + 2 * p < d * (r - 1) + 1:
-                raise RuntimeError(
-                    f"{fn}: kernel size {tuple(weight.shape[2:])} (dilation {dilations}) is "
-                    f"larger than the padded input {tuple(input.shape[-dims:])} + 2*{pads} "
-                    f"in spatial dimension {i}"
-                )
