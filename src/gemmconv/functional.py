@@ -1,4 +1,9 @@
-"""conv1d / conv2d / conv3d with the signatures and defaults of torch.nn.functional."""
+"""conv1d / conv2d / conv3d with the signatures and defaults of torch.nn.functional.
+
+Argument checks, string padding, unbatched inputs and autocast are handled here, in
+traceable Python; the convolution itself is the ``gemmconv::conv_forward`` custom op,
+whose autograd formula (gemmconv.autograd) runs the two backward ops.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from gemmconv.autograd import ConvFunction
+import gemmconv.autograd  # noqa: F401  (registers the forward op's backward)
 from gemmconv.dispatch import Choice, explain_problem
 from gemmconv.problem import ConvProblem
 from gemmconv.validate import check_conv_args
@@ -33,7 +38,9 @@ def _resolve_padding(
     if padding == "valid":
         return input, (0,) * dims
     if padding != "same":
-        raise ValueError(f"Invalid padding string {padding!r}, should be one of {{'valid', 'same'}}")
+        raise ValueError(
+            f"Invalid padding string {padding!r}, should be one of {{'valid', 'same'}}"
+        )
     if any(u != 1 for u in _tuple(stride, dims)):
         raise ValueError("padding='same' is not supported for strided convolutions")
     totals = [d * (r - 1) for d, r in zip(_tuple(dilation, dims), weight.shape[2:])]
@@ -46,11 +53,15 @@ def _resolve_padding(
 
 
 def _autocast(*tensors: torch.Tensor | None, device_type: str) -> list[torch.Tensor | None]:
-    """Cast to the autocast dtype as torch's convolutions are, when autocast is on."""
+    """Cast to the autocast dtype as torch's convolutions are, when autocast is on:
+    autocast casts floating-point operands except float64 ones (torch's is_eligible)."""
     if not torch.is_autocast_enabled(device_type):
         return list(tensors)
     dtype = torch.get_autocast_dtype(device_type)
-    return [t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors]
+    return [
+        t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+        for t in tensors
+    ]
 
 
 def _conv(dims, input, weight, bias, stride, padding, dilation, groups) -> torch.Tensor:
@@ -60,8 +71,14 @@ def _conv(dims, input, weight, bias, stride, padding, dilation, groups) -> torch
     if unbatched:
         input = input.unsqueeze(0)
     input, pad = _resolve_padding(input, weight, padding, stride, dilation, dims)
-    y = ConvFunction.apply(
-        input, weight, bias, _tuple(stride, dims), pad, _tuple(dilation, dims), groups
+    y = torch.ops.gemmconv.conv_forward(
+        input,
+        weight,
+        bias,
+        list(_tuple(stride, dims)),
+        list(pad),
+        list(_tuple(dilation, dims)),
+        groups,
     )
     return y.squeeze(0) if unbatched else y
 
@@ -116,13 +133,25 @@ def explain(
     Keys are "forward", "backward_data" and "backward_weights"; each value has
     ``.solver`` (an id) and ``.rejected`` (id -> list of reasons).
     """
+    return explain_problem(problem_of(input, weight, bias, stride, padding, dilation, groups))
+
+
+def problem_of(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride: IntOrTuple = 1,
+    padding: Padding = 0,
+    dilation: IntOrTuple = 1,
+    groups: int = 1,
+) -> ConvProblem:
+    """The forward ConvProblem the custom op would build for these F.conv* arguments."""
     dims = weight.dim() - 2
     check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
     input, weight, bias = _autocast(input, weight, bias, device_type=input.device.type)
     if input.dim() == dims + 1:
         input = input.unsqueeze(0)
     input, pad = _resolve_padding(input, weight, padding, stride, dilation, dims)
-    problem = ConvProblem.from_tensors(
+    return ConvProblem.from_tensors(
         input, weight, bias, _tuple(stride, dims), pad, _tuple(dilation, dims), groups
     )
-    return explain_problem(problem)
