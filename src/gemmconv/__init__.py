@@ -1,6 +1,8 @@
 """gemmconv: convolutions that are matrix products, run as single GEMMs."""
 
-from gemmconv.dispatch import Choice
+from gemmconv import nn
+from gemmconv.convert import ConversionReport, convert, revert
+from gemmconv.dispatch import Choice, FindMode, find_mode, set_find_mode
 from gemmconv.functional import conv1d, conv2d, conv3d, explain
 from gemmconv.memory_format import Layout
 from gemmconv.problem import ConvProblem, Direction
@@ -12,8 +14,10 @@ __version__ = "0.1.0"
 __all__ = [
     "SOLVERS",
     "Choice",
+    "ConversionReport",
     "ConvProblem",
     "ConvTensors",
+    "FindMode",
     "Direction",
     "Layout",
     "Verdict",
@@ -21,8 +25,13 @@ __all__ = [
     "conv1d",
     "conv2d",
     "conv3d",
+    "convert",
     "explain",
+    "find_mode",
     "get_solver",
+    "set_find_mode",
+    "nn",
+    "revert",
     "solver_ids",
     "verify",
 ]

@@ -1,54 +1,163 @@
-"""Which solver runs a problem.
+"""Which solver runs a problem: the selection modes, forced and disabled solvers.
 
-Every registered solver is asked for its rejection reasons; among those that apply,
-the lowest cost estimate wins (ties go to the earlier solver in the registry). The
-decision is made once per problem per process and cached, so steady-state calls pay
-no selection cost. Each decision is logged on the ``gemmconv.dispatch`` logger, a
-fallback to the vendor path included.
+Modes, after MIOpen's find modes:
+
+- ``immediate``: the applicable solver with the lowest cost estimate; no benchmark,
+  no database.
+- ``database``: a find-database hit if there is one, else ``immediate``; never
+  benchmarks. The default when no mode is set and ``torch.backends.cudnn.benchmark``
+  is False.
+- ``find``: benchmark every applicable solver (``gemmconv.find``), store the winner.
+- ``hybrid``: a database hit, else ``find``. The default when no mode is set and
+  ``torch.backends.cudnn.benchmark`` is True.
+
+The mode comes from, first to last: ``find_mode(...)`` (a context manager),
+``set_find_mode(...)``, ``$GEMMCONV_FIND_MODE``, the cudnn flag.
+``$GEMMCONV_SOLVER=<id>`` (or ``solver=`` in ``choose``) forces one solver;
+``$GEMMCONV_DISABLE=<id,...>`` removes solvers from consideration;
+``$GEMMCONV_FIND_VERIFY=1`` verifies each find candidate and drops failing ones.
+
+Each problem is decided once per process for a given (mode, forced, disabled) and
+cached, so steady-state calls pay no selection cost. Every decision is logged on the
+``gemmconv.dispatch`` logger (DEBUG; a fallback to the vendor path at INFO). When
+torch.distributed is initialised with more than one rank, rank 0 decides and
+broadcasts, so every rank runs the same solver (``$GEMMCONV_DIST_SYNC=0`` turns this
+off, for code that runs convolutions on some ranks only).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import enum
 import logging
+import os
 import threading
+from collections.abc import Iterator, Sequence
 
+import torch
+
+from gemmconv.device_rates import DeviceRates
 from gemmconv.problem import DIRECTIONS, ConvProblem
-from gemmconv.solvers import SOLVERS, Solver
+from gemmconv.solvers import SOLVERS, Solver, get_solver
 
 log = logging.getLogger("gemmconv.dispatch")
 
 
+class FindMode(str, enum.Enum):
+    IMMEDIATE = "immediate"
+    DATABASE = "database"
+    FIND = "find"
+    HYBRID = "hybrid"
+
+
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """The outcome of selection for one problem."""
+    """The outcome of selection for one problem.
+
+    ``source`` says where the decision came from: "estimate", "database", "find",
+    "forced" or "rank 0"; ``times_ms`` holds the measured candidates of a find."""
 
     solver: str
     rejected: dict[str, list[str]]
     estimates_ms: dict[str, float]
     reason: str
+    mode: str = FindMode.IMMEDIATE.value
+    source: str = "estimate"
+    times_ms: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         return f"{self.solver} ({self.reason})"
 
 
-_cache: dict[ConvProblem, Choice] = {}
-_lock = threading.Lock()
+# ---- the mode -----------------------------------------------------------------
+
+_context_mode: contextvars.ContextVar[FindMode | None] = contextvars.ContextVar(
+    "gemmconv_find_mode", default=None
+)
+_process_mode: FindMode | None = None
 
 
-def decide(problem: ConvProblem, solvers: tuple[Solver, ...] = SOLVERS) -> Choice:
+def _parse_mode(mode: FindMode | str, source: str) -> FindMode:
+    try:
+        return FindMode(mode.lower() if isinstance(mode, str) else mode)
+    except ValueError:
+        names = ", ".join(m.value for m in FindMode)
+        raise ValueError(f"{source}={mode!r}: unknown find mode; expected one of {names}") from None
+
+
+def set_find_mode(mode: FindMode | str | None) -> None:
+    """Set the process's find mode; None returns to the environment / cudnn default."""
+    global _process_mode
+    _process_mode = None if mode is None else _parse_mode(mode, "mode")
+
+
+@contextlib.contextmanager
+def find_mode(mode: FindMode | str) -> Iterator[FindMode]:
+    """Use ``mode`` inside the block (this thread / task only)."""
+    token = _context_mode.set(_parse_mode(mode, "mode"))
+    try:
+        yield _context_mode.get()
+    finally:
+        _context_mode.reset(token)
+
+
+def current_find_mode() -> FindMode:
+    mode = _context_mode.get() or _process_mode
+    if mode is not None:
+        return mode
+    env = os.environ.get("GEMMCONV_FIND_MODE")
+    if env:
+        return _parse_mode(env, "GEMMCONV_FIND_MODE")
+    return FindMode.HYBRID if torch.backends.cudnn.benchmark else FindMode.DATABASE
+
+
+def forced_solver(solver: str | None = None) -> str | None:
+    """The solver id forced by the argument, else by ``$GEMMCONV_SOLVER``."""
+    forced = solver or os.environ.get("GEMMCONV_SOLVER") or None
+    if forced is not None:
+        get_solver(forced)  # an unknown id is an error naming every known one
+    return forced
+
+
+def disabled_solvers() -> frozenset[str]:
+    raw = os.environ.get("GEMMCONV_DISABLE", "")
+    ids = frozenset(s.strip() for s in raw.split(",") if s.strip())
+    known = {s.id for s in SOLVERS}
+    unknown = sorted(ids - known)
+    if unknown:
+        raise ValueError(
+            f"GEMMCONV_DISABLE={raw!r}: unknown solver id(s) {', '.join(unknown)}; "
+            f"expected ids from {', '.join(sorted(known))}"
+        )
+    return ids
+
+
+def find_verify_enabled() -> bool:
+    return os.environ.get("GEMMCONV_FIND_VERIFY", "0").strip().lower() in ("1", "true", "yes")
+
+
+# ---- deciding -----------------------------------------------------------------
+
+
+def decide(
+    problem: ConvProblem,
+    solvers: Sequence[Solver] = SOLVERS,
+    rates: DeviceRates | None = None,
+    rejected: dict[str, list[str]] | None = None,
+) -> Choice:
     """Immediate selection: the applicable solver with the lowest estimate."""
-    rejected: dict[str, list[str]] = {}
+    rejected = dict(rejected or {})
     estimates: dict[str, float] = {}
     for solver in solvers:
         reasons = solver.not_supported_reasons(problem)
         if reasons:
             rejected[solver.id] = reasons
         else:
-            estimates[solver.id] = solver.estimate_ms(problem)
+            estimates[solver.id] = solver.estimate_ms(problem, rates)
     if not estimates:
-        listing = "; ".join(f"{sid}: {', '.join(r)}" for sid, r in rejected.items())
-        raise RuntimeError(f"no solver applies to {problem.key()}: {listing}")
+        raise RuntimeError(f"no solver applies to {problem.key()}: {_listing(rejected)}")
     best = min(estimates, key=estimates.__getitem__)  # min keeps the first of equals
     for sid, est in estimates.items():
         if sid != best:
@@ -61,22 +170,163 @@ def decide(problem: ConvProblem, solvers: tuple[Solver, ...] = SOLVERS) -> Choic
     )
 
 
-def choose(problem: ConvProblem) -> Choice:
-    """The cached choice for ``problem``."""
-    choice = _cache.get(problem)
+def _listing(rejected: dict[str, list[str]]) -> str:
+    return "; ".join(f"{sid}: {', '.join(r)}" for sid, r in rejected.items())
+
+
+def _decide_forced(problem: ConvProblem, forced: str, mode: FindMode) -> Choice:
+    reasons = get_solver(forced).not_supported_reasons(problem)
+    if reasons:
+        raise RuntimeError(
+            f"solver {forced!r} was forced (GEMMCONV_SOLVER or solver=) but does not apply "
+            f"to {problem.key()}: {', '.join(reasons)}"
+        )
+    return Choice(forced, {}, {}, "forced", mode.value, "forced")
+
+
+def _decide_in_mode(
+    problem: ConvProblem, mode: FindMode, forced: str | None, disabled: frozenset[str]
+) -> Choice:
+    if forced is not None:
+        return _decide_forced(problem, forced, mode)
+    candidates = [s for s in SOLVERS if s.id not in disabled]
+    off = {sid: ["disabled by GEMMCONV_DISABLE"] for sid in sorted(disabled)}
+    estimated = decide(problem, candidates, rejected=off)
+    estimated = dataclasses.replace(estimated, mode=mode.value)
+    if mode is FindMode.IMMEDIATE:
+        return estimated
+    if mode in (FindMode.DATABASE, FindMode.HYBRID):
+        hit = _database_hit(problem, estimated)
+        if hit is not None:
+            return dataclasses.replace(
+                estimated,
+                solver=hit.solver,
+                reason=f"find database, {hit.time_ms:.4g} ms measured",
+                source="database",
+            )
+        if mode is FindMode.DATABASE:
+            return estimated
+    return _decide_by_find(problem, estimated, store=not disabled)
+
+
+def _database_hit(problem: ConvProblem, estimated: Choice):
+    from gemmconv import finddb
+
+    hit = finddb.get_db().lookup(problem.key(), finddb.identity_for(problem.device_type))
+    if hit is not None and hit.solver not in estimated.estimates_ms:
+        # Stored by a run where it applied, but now disabled or no longer applicable.
+        log.debug("%s: database names %s, which is not a candidate now", problem.key(), hit.solver)
+        return None
+    return hit
+
+
+def _decide_by_find(problem: ConvProblem, estimated: Choice, store: bool) -> Choice:
+    from gemmconv import finddb
+    from gemmconv.find import find_best
+
+    applicable = [get_solver(sid) for sid in estimated.estimates_ms]
+    result = find_best(problem, applicable, verify=find_verify_enabled())
+    rejected = {k: v for k, v in estimated.rejected.items() if k not in estimated.estimates_ms}
+    for cand in result.candidates:
+        if cand.solver == result.best:
+            continue
+        if cand.time_ms is None:
+            rejected[cand.solver] = [f"skipped in find: {cand.skipped}"]
+        else:
+            rejected[cand.solver] = [f"measured {cand.time_ms:.4g} ms > {result.best_ms:.4g} ms"]
+    if store:
+        # A find restricted by GEMMCONV_DISABLE is not stored: it is not the true best.
+        record = finddb.Record(
+            problem.key(),
+            finddb.identity_for(problem.device_type),
+            result.best,
+            {},
+            result.best_ms,
+            result.workspace_bytes,
+        )
+        finddb.get_db().store(record)
+    return dataclasses.replace(
+        estimated,
+        solver=result.best,
+        rejected=rejected,
+        reason=f"fastest in find, {result.best_ms:.4g} ms",
+        source="find",
+        times_ms=result.times_ms(),
+    )
+
+
+# ---- agreeing across ranks ----------------------------------------------------
+
+
+def _distributed_world() -> int:
+    if os.environ.get("GEMMCONV_DIST_SYNC", "1").strip() == "0":
+        return 1
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size()
+
+
+def _decide_collectively(
+    problem: ConvProblem, mode: FindMode, forced: str | None, disabled: frozenset[str]
+) -> Choice:
+    """Decide here, or, in a distributed run, take rank 0's decision."""
+    if _distributed_world() == 1:
+        return _decide_in_mode(problem, mode, forced, disabled)
+    dist = torch.distributed
+    message: list[object] = [None]
+    choice = None
+    if dist.get_rank() == 0:
+        try:
+            choice = _decide_in_mode(problem, mode, forced, disabled)
+            message = [(choice.solver, choice.reason, None)]
+        except Exception as e:
+            message = [(None, None, f"{type(e).__name__}: {e}")]  # every rank must hear of it
+    dist.broadcast_object_list(message, src=0)
+    solver, reason, error = message[0]
+    if error is not None:
+        raise RuntimeError(f"rank 0 could not choose a solver for {problem.key()}: {error}")
+    if choice is not None:
+        return choice
+    reasons = get_solver(solver).not_supported_reasons(problem)
+    if reasons:
+        raise RuntimeError(
+            f"rank 0 chose {solver!r} for {problem.key()}, which does not apply on rank "
+            f"{dist.get_rank()}: {', '.join(reasons)} (do the ranks run different problems?)"
+        )
+    return Choice(solver, {}, {}, f"rank 0: {reason}", mode.value, "rank 0")
+
+
+# ---- the cached entry points ----------------------------------------------------
+
+_CacheKey = tuple[ConvProblem, FindMode, "str | None", frozenset]
+_cache: dict[_CacheKey, Choice] = {}
+_lock = threading.Lock()
+
+
+def choose(problem: ConvProblem, solver: str | None = None) -> Choice:
+    """The cached choice for ``problem`` in the current mode; ``solver`` forces one."""
+    mode = current_find_mode()
+    forced = forced_solver(solver)
+    disabled = disabled_solvers()
+    if forced is not None and forced in disabled:
+        raise ValueError(
+            f"solver {forced!r} is forced and also listed in GEMMCONV_DISABLE; "
+            "expected one or the other"
+        )
+    key = (problem, mode, forced, disabled)
+    choice = _cache.get(key)
     if choice is None:
-        choice = decide(problem)
+        choice = _decide_collectively(problem, mode, forced, disabled)
         with _lock:
-            _cache[problem] = choice
+            _cache[key] = choice
         level = logging.INFO if choice.solver == "vendor" else logging.DEBUG
-        log.log(level, "%s -> %s", problem.key(), choice)
+        log.log(level, "%s [%s] -> %s", problem.key(), mode.value, choice)
     return choice
 
 
-def solver_for(problem: ConvProblem) -> Solver:
-    from gemmconv.solvers import get_solver
-
-    return get_solver(choose(problem).solver)
+def solver_for(problem: ConvProblem, solver: str | None = None) -> Solver:
+    return get_solver(choose(problem, solver).solver)
 
 
 def clear_cache() -> None:
@@ -85,5 +335,22 @@ def clear_cache() -> None:
 
 
 def explain_problem(problem: ConvProblem) -> dict[str, Choice]:
-    """The choice in every direction, keyed by direction name, without running anything."""
+    """The choice in every direction, keyed by direction name.
+
+    Runs nothing in immediate and database modes; in find and hybrid modes a problem
+    not yet decided is benchmarked, as the convolution itself would be."""
     return {d.value: choose(problem.with_direction(d)) for d in DIRECTIONS}
+
+
+__all__ = [
+    "Choice",
+    "FindMode",
+    "choose",
+    "clear_cache",
+    "current_find_mode",
+    "decide",
+    "explain_problem",
+    "find_mode",
+    "set_find_mode",
+    "solver_for",
+]
