@@ -1,0 +1,229 @@
+"""convert(model) and revert(model): swap torch convolutions for gemmconv's, in place.
+
+A convolution is swapped when its problem class is a GEMM whatever the input size:
+patch (stride == kernel, no padding, unit dilation; point-output when the input is
+one patch), pointwise (1x1, stride 1) and strided pointwise (1x1, stride > 1), all
+with groups 1. Everything else is left alone, with the reason in the report.
+
+The swap changes the module's class and nothing else: the module object, its
+Parameter objects, hooks and parametrizations (torch.nn.utils.parametrize, LoRA-style
+wrappers of the weight) stay exactly as they were, so optimizer state and every
+reference to the module remain valid. A parametrized module's class is a subclass
+torch generates over the original; it is regenerated over the new base.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.nn.modules.conv import _ConvNd
+from torch.nn.utils import parametrize
+
+from gemmconv.nn import GEMMCONV_CLASS, TORCH_CLASS
+
+# include= / exclude=: glob pattern(s) on qualified module names, or a predicate.
+ModuleFilter = str | Sequence[str] | Callable[[str, torch.nn.Module], bool] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class SwappedConv:
+    name: str
+    torch_class: str
+    problem_class: str
+    in_channels: int
+    out_channels: int
+    kernel_size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedConv:
+    name: str
+    module_class: str
+    reason: str
+
+
+@dataclasses.dataclass
+class ConversionReport:
+    """What convert() swapped and, for every convolution it left alone, why."""
+
+    swapped: list[SwappedConv] = dataclasses.field(default_factory=list)
+    skipped: list[SkippedConv] = dataclasses.field(default_factory=list)
+
+    @property
+    def swapped_names(self) -> list[str]:
+        return [s.name for s in self.swapped]
+
+    @property
+    def skipped_names(self) -> list[str]:
+        return [s.name for s in self.skipped]
+
+    def __str__(self) -> str:
+        lines = [f"gemmconv.convert: {len(self.swapped)} swapped, {len(self.skipped)} left alone"]
+        for s in self.swapped:
+            lines.append(
+                f"  swapped  {_display(s.name)}: {s.torch_class}({s.in_channels}, "
+                f"{s.out_channels}, kernel_size={s.kernel_size}, stride={s.stride}) "
+                f"-> {s.problem_class}"
+            )
+        for s in self.skipped:
+            lines.append(f"  left     {_display(s.name)}: {s.module_class}: {s.reason}")
+        return "\n".join(lines)
+
+
+def convert(
+    model: torch.nn.Module, *, include: ModuleFilter = None, exclude: ModuleFilter = None
+) -> ConversionReport:
+    """Swap, in place, every GEMM-reducible torch Conv1d/2d/3d in ``model`` for gemmconv's.
+
+    ``include`` keeps only the convolutions it matches, ``exclude`` drops those it
+    matches; each is a glob pattern on the qualified module name (``"blocks.*.proj"``),
+    a list of them, or a predicate ``(name, module) -> bool``. Returns a report of
+    what was swapped and why each other convolution was not.
+    """
+    matches_include = _matcher(include, "include")
+    matches_exclude = _matcher(exclude, "exclude")
+    report = ConversionReport()
+    for name, module in model.named_modules():
+        if not isinstance(module, _ConvNd):
+            continue
+        kind = _unparametrized_class(module).__name__
+        reason = _reason_not_to_swap(module)
+        if reason is None and include is not None and not matches_include(name, module):
+            reason = "not matched by include"
+        if reason is None and exclude is not None and matches_exclude(name, module):
+            reason = "matched by exclude"
+        if reason is not None:
+            report.skipped.append(SkippedConv(name, kind, reason))
+            continue
+        base = _unparametrized_class(module)
+        _set_base_class(module, GEMMCONV_CLASS[base])
+        report.swapped.append(
+            SwappedConv(
+                name=name,
+                torch_class=base.__name__,
+                problem_class=problem_class(module),
+                in_channels=module.in_channels,
+                out_channels=module.out_channels,
+                kernel_size=tuple(module.kernel_size),
+                stride=tuple(module.stride),
+            )
+        )
+    return report
+
+
+def revert(model: torch.nn.Module) -> list[str]:
+    """Turn every gemmconv convolution in ``model`` back into its torch class, in place.
+
+    Returns the qualified names of the modules reverted."""
+    reverted = []
+    for name, module in model.named_modules():
+        base = _unparametrized_class(module)
+        if base in TORCH_CLASS:
+            _set_base_class(module, TORCH_CLASS[base])
+            module.__dict__.pop("_gemmconv_last_problem", None)
+            reverted.append(name)
+    return reverted
+
+
+def problem_class(module: _ConvNd) -> str:
+    """The GEMM problem class of a convolution module that convert() would swap."""
+    if all(r == 1 for r in module.kernel_size):
+        return "pointwise" if all(u == 1 for u in module.stride) else "strided pointwise"
+    return "patch"
+
+
+# ---- classification ---------------------------------------------------------
+
+
+def _reason_not_to_swap(module: _ConvNd) -> str | None:
+    base = _unparametrized_class(module)
+    if base in TORCH_CLASS:
+        return "already a gemmconv module"
+    if base not in GEMMCONV_CLASS:
+        if module.transposed:
+            return "transposed convolution (not a forward GEMM problem gemmconv handles)"
+        return (
+            f"{base.__module__}.{base.__qualname__} is not torch.nn.Conv1d/2d/3d itself "
+            "(a subclass may compute something else in its forward)"
+        )
+    if (
+        isinstance(module, torch.nn.modules.lazy.LazyModuleMixin)
+        and module.has_uninitialized_params()
+    ):
+        return "lazy module with uninitialised parameters"
+    reasons = []
+    if module.groups != 1:
+        reasons.append(f"groups={module.groups} (only groups=1 is one GEMM)")
+    padding = _padding_amounts(module)
+    if any(padding):
+        reasons.append(f"padding={module.padding!r}")
+    kernel, stride, dilation = module.kernel_size, module.stride, module.dilation
+    pointwise = all(r == 1 for r in kernel)
+    if not pointwise:
+        if tuple(stride) != tuple(kernel):
+            reasons.append(
+                f"kernel_size={tuple(kernel)} with stride={tuple(stride)}: neither a patch "
+                "(stride == kernel) nor a 1x1"
+            )
+        if any(d != 1 for d in dilation):
+            reasons.append(f"dilation={tuple(dilation)}")
+    return "; ".join(reasons) if reasons else None
+
+
+def _padding_amounts(module: _ConvNd) -> tuple[int, ...]:
+    """Total padding per spatial dimension, string paddings resolved as torch does."""
+    if module.padding == "valid":
+        return (0,) * len(module.kernel_size)
+    if module.padding == "same":
+        return tuple(d * (r - 1) for d, r in zip(module.dilation, module.kernel_size, strict=True))
+    return tuple(module.padding)
+
+
+def _matcher(spec: ModuleFilter, argument: str) -> Callable[[str, torch.nn.Module], bool]:
+    if spec is None:
+        return lambda name, module: True
+    if callable(spec):
+        return spec
+    patterns = [spec] if isinstance(spec, str) else list(spec)
+    if not all(isinstance(p, str) for p in patterns):
+        raise TypeError(
+            f"{argument}={spec!r}: expected a glob pattern, a list of them, or a "
+            "callable (name, module) -> bool"
+        )
+    return lambda name, module: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+# ---- class swapping ---------------------------------------------------------
+
+
+def _unparametrized_class(module: torch.nn.Module) -> type:
+    """The module's class, seen through the subclass torch.nn.utils.parametrize injects."""
+    cls = type(module)
+    if parametrize.is_parametrized(module):
+        return cls.__bases__[0]
+    return cls
+
+
+def _set_base_class(module: torch.nn.Module, new_base: type) -> None:
+    """Give ``module`` the class ``new_base``, keeping a parametrized module's injected
+    properties by regenerating its parametrized subclass over ``new_base``."""
+    if not parametrize.is_parametrized(module):
+        module.__class__ = new_base
+        return
+    injected = {
+        key: value
+        for key, value in vars(type(module)).items()
+        if key not in ("__dict__", "__weakref__")
+    }
+    module.__class__ = type(type(module).__name__, (new_base,), injected)
+
+
+def _display(name: str) -> str:
+    return name or "<root>"
+
+
+__all__ = ["ConversionReport", "SkippedConv", "SwappedConv", "convert", "problem_class", "revert"]

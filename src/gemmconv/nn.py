@@ -1,0 +1,130 @@
+"""Drop-in Conv1d / Conv2d / Conv3d that run through gemmconv.
+
+Each is a subclass of its torch.nn counterpart and changes only how the convolution is
+computed: constructor, parameters, initialisation, state_dict keys and repr are
+torch's own, so a torch state_dict loads into it and back unchanged. Non-'zeros'
+padding modes pad first, exactly as torch does, then convolve with padding 0.
+
+``solvers()`` says which solver each direction runs (or would run) for the last
+input seen in eager mode, or for an example input; that is runtime state, never
+part of the state_dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from gemmconv import functional
+from gemmconv.dispatch import Choice, explain_problem
+
+
+class _GemmConvMixin:
+    """What the three modules share: the gemmconv forward and the solver report."""
+
+    # Class defaults, so modules converted in place (class swapped, no __init__ run)
+    # have them too.
+    _gemmconv_last_input: _SeenInput | None = None
+    _gemmconv_fn = None  # functional.conv1d / conv2d / conv3d, set per subclass
+    _gemmconv_zero_padding: tuple[int, ...] = ()
+
+    def _padded(self, input: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | str]:
+        """Non-'zeros' padding modes pad first and convolve unpadded, as torch does."""
+        if self.padding_mode == "zeros":
+            return input, self.padding
+        padded = F.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+        return padded, self._gemmconv_zero_padding
+
+    def _conv_forward(
+        self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        input, padding = self._padded(input)
+        if not torch.compiler.is_compiling():
+            # Remember the input's metadata for solvers(); skipped while tracing,
+            # where it would be a side effect on a symbolic shape.
+            self._gemmconv_last_input = _SeenInput.of(input)
+        return self._gemmconv_fn(
+            input, weight, bias, self.stride, padding, self.dilation, self.groups
+        )
+
+    def solvers(self, input: torch.Tensor | None = None) -> dict[str, Choice]:
+        """The solver choice per direction ("forward", "backward_data",
+        "backward_weights") for ``input``, or for the last input of an eager forward.
+
+        Runs nothing; raises when there is neither an input nor a past forward."""
+        if input is not None:
+            input, padding = self._padded(input)
+            problem = functional.problem_of(
+                input, self.weight, self.bias, self.stride, padding, self.dilation, self.groups
+            )
+            return explain_problem(problem)
+        seen = self._gemmconv_last_input
+        if seen is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.solvers(): no forward has run yet; pass an example "
+                "input, e.g. module.solvers(torch.empty(1, C, H, W))"
+            )
+        padding = self.padding if self.padding_mode == "zeros" else self._gemmconv_zero_padding
+        # An uninitialised stand-in: problem_of reads only metadata.
+        stand_in = torch.empty_strided(
+            seen.shape, seen.stride, dtype=seen.dtype, device=seen.device
+        )
+        weight = self.weight.detach().to(seen.dtype)
+        bias = None if self.bias is None else self.bias.detach().to(seen.dtype)
+        problem = functional.problem_of(
+            stand_in, weight, bias, self.stride, padding, self.dilation, self.groups
+        )
+        return explain_problem(problem)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SeenInput:
+    """A forward's input without its data: shape, strides, the dtype the convolution
+    ran in (autocast resolved) and the device."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, input: torch.Tensor) -> _SeenInput:
+        dtype = input.dtype
+        device_type = input.device.type
+        if torch.is_autocast_enabled(device_type) and dtype.is_floating_point:
+            if dtype != torch.float64:
+                dtype = torch.get_autocast_dtype(device_type)
+        return cls(tuple(input.shape), input.stride(), dtype, input.device)
+
+
+class Conv1d(_GemmConvMixin, torch.nn.Conv1d):
+    __doc__ = "torch.nn.Conv1d computed by gemmconv.\n\n" + (torch.nn.Conv1d.__doc__ or "")
+    _gemmconv_fn = staticmethod(functional.conv1d)
+    _gemmconv_zero_padding = (0,)
+
+
+class Conv2d(_GemmConvMixin, torch.nn.Conv2d):
+    __doc__ = "torch.nn.Conv2d computed by gemmconv.\n\n" + (torch.nn.Conv2d.__doc__ or "")
+    _gemmconv_fn = staticmethod(functional.conv2d)
+    _gemmconv_zero_padding = (0, 0)
+
+
+class Conv3d(_GemmConvMixin, torch.nn.Conv3d):
+    __doc__ = "torch.nn.Conv3d computed by gemmconv.\n\n" + (torch.nn.Conv3d.__doc__ or "")
+    _gemmconv_fn = staticmethod(functional.conv3d)
+    _gemmconv_zero_padding = (0, 0, 0)
+
+
+# torch class -> gemmconv class, and back, for convert() and revert().
+GEMMCONV_CLASS: dict[type[torch.nn.Module], type[torch.nn.Module]] = {
+    torch.nn.Conv1d: Conv1d,
+    torch.nn.Conv2d: Conv2d,
+    torch.nn.Conv3d: Conv3d,
+}
+TORCH_CLASS: dict[type[torch.nn.Module], type[torch.nn.Module]] = {
+    v: k for k, v in GEMMCONV_CLASS.items()
+}
+
+__all__ = ["Conv1d", "Conv2d", "Conv3d"]
