@@ -54,8 +54,9 @@ def tolerance(dtype: torch.dtype, device_type: str) -> float:
 
 
 def rms_range(a: torch.Tensor, b: torch.Tensor) -> float:
-    a64 = a.detach().to(device="cpu", dtype=torch.float64)
-    b64 = b.detach().to(device="cpu", dtype=torch.float64)
+    # Computed in float64 on a's device: large GPU results are not copied to the host.
+    a64 = a.detach().to(dtype=torch.float64)
+    b64 = b.detach().to(device=a64.device, dtype=torch.float64)
     if a64.shape != b64.shape:
         raise ValueError(f"shapes differ: {tuple(a64.shape)} vs {tuple(b64.shape)}")
     if a64.numel() == 0:
@@ -68,20 +69,25 @@ def rms_range(a: torch.Tensor, b: torch.Tensor) -> float:
     return (torch.linalg.vector_norm(a64 - b64) / (math.sqrt(a64.numel()) * scale)).item()
 
 
-def reference(problem: ConvProblem, tensors: ConvTensors) -> torch.Tensor:
-    """The direction's result in float64 on the CPU, from the same (rounded) inputs."""
+def reference(
+    problem: ConvProblem, tensors: ConvTensors, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """The direction's result in float64 from the same (rounded) inputs, computed by the
+    vendor path on ``device`` (the CPU by default; the GPU's own float64 convolution
+    for problems too large for the host)."""
+    device = torch.device(device)
 
     def f64(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.detach().to(device="cpu", dtype=torch.float64)
+        return None if t is None else t.detach().to(device=device, dtype=torch.float64)
 
-    cpu = dataclasses.replace(problem, dtype=torch.float64, device_type="cpu")
+    wide = dataclasses.replace(problem, dtype=torch.float64, device_type=device.type)
     t64 = ConvTensors(
         input=f64(tensors.input),
         weight=f64(tensors.weight),
         bias=f64(tensors.bias),
         grad_output=f64(tensors.grad_output),
     )
-    return VendorSolver().run(cpu, t64)
+    return VendorSolver().run(wide, t64)
 
 
 @dataclasses.dataclass(frozen=True)

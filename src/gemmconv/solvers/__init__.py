@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from gemmconv.solvers.base import ConvTensors, Solver
 from gemmconv.solvers.im2col import Im2colSolver
+from gemmconv.solvers.padded_patch import PaddedPatchSolver
 from gemmconv.solvers.patch import PatchSolver, PointOutputSolver
 from gemmconv.solvers.pointwise import PointwiseSolver, StridedPointwiseSolver
+from gemmconv.solvers.triton_patch import TritonPatchSolver
 from gemmconv.solvers.vendor import VendorSolver
 
 SOLVERS: tuple[Solver, ...] = (
@@ -13,6 +15,8 @@ SOLVERS: tuple[Solver, ...] = (
     PatchSolver(),
     PointwiseSolver(),
     StridedPointwiseSolver(),
+    PaddedPatchSolver(),
+    TritonPatchSolver(),
     Im2colSolver(),
     VendorSolver(),
 )

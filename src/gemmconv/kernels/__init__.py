@@ -1,0 +1,43 @@
+"""Triton kernels and their launch helpers (no dispatch logic here).
+
+Each kernel is written once as a plain Triton function and compiled per device
+type on first use: for CUDA tensors through ``triton.jit``, for CPU tensors through
+Triton's interpreter, so the CPU test suite checks the very same kernel code. The
+interpreter is also what ``TRITON_INTERPRET=1`` selects for every kernel.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+import torch
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+_compiled: dict[tuple[Callable, str], object] = {}
+
+
+def compiled(fn: Callable, device: torch.device) -> object:
+    """``fn`` as a launchable Triton kernel for tensors on ``device``."""
+    key = (fn, device.type)
+    kernel = _compiled.get(key)
+    if kernel is None:
+        if device.type == "cuda":
+            import triton
+
+            kernel = triton.jit(fn)
+        elif device.type == "cpu":
+            from triton.runtime.interpreter import InterpretedFunction
+
+            kernel = InterpretedFunction(fn)
+        else:
+            raise ValueError(f"device={device}: Triton kernels run on cuda (or cpu, interpreted)")
+        _compiled[key] = kernel
+    return kernel
+
+
+__all__ = ["compiled", "triton_available"]

@@ -1,0 +1,226 @@
+"""The patch permutation as one Triton pass: x -> column buffer (gather) and back (scatter).
+
+For the patch class (stride == kernel, no padding) every input element lands in at
+most one row of the column matrix, so im2col is a pure reordering. One kernel reads
+x through its strides and writes the column buffer [M, ld] row by row, with the
+reduction padded to ``ld`` columns of zeros in the same pass (a 16-byte aligned
+leading dimension keeps the following GEMM on its fast kernels). Its inverse
+writes a column gradient back into dx.
+
+Indexing (every problem is seen as 3-D; missing leading dimensions have size 1):
+row m = ((n*O1 + o1)*O2 + o2)*O3 + o3, and column k = ((c*R1 + r1)*R2 + r2)*R3 + r3
+for the channels-first column order or ((r1*R2 + r2)*R3 + r3)*C + c for the
+channels-last one. The element is x[n, c, o1*R1 + r1, o2*R2 + r2, o3*R3 + r3]. Row
+and column offsets are computed once per tile edge and added, so the inner work is
+one load and one store per element.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from gemmconv.kernels import compiled
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchGeometry:
+    """Sizes and element strides of a patch-class operand, padded to three spatial dims."""
+
+    n: int
+    c: int
+    outs: tuple[int, int, int]
+    kernel: tuple[int, int, int]
+    strides: tuple[int, int, int, int, int]  # n, c, s1, s2, s3 (elements)
+    channels_last_columns: bool
+
+    @property
+    def rows(self) -> int:
+        return self.n * self.outs[0] * self.outs[1] * self.outs[2]
+
+    @property
+    def reduction(self) -> int:
+        return self.c * self.kernel[0] * self.kernel[1] * self.kernel[2]
+
+    @classmethod
+    def of(
+        cls,
+        t: torch.Tensor,
+        outs: tuple[int, ...],
+        kernel: tuple[int, ...],
+        channels_last_columns: bool,
+    ) -> PatchGeometry:
+        """The geometry of ``t`` [N, C, S..] (1 to 3 spatial dims, any strides)."""
+        dims = t.dim() - 2
+        if not 1 <= dims <= 3 or len(outs) != dims or len(kernel) != dims:
+            raise ValueError(
+                f"tensor of shape {tuple(t.shape)} with outs={outs}, kernel={kernel}: "
+                "expected 1 to 3 spatial dimensions matching outs and kernel"
+            )
+        for size, o, r in zip(t.shape[2:], outs, kernel):
+            if o * r > size:
+                raise ValueError(f"outs={outs} x kernel={kernel} exceeds spatial {t.shape[2:]}")
+        lead = 3 - dims
+        spatial_strides = (0,) * lead + tuple(t.stride()[2:])
+        return cls(
+            n=t.shape[0],
+            c=t.shape[1],
+            outs=(1,) * lead + tuple(outs),
+            kernel=(1,) * lead + tuple(kernel),
+            strides=(t.stride(0), t.stride(1), *spatial_strides),
+            channels_last_columns=channels_last_columns,
+        )
+
+
+def _permute_kernel(
+    src_ptr,
+    dst_ptr,
+    M,
+    KRED,
+    LD,
+    C,
+    O1,
+    O2,
+    O3,
+    R1,
+    R2,
+    R3,
+    SN,
+    SC,
+    S1,
+    S2,
+    S3,
+    CHANNELS_LAST_COLUMNS: tl.constexpr,
+    GATHER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """GATHER: dst[M, LD] (row stride LD) <- src, zeros in columns KRED..LD-1.
+    Otherwise (scatter): dst (the strided tensor) <- src[M, LD] columns 0..KRED-1."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+
+    o3 = m % O3
+    rest = m // O3
+    o2 = rest % O2
+    rest = rest // O2
+    o1 = rest % O1
+    n = rest // O1
+    row_off = (
+        n.to(tl.int64) * SN
+        + (o1 * R1).to(tl.int64) * S1
+        + (o2 * R2).to(tl.int64) * S2
+        + (o3 * R3).to(tl.int64) * S3
+    )
+
+    if CHANNELS_LAST_COLUMNS:
+        c = k % C
+        rest_k = k // C
+        r3 = rest_k % R3
+        rest_k = rest_k // R3
+        r2 = rest_k % R2
+        r1 = rest_k // R2
+    else:
+        r3 = k % R3
+        rest_k = k // R3
+        r2 = rest_k % R2
+        rest_k = rest_k // R2
+        r1 = rest_k % R1
+        c = rest_k // R1
+    col_off = c.to(tl.int64) * SC + r1.to(tl.int64) * S1 + r2.to(tl.int64) * S2 + r3.to(tl.int64) * S3
+
+    strided = row_off[:, None] + col_off[None, :]
+    dense = m[:, None].to(tl.int64) * LD + k[None, :]
+    row_ok = (m < M)[:, None]
+    in_reduction = row_ok & (k < KRED)[None, :]
+    if GATHER:
+        values = tl.load(src_ptr + strided, mask=in_reduction, other=0.0)
+        tl.store(dst_ptr + dense, values, mask=row_ok & (k < LD)[None, :])
+    else:
+        values = tl.load(src_ptr + dense, mask=in_reduction)
+        tl.store(dst_ptr + strided, values, mask=in_reduction)
+
+
+def _blocks(ld: int) -> tuple[int, int]:
+    # A tile of about 8K elements: wide along the reduction (the contiguous side of
+    # the dense buffer) up to 128 columns, the rest in rows.
+    block_k = min(128, triton.next_power_of_2(max(ld, 16)))
+    return 8192 // block_k, block_k
+
+
+def _launch(src: torch.Tensor, dst: torch.Tensor, g: PatchGeometry, ld: int, gather: bool) -> None:
+    block_m, block_k = _blocks(ld)
+    cover = ld if gather else g.reduction
+    grid = (triton.cdiv(g.rows, block_m), triton.cdiv(cover, block_k))
+    kernel = compiled(_permute_kernel, src.device)
+    kernel[grid](
+        src,
+        dst,
+        g.rows,
+        g.reduction,
+        ld,
+        g.c,
+        *g.outs,
+        *g.kernel,
+        *g.strides,
+        CHANNELS_LAST_COLUMNS=g.channels_last_columns,
+        GATHER=gather,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
+
+
+def _check_dense(buffer: torch.Tensor, g: PatchGeometry, name: str) -> int:
+    if buffer.dim() != 2 or buffer.shape[0] != g.rows or buffer.shape[1] < g.reduction:
+        raise ValueError(
+            f"{name} of shape {tuple(buffer.shape)}: expected [{g.rows}, >= {g.reduction}]"
+        )
+    if buffer.stride(1) != 1 or buffer.stride(0) != buffer.shape[1]:
+        raise ValueError(f"{name} with strides {buffer.stride()}: expected a dense row-major matrix")
+    return buffer.shape[1]
+
+
+def gather_patches(
+    x: torch.Tensor,
+    outs: tuple[int, ...],
+    kernel: tuple[int, ...],
+    channels_last_columns: bool,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Write the column matrix of ``x`` into ``out`` [M, ld]: every row one patch in the
+    given column order, columns beyond C*prod(R) set to zero. Returns ``out``."""
+    g = PatchGeometry.of(x, outs, kernel, channels_last_columns)
+    ld = _check_dense(out, g, "out")
+    if out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"out is {out.dtype} on {out.device}; expected {x.dtype} on {x.device}")
+    if g.rows and ld:
+        _launch(x, out, g, ld, gather=True)
+    return out
+
+
+def scatter_patches(
+    columns: torch.Tensor,
+    outs: tuple[int, ...],
+    kernel: tuple[int, ...],
+    channels_last_columns: bool,
+    dx: torch.Tensor,
+) -> torch.Tensor:
+    """The inverse of gather_patches: write columns [M, ld] (the first C*prod(R) of
+    each row) back into the patch positions of ``dx`` [N, C, S..]. Positions no patch
+    covers are left as they are. Returns ``dx``."""
+    g = PatchGeometry.of(dx, outs, kernel, channels_last_columns)
+    ld = _check_dense(columns, g, "columns")
+    if columns.dtype != dx.dtype or columns.device != dx.device:
+        raise ValueError(
+            f"columns are {columns.dtype} on {columns.device}; expected {dx.dtype} on {dx.device}"
+        )
+    if g.rows and g.reduction:
+        _launch(columns, dx, g, ld, gather=False)
+    return dx
+
+
+__all__ = ["PatchGeometry", "gather_patches", "scatter_patches"]
