@@ -21,19 +21,20 @@ def triton_available() -> bool:
 _compiled: dict[tuple[Callable, str], object] = {}
 
 
-def compiled(fn: Callable, device: torch.device) -> object:
-    """``fn`` as a launchable Triton kernel for tensors on ``device``."""
+def compiled(fn: Callable, device: torch.device, **jit_options) -> object:
+    """``fn`` as a launchable Triton kernel for tensors on ``device`` (``jit_options``
+    go to ``triton.jit``, e.g. do_not_specialize)."""
     key = (fn, device.type)
     kernel = _compiled.get(key)
     if kernel is None:
         if device.type == "cuda":
             import triton
 
-            kernel = triton.jit(fn)
+            kernel = triton.jit(fn, **jit_options)
         elif device.type == "cpu":
             from triton.runtime.interpreter import InterpretedFunction
 
-            kernel = InterpretedFunction(fn)
+            kernel = InterpretedFunction(fn, **jit_options)
         else:
             raise ValueError(f"device={device}: Triton kernels run on cuda (or cpu, interpreted)")
         _compiled[key] = kernel

@@ -130,7 +130,9 @@ def _permute_kernel(
         rest_k = rest_k // R2
         r1 = rest_k % R1
         c = rest_k // R1
-    col_off = c.to(tl.int64) * SC + r1.to(tl.int64) * S1 + r2.to(tl.int64) * S2 + r3.to(tl.int64) * S3
+    col_off = (
+        c.to(tl.int64) * SC + r1.to(tl.int64) * S1 + r2.to(tl.int64) * S2 + r3.to(tl.int64) * S3
+    )
 
     strided = row_off[:, None] + col_off[None, :]
     dense = m[:, None].to(tl.int64) * LD + k[None, :]
@@ -144,6 +146,27 @@ def _permute_kernel(
         tl.store(dst_ptr + strided, values, mask=in_reduction)
 
 
+# Sizes and strides change from problem to problem; specialising on them (Triton's
+# default for integers equal to 1 or divisible by 16) would compile a kernel per
+# problem for no gain. LD stays specialised: its divisibility allows 16-byte stores.
+_GEOMETRY_ARGS = (
+    "M",
+    "KRED",
+    "C",
+    "O1",
+    "O2",
+    "O3",
+    "R1",
+    "R2",
+    "R3",
+    "SN",
+    "SC",
+    "S1",
+    "S2",
+    "S3",
+)
+
+
 def _blocks(ld: int) -> tuple[int, int]:
     # A tile of about 8K elements: wide along the reduction (the contiguous side of
     # the dense buffer) up to 128 columns, the rest in rows.
@@ -155,7 +178,7 @@ def _launch(src: torch.Tensor, dst: torch.Tensor, g: PatchGeometry, ld: int, gat
     block_m, block_k = _blocks(ld)
     cover = ld if gather else g.reduction
     grid = (triton.cdiv(g.rows, block_m), triton.cdiv(cover, block_k))
-    kernel = compiled(_permute_kernel, src.device)
+    kernel = compiled(_permute_kernel, src.device, do_not_specialize=_GEOMETRY_ARGS)
     kernel[grid](
         src,
         dst,
@@ -180,7 +203,7 @@ def _check_dense(buffer: torch.Tensor, g: PatchGeometry, name: str) -> int:
             f"{name} of shape {tuple(buffer.shape)}: expected [{g.rows}, >= {g.reduction}]"
         )
     if buffer.stride(1) != 1 or buffer.stride(0) != buffer.shape[1]:
-        raise ValueError(f"{name} with strides {buffer.stride()}: expected a dense row-major matrix")
+        raise ValueError(f"{name} with strides {buffer.stride()}: expected dense rows")
     return buffer.shape[1]
 
 

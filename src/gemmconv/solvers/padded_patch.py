@@ -105,8 +105,8 @@ class PaddedPatchSolver(Solver):
             uncovered = math.prod(p.spatial) - math.prod(covered_extent(p))
             moved += uncovered * p.n * p.c * p.element_size
         if self._dy_rows_copied(p):
-            moved += 2 * p.gemm_m * p.k * p.element_size * TORCH_PERMUTE_SLOWDOWN.get(
-                p.device_type, 1.0
+            moved += (
+                2 * p.gemm_m * p.k * p.element_size * TORCH_PERMUTE_SLOWDOWN.get(p.device_type, 1.0)
             )
         return int(moved)
 
