@@ -74,28 +74,30 @@ def conv_gemm_precision(dtype: torch.dtype, device_type: str) -> Iterator[None]:
 
 
 def reduce_batched_products(a: torch.Tensor, b: torch.Tensor, workspace_cap: int) -> torch.Tensor:
-    """sum_n a[n] @ b[n] in fp32 (fp64 for fp64 operands), whatever the operands' dtype.
+    """sum_n a[n] @ b[n], with the sum over n kept wider than the operands.
 
     Used where a reduction runs over a batch as well as inside each product (the
-    channels-first weight gradient). Partial products are kept in fp32 so no rounding
-    to half precision happens before the whole sum; the batch is walked in chunks so
-    the fp32 partials never take more than ``workspace_cap`` bytes.
+    channels-first weight gradient). Each product is rounded once (to fp32 for
+    half-precision operands, which never round to half before the whole sum), and the
+    sum over the batch runs in fp64 for fp32/fp64 operands so the extra roundings of a
+    two-level sum do not add up to more than a single GEMM's. The batch is walked in
+    chunks so the fp32 partials never take more than ``workspace_cap`` bytes.
     """
     n, rows, _ = a.shape
     cols = b.shape[2]
     per_sample = rows * cols * 4
     chunk = max(1, min(n, workspace_cap // max(per_sample, 1)))
-    acc_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
-    acc_dtype = _reduction_dtype(a) or acc_dtype
-    total = torch.zeros(rows, cols, dtype=acc_dtype, device=a.device)
     half = a.dtype in (torch.float16, torch.bfloat16)
+    total_dtype = torch.float32 if half else torch.float64
+    product_dtype = _reduction_dtype(a) or (torch.float32 if half else a.dtype)
+    total = torch.zeros(rows, cols, dtype=total_dtype, device=a.device)
     for start in range(0, n, chunk):
         a_part, b_part = a[start : start + chunk], b[start : start + chunk]
         if half and a.device.type == "cuda" and _has_bmm_out_dtype():
             partial = torch.bmm(a_part, b_part, out_dtype=torch.float32)
         else:
-            partial = torch.bmm(a_part.to(acc_dtype), b_part.to(acc_dtype))
-        total += partial.sum(0)
+            partial = torch.bmm(a_part.to(product_dtype), b_part.to(product_dtype))
+        total += partial.sum(0, dtype=total_dtype)
     return total
 
 
