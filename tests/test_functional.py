@@ -212,3 +212,23 @@ def test_only_needed_gradients_are_computed(monkeypatch, x_grad, w_grad, expecte
     gemmconv.conv2d(x, w, stride=4).sum().backward()
     assert set(calls) == expected
     assert (x.grad is not None) == x_grad and (w.grad is not None) == w_grad
+
+
+# ---- problems only the vendor path takes --------------------------------------------
+
+
+def test_empty_batch_goes_to_vendor_and_matches_torch():
+    x, w, b = _rand(0, 3, 8, 8), _rand(4, 3, 4, 4), _rand(4)
+    choice = gemmconv.explain(x, w, b, stride=4)
+    assert {c.solver for c in choice.values()} == {"vendor"}
+    y = gemmconv.conv2d(x, w, b, stride=4)
+    assert y.shape == F.conv2d(x, w, b, stride=4).shape == (0, 4, 2, 2)
+
+
+def test_with_every_gemm_solver_disabled_the_vendor_gives_torchs_answer(monkeypatch):
+    gemm_ids = [s for s in gemmconv.solver_ids() if s != "vendor"]
+    monkeypatch.setenv("GEMMCONV_DISABLE", ",".join(gemm_ids))
+    x, w, b = _rand(2, 4, 9, 9), _rand(6, 4, 3, 3), _rand(6)
+    choice = gemmconv.explain(x, w, b, stride=2, padding=1)
+    assert {c.solver for c in choice.values()} == {"vendor"}
+    _compare(2, x, w, b, stride=2, padding=1)
