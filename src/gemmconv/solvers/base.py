@@ -22,9 +22,6 @@ from gemmconv.problem import DIRECTIONS, ConvProblem, Direction, dtype_name
 ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 ALL_LAYOUTS = frozenset({Layout.CHANNELS_FIRST, Layout.CHANNELS_LAST})
 
-# A GEMM whose reduction rows are not 16-byte aligned runs on slower kernels:
-# measured on an H200, bf16 [9500 x 588] x [588 x 1280] ran 88 us, padded to 592 31 us.
-UNALIGNED_GEMM_SLOWDOWN = 2.8
 
 
 @dataclasses.dataclass
@@ -94,7 +91,8 @@ class Solver:
         rates = rates or rates_for(problem.device_type)
         flop_ms = problem.flops() / rates.matrix_rate(_math_mode(problem))
         if not self.gemm_is_aligned(problem):
-            flop_ms *= UNALIGNED_GEMM_SLOWDOWN
+            # Unaligned reductions run on slower GEMM kernels (DeviceRates says how much).
+            flop_ms *= rates.unaligned_slowdown
         byte_ms = problem.min_bytes() / rates.bytes_per_ms()
         gemm_ms = max(flop_ms, byte_ms)
         copy_ms = self.copied_bytes(problem) / rates.bytes_per_ms()
