@@ -1,0 +1,559 @@
+"""The side-by-side benchmark suite: vendor, the reshape + F.linear rewrite, gemmconv, floor.
+
+For every case x layout x direction, in one process on one device:
+- vendor:   aten convolution / convolution_backward (cuDNN on CUDA);
+- linear:   what serving frameworks do instead of the convolution: unfold the patches
+            with reshape/permute, then one F.linear (backward: the same matmuls);
+- gemmconv: find mode, done here: every applicable solver is timed, its result
+            verified against a float64 reference, and the fastest verified one kept;
+            the cost model's own (immediate) choice is recorded beside it;
+- floor:    max(flops / matrix rate, bytes / bandwidth), both rates measured in the
+            same run (a large matmul in the row's math mode; a large device copy).
+Every time is gemmconv.timing.time_ms: CUDA events, warm-up, median, L2 flushed.
+
+`gemmconv bench` and bench/run_suite.py call main(); --quick runs tiny shapes (the
+CPU test suite uses it), --cases/--layouts/--directions filter the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from gemmconv import dispatch
+from gemmconv.memory_format import Layout, empty_in
+from gemmconv.precision import conv_gemm_precision
+from gemmconv.problem import ConvProblem, Direction, dtype_name
+from gemmconv.solvers import SOLVERS, ConvTensors
+from gemmconv.solvers.vendor import VendorSolver
+from gemmconv.timing import time_ms
+from gemmconv.verify import judge, reference
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LAYOUT_NAMES = {"cf": Layout.CHANNELS_FIRST, "cl": Layout.CHANNELS_LAST}
+DIRECTION_NAMES = {
+    "fwd": Direction.FORWARD,
+    "bwd_data": Direction.BACKWARD_DATA,
+    "bwd_weights": Direction.BACKWARD_WEIGHTS,
+}
+
+
+# ---- the suite ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    n: int
+    c: int
+    k: int
+    spatial: tuple[int, ...]
+    kernel: tuple[int, ...]
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        return self.kernel  # every suite case is stride == kernel (1x1 included)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchCase:
+    """One convolution of the suite; ``tiny`` keeps its structure (C, kernel, dims) at
+    sizes a CPU runs in milliseconds."""
+
+    name: str
+    title: str
+    full: Shape
+    tiny: Shape
+    dtypes: tuple[str, ...] = ("bf16",)
+
+
+def _tiny(full: Shape, outs: tuple[int, ...], n: int = 2, k: int = 16, c: int | None = None):
+    return Shape(
+        n=n,
+        c=full.c if c is None else c,
+        k=k,
+        spatial=tuple(o * r for o, r in zip(outs, full.kernel)),
+        kernel=full.kernel,
+    )
+
+
+def _case(name, title, n, c, k, spatial, kernel, dtypes=("bf16",), tiny_outs=None, tiny_c=None):
+    full = Shape(n, c, k, tuple(spatial), tuple(kernel))
+    outs = tiny_outs or tuple(1 if s == r else 2 for s, r in zip(spatial, kernel))
+    return BenchCase(name, title, full, _tiny(full, outs, c=tiny_c), tuple(dtypes))
+
+
+SUITE: tuple[BenchCase, ...] = (
+    _case("point2d", "point 2D", 9500, 3, 1280, (14, 14), (14, 14), ("bf16", "fp16", "fp32")),
+    _case("point3d", "point 3D (Qwen2.5-VL)", 9500, 3, 1280, (2, 14, 14), (2, 14, 14)),
+    _case("vit_b16", "ViT-B/16", 256, 3, 768, (224, 224), (16, 16)),
+    _case("clip_l14_336", "CLIP ViT-L/14 336", 128, 3, 1024, (336, 336), (14, 14)),
+    _case("sam_vit_h", "SAM ViT-H", 8, 3, 1280, (1024, 1024), (16, 16)),
+    _case("videomae", "VideoMAE", 16, 3, 768, (16, 224, 224), (2, 16, 16)),
+    _case("dit_xl2", "DiT-XL/2", 256, 4, 1152, (32, 32), (2, 2)),
+    _case("convnext_down", "ConvNeXt downsample", 128, 192, 384, (56, 56), (2, 2), tiny_c=8),
+    _case("resnet_1x1", "ResNet pointwise", 256, 256, 64, (56, 56), (1, 1), tiny_outs=(5, 3),
+          tiny_c=16),
+)  # fmt: skip
+
+
+def suite_cases(names: Sequence[str] | None = None) -> list[BenchCase]:
+    if not names:
+        return list(SUITE)
+    known = {c.name: c for c in SUITE}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"cases={unknown}: unknown; expected names from {', '.join(known)}")
+    return [known[n] for n in names]
+
+
+# ---- rates measured in the run -----------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredRates:
+    matrix_tflops: dict[str, float]  # "bf16", "fp16", "fp32" (TF32 off)
+    bandwidth_gbs: float
+
+    def floor_ms(self, p: ConvProblem) -> tuple[float, float]:
+        """(flop floor, byte floor) in ms."""
+        flop_ms = p.flops() / (self.matrix_tflops[dtype_name(p.dtype)] * 1e9)
+        byte_ms = p.min_bytes() / (self.bandwidth_gbs * 1e6)
+        return flop_ms, byte_ms
+
+
+@contextlib.contextmanager
+def math_mode(dtype: torch.dtype, device_type: str) -> Iterator[None]:
+    """The row's math mode: fp32 rows run with TF32 off in cuDNN and cuBLAS alike
+    (conv_gemm_precision follows cudnn.allow_tf32), half rows accumulate in fp32."""
+    saved = torch.backends.cudnn.allow_tf32
+    if dtype == torch.float32:
+        torch.backends.cudnn.allow_tf32 = False
+    try:
+        with conv_gemm_precision(dtype, device_type):
+            yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+
+
+def measure_rates(
+    device: torch.device, dtypes: Sequence[str], quick: bool, timing: dict
+) -> MeasuredRates:
+    """A large matmul per dtype (random data) and a large device-to-device copy."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    rates = {}
+    for name in dtypes:
+        dtype = DTYPES[name]
+        size = 256 if quick else (8192 if dtype != torch.float32 else 4096)
+        a = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
+        b = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
+        with math_mode(dtype, device.type):
+            t = time_ms(lambda a=a, b=b: torch.mm(a, b), device=device, **timing)
+        rates[name] = 2 * size**3 / (t.median_ms * 1e9)
+        del a, b
+    numel = (16 << 20) if quick else (1 << 30)
+    src = torch.empty(numel, dtype=torch.uint8, device=device).random_(generator=gen)
+    dst = torch.empty_like(src)
+    t = time_ms(lambda: dst.copy_(src), device=device, **timing)
+    bandwidth = 2 * numel / (t.median_ms * 1e6)
+    return MeasuredRates(matrix_tflops=rates, bandwidth_gbs=bandwidth)
+
+
+# ---- operands ----------------------------------------------------------------
+
+
+def make_problem(shape: Shape, layout: Layout, dtype, device, direction) -> ConvProblem:
+    return ConvProblem.from_sizes(
+        n=shape.n,
+        c=shape.c,
+        k=shape.k,
+        spatial=shape.spatial,
+        kernel=shape.kernel,
+        stride=shape.stride,
+        layout=layout,
+        dtype=dtype,
+        device_type=device.type,
+        direction=direction,
+    )
+
+
+def make_operands(p: ConvProblem, device: torch.device, seed: int) -> ConvTensors:
+    """Fresh seeded uniform(-1, 1) operands (never zeros) dense in the problem's layout."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(shape):
+        t = empty_in(shape, p.layout, p.dtype, device)
+        return t.uniform_(-1.0, 1.0, generator=gen)
+
+    if p.direction is Direction.FORWARD:
+        return ConvTensors(input=rand(p.input_shape), weight=rand(p.weight_shape))
+    dy = rand(p.output_shape)
+    if p.direction is Direction.BACKWARD_DATA:
+        return ConvTensors(grad_output=dy, weight=rand(p.weight_shape))
+    return ConvTensors(grad_output=dy, input=rand(p.input_shape))
+
+
+def operand_bytes(p: ConvProblem) -> int:
+    """The largest operand or result of the direction, in bytes."""
+    sizes = [math.prod(p.input_shape), math.prod(p.weight_shape), math.prod(p.output_shape)]
+    return max(sizes) * p.element_size
+
+
+# ---- the reshape + F.linear rewrite ------------------------------------------
+
+
+def _split(p: ConvProblem) -> list[int]:
+    return [v for o, r in zip(p.output_spatial, p.kernel) for v in (o, r)]
+
+
+def rewrite_columns(x: torch.Tensor, p: ConvProblem) -> torch.Tensor:
+    """Patches as rows [M, Kred], by reshape/permute as the frameworks write it: in
+    (c, r..) order for a channels-first x, (r.., c) for a channels-last one."""
+    d, n, c = p.dims, p.n, p.c
+    crop = tuple(slice(0, o * r) for o, r in zip(p.output_spatial, p.kernel))
+    outs = [1 + 2 * i for i in range(d)]
+    taps = [2 + 2 * i for i in range(d)]
+    if p.layout is Layout.CHANNELS_FIRST:
+        v = x[(slice(None), slice(None), *crop)].reshape(n, c, *_split(p))
+        order = [0, *(o + 1 for o in outs), 1, *(t + 1 for t in taps)]
+    else:
+        v = x.movedim(1, -1)[(slice(None), *crop)].reshape(n, *_split(p), c)
+        order = [0, *outs, *taps, 2 * d + 1]
+    return v.permute(order).reshape(p.gemm_m, p.gemm_k)
+
+
+def rewrite_weight(w: torch.Tensor, p: ConvProblem) -> torch.Tensor:
+    if p.layout is Layout.CHANNELS_FIRST:
+        return w.reshape(p.k, -1)
+    return w.movedim(1, -1).reshape(p.k, -1)
+
+
+def rewrite_rows(t: torch.Tensor) -> torch.Tensor:
+    """[N, K, O..] as tokens [M, K] (a view for channels-last memory, else a copy)."""
+    return t.movedim(1, -1).reshape(-1, t.shape[1])
+
+
+def rewrite_unpatch(dcol: torch.Tensor, p: ConvProblem) -> torch.Tensor:
+    """The column gradient [M, Kred] folded back to dx [N, C, S..] in the layout's
+    memory order, zeros where no patch reaches."""
+    d, n, c = p.dims, p.n, p.c
+    covered = [o * r for o, r in zip(p.output_spatial, p.kernel)]
+    # Interleave each output index with its kernel tap: (o1, r1, o2, r2, ..).
+    if p.layout is Layout.CHANNELS_FIRST:
+        v = dcol.reshape(n, *p.output_spatial, c, *p.kernel)  # n, o.., c, r..
+        order = [0, d + 1, *[j for i in range(d) for j in (1 + i, d + 2 + i)]]
+        dx = v.permute(order).reshape(n, c, *covered)
+    else:
+        v = dcol.reshape(n, *p.output_spatial, *p.kernel, c)  # n, o.., r.., c
+        order = [0, *[j for i in range(d) for j in (1 + i, d + 1 + i)], 2 * d + 1]
+        dx = v.permute(order).reshape(n, *covered, c).movedim(-1, 1)
+    if tuple(covered) == p.spatial:
+        return dx
+    pads = [v for s, e in reversed(list(zip(p.spatial, covered))) for v in (0, s - e)]
+    return F.pad(dx, pads)
+
+
+def rewrite_fn(p: ConvProblem, t: ConvTensors) -> Callable[[], torch.Tensor]:
+    """The reshape + F.linear computation of the problem's direction."""
+    if p.direction is Direction.FORWARD:
+
+        def forward() -> torch.Tensor:
+            y = F.linear(rewrite_columns(t.input, p), rewrite_weight(t.weight, p), t.bias)
+            # Token-major result, as the frameworks consume it: [N, O.., K] memory.
+            return y.view(p.n, *p.output_spatial, p.k).movedim(-1, 1)
+
+        return forward
+    if p.direction is Direction.BACKWARD_DATA:
+
+        def backward_data() -> torch.Tensor:
+            dcol = torch.mm(rewrite_rows(t.grad_output), rewrite_weight(t.weight, p))
+            return rewrite_unpatch(dcol, p)
+
+        return backward_data
+
+    def backward_weights() -> torch.Tensor:
+        dw = torch.mm(rewrite_rows(t.grad_output).t(), rewrite_columns(t.input, p))
+        if p.layout is Layout.CHANNELS_FIRST:
+            return dw.view(p.weight_shape)
+        return dw.view(p.k, *p.kernel, p.c).movedim(-1, 1)
+
+    return backward_weights
+
+
+# ---- one row -----------------------------------------------------------------
+
+
+def _peak_extra_bytes(fn: Callable[[], torch.Tensor], device: torch.device) -> int | None:
+    """Device memory a call allocates beyond its result, at its peak (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    held = result.untyped_storage().nbytes()
+    del result
+    return max(0, peak - before - held)
+
+
+@dataclasses.dataclass
+class Candidate:
+    solver: str
+    ms: float | None = None
+    rms_error: float | None = None
+    ok: bool = False
+    extra_bytes: int | None = None
+    error: str | None = None
+
+
+def run_row(
+    case: BenchCase,
+    shape: Shape,
+    layout: Layout,
+    dtype_key: str,
+    direction: Direction,
+    device: torch.device,
+    rates: MeasuredRates,
+    timing: dict,
+    seed: int,
+) -> dict:
+    dtype = DTYPES[dtype_key]
+    p = make_problem(shape, layout, dtype, device, direction)
+    t = make_operands(p, device, seed)
+    vendor = VendorSolver()
+    with math_mode(dtype, device.type):
+        ref = reference(p, t, device=device)
+        vendor_result = vendor.run(p, t)
+        vendor_ms = time_ms(lambda: vendor.run(p, t), device=device, **timing).median_ms
+        linear = rewrite_fn(p, t)
+        linear_error = judge(p, linear(), ref).error
+        linear_ms = time_ms(linear, device=device, **timing).median_ms
+        candidates = [_try_solver(s, p, t, ref, vendor_result, device, timing) for s in SOLVERS
+                      if s.is_applicable(p)]  # fmt: skip
+        immediate = dispatch.decide(p).solver
+    del ref, vendor_result
+    verified = [c for c in candidates if c.ok]
+    if not verified:
+        raise RuntimeError(f"{p.key()}: no solver verified: {candidates}")
+    best = min(verified, key=lambda c: c.ms)
+    by_id = {c.solver: c for c in candidates}
+    imm = by_id[immediate]
+    flop_ms, byte_ms = rates.floor_ms(p)
+    floor_ms = max(flop_ms, byte_ms)
+    return {
+        "case": case.name,
+        "title": case.title,
+        "layout": "cf" if layout is Layout.CHANNELS_FIRST else "cl",
+        "direction": _direction_name(direction),
+        "dtype": dtype_key,
+        "shape": dataclasses.asdict(shape),
+        "solver": best.solver,
+        "vendor_ms": vendor_ms,
+        "linear_ms": linear_ms,
+        "gemmconv_ms": best.ms,
+        "floor_ms": floor_ms,
+        "flop_floor_ms": flop_ms,
+        "byte_floor_ms": byte_ms,
+        "flops": p.flops(),
+        "min_bytes": p.min_bytes(),
+        "speedup_vs_vendor": vendor_ms / best.ms,
+        "speedup_vs_linear": linear_ms / best.ms,
+        "floor_ratio": floor_ms / best.ms,
+        "rms_error": best.rms_error,
+        "linear_rms_error": linear_error,
+        "verified": best.ok,
+        "immediate_solver": immediate,
+        "immediate_ms": imm.ms,
+        "immediate_ok": imm.ok,
+        "immediate_gap": (imm.ms / best.ms - 1.0) if imm.ms is not None else None,
+        "estimate_ms": {c.solver: _estimate(c.solver, p) for c in candidates},
+        "extra_bytes": best.extra_bytes,
+        "largest_operand_bytes": operand_bytes(p),
+        "memory_ok": None if best.extra_bytes is None else best.extra_bytes <= operand_bytes(p),
+        "candidates": {c.solver: dataclasses.asdict(c) for c in candidates},
+    }
+
+
+def _estimate(solver_id: str, p: ConvProblem) -> float:
+    from gemmconv.solvers import get_solver
+
+    return get_solver(solver_id).estimate_ms(p)
+
+
+def _try_solver(solver, p, t, ref, vendor_result, device, timing) -> Candidate:
+    """Run, verify and time one solver; a failure is recorded, never fatal."""
+    cand = Candidate(solver=solver.id)
+    try:
+        result = solver.run(p, t)
+        verdict = judge(p, result, ref, vendor_result)
+        cand.rms_error, cand.ok = verdict.error, verdict.ok
+        del result
+        cand.extra_bytes = _peak_extra_bytes(lambda: solver.run(p, t), device)
+        cand.ms = time_ms(lambda: solver.run(p, t), device=device, **timing).median_ms
+    except Exception as exc:  # a broken solver must not hide the other rows
+        cand.ok = False
+        cand.error = f"{type(exc).__name__}: {exc}"[:500]
+    return cand
+
+
+def _direction_name(direction: Direction) -> str:
+    return {v: k for k, v in DIRECTION_NAMES.items()}[direction]
+
+
+# ---- the whole run -----------------------------------------------------------
+
+
+def environment(device: torch.device) -> dict:
+    env = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    from gemmconv import __version__
+
+    env["gemmconv"] = __version__
+    return env
+
+
+def run_suite(
+    cases: Sequence[BenchCase],
+    layouts: Sequence[Layout],
+    directions: Sequence[Direction],
+    device: torch.device,
+    quick: bool,
+    timing: dict,
+    dtypes: Sequence[str] | None = None,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> dict:
+    started = time.time()
+    wanted = [d for c in cases for d in c.dtypes if dtypes is None or d in dtypes]
+    row_dtypes = sorted(set(wanted), key=list(DTYPES).index)
+    rates = measure_rates(device, row_dtypes, quick, timing)
+    log(
+        "rates: "
+        + ", ".join(f"{k} {v:.1f} TFLOP/s" for k, v in rates.matrix_tflops.items())
+        + f", copy {rates.bandwidth_gbs:.0f} GB/s"
+    )
+    rows = []
+    for case in cases:
+        shape = case.tiny if quick else case.full
+        for dtype_key in case.dtypes:
+            if dtypes is not None and dtype_key not in dtypes:
+                continue
+            for layout in layouts:
+                for direction in directions:
+                    seed += 1
+                    row = run_row(case, shape, layout, dtype_key, direction, device, rates,
+                                  timing, seed)  # fmt: skip
+                    rows.append(row)
+                    log(_row_line(row))
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+    return {
+        **environment(device),
+        "quick": quick,
+        "timing": timing,
+        "rates": dataclasses.asdict(rates),
+        "seconds": time.time() - started,
+        "rows": rows,
+    }
+
+
+def _row_line(r: dict) -> str:
+    failed = [s for s, c in r["candidates"].items() if not c["ok"]]
+    return (
+        f"{r['case']:>14} {r['layout']} {r['direction']:<11} {r['dtype']} "
+        f"vendor {r['vendor_ms']:.4f} linear {r['linear_ms']:.4f} "
+        f"gemmconv {r['gemmconv_ms']:.4f} ({r['solver']}) floor {r['floor_ms']:.4f} "
+        f"imm {r['immediate_solver']}" + (f" FAILED: {','.join(failed)}" if failed else "")
+    )
+
+
+# ---- command line ------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="gemmconv bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions")
+    ap.add_argument(
+        "--cases", default="", help=f"comma list from {','.join(c.name for c in SUITE)}"
+    )
+    ap.add_argument("--layouts", default="cf,cl", help="comma list of cf, cl")
+    ap.add_argument("--directions", default="fwd,bwd_data,bwd_weights")
+    ap.add_argument("--dtypes", default="", help="comma list of bf16, fp16, fp32 (default: all)")
+    ap.add_argument("--out", default="bench/results", help="directory for the result files")
+    ap.add_argument("--name", default=None, help="file stem (default: from the device name)")
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-plot", action="store_true")
+    return ap
+
+
+def _pick(text: str, table: dict, what: str) -> list:
+    names = [v for v in text.split(",") if v]
+    bad = [v for v in names if v not in table]
+    if bad:
+        raise SystemExit(
+            f"--{what}={text!r}: unknown {bad}; expected a comma list of {list(table)}"
+        )
+    return [table[v] for v in names]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gemmconv.bench_report import default_stem, write_results
+
+    args = _parser().parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device=cuda: no CUDA device is available")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    cases = suite_cases([c for c in args.cases.split(",") if c])
+    layouts = _pick(args.layouts, LAYOUT_NAMES, "layouts")
+    directions = _pick(args.directions, DIRECTION_NAMES, "directions")
+    dtypes = [d for d in args.dtypes.split(",") if d] or None
+    if dtypes:
+        _pick(",".join(dtypes), DTYPES, "dtypes")
+    timing = {
+        "warmup": args.warmup if args.warmup is not None else (1 if args.quick else 3),
+        "reps": args.reps if args.reps is not None else (3 if args.quick else 20),
+    }
+    results = run_suite(cases, layouts, directions, device, args.quick, timing, dtypes,
+                        args.seed)  # fmt: skip
+    stem = args.name or default_stem(results["device"])
+    paths = write_results(results, args.out, stem, plot_it=not args.no_plot)
+    for path in paths:
+        print(f"wrote {path}")
+    bad = [r for r in results["rows"] for c in r["candidates"].values() if not c["ok"]]
+    if bad:
+        print(f"{len(bad)} solver result(s) failed verification or raised", file=sys.stderr)
+        return 1
+    return 0
+
+
+__all__ = ["SUITE", "BenchCase", "main", "run_suite", "suite_cases"]
+
+if __name__ == "__main__":
+    raise SystemExit(main())

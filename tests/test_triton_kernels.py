@@ -1,0 +1,188 @@
+"""The Triton patch permutation kernels and the solver built on them.
+
+On the CPU the kernels run in Triton's interpreter (gemmconv.kernels compiles a
+kernel for CPU tensors through it, as TRITON_INTERPRET=1 would), in fp32 and fp16:
+the gather and scatter are pure copies, so they must match torch's permuted views
+exactly. On CUDA (marker gpu) the same checks run compiled, in bf16, fp16 and fp32,
+and the patch_triton solver is checked against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import pytest
+import torch
+
+from gemmconv import ConvProblem, Direction, Layout
+from gemmconv.kernels.patch_permute import gather_patches, scatter_patches
+from gemmconv.memory_format import empty_in
+from gemmconv.solvers import get_solver
+from gemmconv.solvers.padded_patch import padded_reduction
+from gemmconv.solvers.patch import patches
+
+from solver_cases import Geometry, case_id, check_case, problem_for
+
+# (spatial, kernel): exact tiling, a remainder that no patch reads, point-output.
+SHAPES = {
+    1: [((12,), (4,)), ((11,), (3,))],
+    2: [((8, 9), (4, 3)), ((9, 7), (4, 3)), ((5, 3), (5, 3))],
+    3: [((4, 6, 4), (2, 3, 2)), ((5, 7, 5), (2, 3, 2))],
+}
+CASES = [
+    (dims, spatial, kernel, layout)
+    for dims, shapes in SHAPES.items()
+    for (spatial, kernel), layout in itertools.product(shapes, list(Layout))
+]
+
+
+def _ids(case) -> str:
+    dims, spatial, kernel, layout = case
+    short = "cf" if layout is Layout.CHANNELS_FIRST else "cl"
+    return f"{dims}d-s{'x'.join(map(str, spatial))}-r{'x'.join(map(str, kernel))}-{short}"
+
+
+def _problem(spatial, kernel, layout, dtype, device_type, c=3, n=2) -> ConvProblem:
+    return ConvProblem.from_sizes(
+        n, c, 5, spatial, kernel, kernel, layout=layout, dtype=dtype, device_type=device_type
+    )
+
+
+def _random(shape, layout, dtype, device, seed) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.rand(shape, generator=gen) * 2 - 1
+    t = empty_in(shape, layout, dtype, device)
+    return t.copy_(values.to(device=device, dtype=dtype))
+
+
+def _check_gather_scatter(dims, spatial, kernel, layout, dtype, device, extra_pad: int) -> None:
+    p = _problem(spatial, kernel, layout, dtype, device.type)
+    seed = zlib.crc32(repr((spatial, kernel, layout, dtype, extra_pad)).encode())
+    x = _random(p.input_shape, layout, dtype, device, seed)
+    channels_last = layout is Layout.CHANNELS_LAST
+    expected = patches(x, p).reshape(p.gemm_m, p.gemm_k)
+    ld = padded_reduction(p) + extra_pad
+
+    col = torch.full((p.gemm_m, ld), float("nan"), dtype=dtype, device=device)
+    gather_patches(x, p.output_spatial, p.kernel, channels_last, out=col)
+    assert torch.equal(col[:, : p.gemm_k], expected)
+    assert torch.equal(col[:, p.gemm_k :], torch.zeros_like(col[:, p.gemm_k :]))
+
+    # Scatter back into a NaN-filled dx: every covered element written, the rest untouched.
+    dx = torch.full_like(x, float("nan"))
+    scatter_patches(col, p.output_spatial, p.kernel, channels_last, dx)
+    covered = (
+        slice(None),
+        slice(None),
+        *(slice(0, o * r) for o, r in zip(p.output_spatial, p.kernel)),
+    )
+    assert torch.equal(dx[covered], x[covered])
+    outside = torch.ones_like(dx, dtype=torch.bool)
+    outside[covered] = False
+    assert torch.isnan(dx[outside]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_gather_and_scatter_match_torch_views_interpreted(case, dtype):
+    _check_gather_scatter(*case, dtype, torch.device("cpu"), extra_pad=0)
+
+
+def test_gather_pads_to_a_wider_leading_dimension_interpreted():
+    _check_gather_scatter(2, (9, 7), (4, 3), Layout.CHANNELS_LAST, torch.float32,
+                          torch.device("cpu"), extra_pad=24)  # fmt: skip
+
+
+def test_gather_reads_through_arbitrary_strides_interpreted():
+    p = _problem((8, 6), (4, 3), Layout.CHANNELS_FIRST, torch.float32, "cpu")
+    wide = _random((2, 3, 8, 12), Layout.CHANNELS_FIRST, torch.float32, torch.device("cpu"), 7)
+    x = wide[..., ::2]  # a strided, non-dense view
+    col = torch.full((p.gemm_m, p.gemm_k), float("nan"))
+    gather_patches(x, p.output_spatial, p.kernel, False, out=col)
+    assert torch.equal(col, patches(x, p).reshape(p.gemm_m, p.gemm_k))
+
+
+def test_bad_buffers_are_refused_with_their_shapes():
+    x = torch.rand(2, 3, 8, 6)
+    with pytest.raises(ValueError, match=r"out of shape \(8, 35\)"):
+        gather_patches(x, (2, 2), (4, 3), False, out=torch.empty(8, 35))
+    with pytest.raises(ValueError, match="expected dense rows"):
+        gather_patches(x, (2, 2), (4, 3), False, out=torch.empty(8, 80)[:, :40])
+    with pytest.raises(ValueError, match="exceeds spatial"):
+        gather_patches(x, (3, 2), (4, 3), False, out=torch.empty(12, 36))
+    with pytest.raises(ValueError, match="expected torch.float32"):
+        gather_patches(x, (2, 2), (4, 3), False, out=torch.empty(8, 36, dtype=torch.float16))
+
+
+# ---- the solver built on the kernels -----------------------------------------
+
+SOLVER_GEOMETRIES = [
+    # C = 3 and odd kernels: an unaligned reduction in every dtype, so padding is used.
+    Geometry("remainder", spatial=(11, 7, 8), kernel=(5, 3, 3), stride=(5, 3, 3), c=3),
+    Geometry("point", spatial=(5, 3, 3), kernel=(5, 3, 3), stride=(5, 3, 3), c=3),
+    # An aligned reduction (C = 4, kernel 4x2x2 in fp32: 64 bytes): no padding.
+    Geometry("aligned", spatial=(8, 4, 4), kernel=(4, 2, 2), stride=(4, 2, 2), c=4),
+]
+
+
+def _solver_cases(solver_id: str, dtypes):
+    """Every geometry x dims x layout x dtype x direction the solver applies to on CUDA."""
+    solver = get_solver(solver_id)
+    cases = []
+    for g, dims, layout, dtype, direction in itertools.product(
+        SOLVER_GEOMETRIES, (1, 2, 3), list(Layout), dtypes, list(Direction)
+    ):
+        if solver.is_applicable(problem_for(g, dims, layout, dtype, "cuda", direction)):
+            cases.append((solver, g, dims, layout, dtype, direction))
+    return cases
+
+
+CPU_SOLVER_CASES = _solver_cases("patch_triton", (torch.float32, torch.float16))
+
+
+@pytest.mark.parametrize("case", CPU_SOLVER_CASES, ids=[case_id(c) for c in CPU_SOLVER_CASES])
+def test_triton_patch_solver_matches_float64_interpreted(case, monkeypatch):
+    # The solver declares CUDA only; on the CPU its kernels run interpreted, so the
+    # mapping is checked here by lifting the device restriction for the test.
+    solver = case[0]
+    monkeypatch.setattr(type(solver), "devices", frozenset({"cpu", "cuda"}))
+    check_case(case, "cpu", seed=zlib.crc32(case_id(case).encode()))
+
+
+def test_triton_patch_solver_declares_cuda_only():
+    p = _problem((8, 6), (4, 3), Layout.CHANNELS_FIRST, torch.float32, "cpu")
+    assert "device cpu not supported" in get_solver("patch_triton").not_supported_reasons(p)
+    assert get_solver("patch_triton").not_supported_reasons(p.__class__.from_sizes(
+        2, 3, 5, (8, 6), (4, 3), (4, 3), device_type="cuda")) == []  # fmt: skip
+
+
+# ---- on the GPU --------------------------------------------------------------
+
+GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_gather_and_scatter_match_torch_views_on_cuda(case, dtype):
+    _check_gather_scatter(*case, dtype, torch.device("cuda"), extra_pad=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["bf16", "fp16", "fp32"])
+def test_gather_large_rows_on_cuda(dtype):
+    # Enough rows that the grid has many programs in both dimensions (and int64 offsets).
+    _check_gather_scatter(2, (14 * 40, 14 * 3), (14, 14), Layout.CHANNELS_FIRST, dtype,
+                          torch.device("cuda"), extra_pad=0)  # fmt: skip
+
+
+GPU_SOLVER_CASES = _solver_cases("patch_triton", GPU_DTYPES) + _solver_cases(
+    "patch_padded", GPU_DTYPES
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_SOLVER_CASES, ids=[case_id(c) for c in GPU_SOLVER_CASES])
+def test_patch_solvers_match_float64_on_cuda(case):
+    check_case(case, "cuda", seed=zlib.crc32(case_id(case).encode()))
