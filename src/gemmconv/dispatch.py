@@ -45,6 +45,10 @@ from gemmconv.solvers import SOLVERS, Solver, get_solver
 log = logging.getLogger("gemmconv.dispatch")
 
 
+class SolverNotApplicable(RuntimeError):
+    """A forced solver (``$GEMMCONV_SOLVER`` or ``solver=``) does not apply to the problem."""
+
+
 class FindMode(str, enum.Enum):
     IMMEDIATE = "immediate"
     DATABASE = "database"
@@ -177,7 +181,7 @@ def _listing(rejected: dict[str, list[str]]) -> str:
 def _decide_forced(problem: ConvProblem, forced: str, mode: FindMode) -> Choice:
     reasons = get_solver(forced).not_supported_reasons(problem)
     if reasons:
-        raise RuntimeError(
+        raise SolverNotApplicable(
             f"solver {forced!r} was forced (GEMMCONV_SOLVER or solver=) but does not apply "
             f"to {problem.key()}: {', '.join(reasons)}"
         )
@@ -345,6 +349,7 @@ def explain_problem(problem: ConvProblem) -> dict[str, Choice]:
 __all__ = [
     "Choice",
     "FindMode",
+    "SolverNotApplicable",
     "choose",
     "clear_cache",
     "current_find_mode",

@@ -1,0 +1,7 @@
+"""``python -m gemmconv``: the same command as ``gemmconv``."""
+
+import sys
+
+from gemmconv.cli import main
+
+sys.exit(main())

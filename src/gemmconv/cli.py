@@ -1,0 +1,654 @@
+"""The ``gemmconv`` command: a MIOpenDriver-style convolution driver and its helpers.
+
+- ``gemmconv conv``: run one problem in the chosen directions: solver and why, time,
+  TFLOP/s, GB/s, the vendor's time and the speed-up, verification.
+- ``gemmconv demo``: ``conv`` preset to the headline case (9500x3x14x14 -> 1280, 14/14).
+- ``gemmconv solvers``: every solver's verdict on a problem, workspace and estimate.
+- ``gemmconv tune FILE``: find over many problems (one ``conv`` flag line each), stored.
+- ``gemmconv db show|clear|export FILE|import FILE``: the find database.
+- ``gemmconv bench ...``: the benchmark suite (gemmconv.bench), arguments passed on.
+
+A bad flag or an inconsistent problem is one line on stderr and exit status 2; a
+failed verification is exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import json
+import math
+import os
+import shlex
+import sys
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from gemmconv.memory_format import Layout
+from gemmconv.problem import DIRECTIONS, ConvProblem, Direction, dtype_name
+
+
+class UsageError(Exception):
+    """A bad flag or an inconsistent problem: reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, never the usage block
+        where = self.prog.removeprefix("gemmconv").strip()
+        raise UsageError(f"{where}: {message}" if where else message)
+
+
+# ---- problem flags -----------------------------------------------------------------
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_LAYOUTS = {
+    "NCW": (1, Layout.CHANNELS_FIRST),
+    "NWC": (1, Layout.CHANNELS_LAST),
+    "NCHW": (2, Layout.CHANNELS_FIRST),
+    "NHWC": (2, Layout.CHANNELS_LAST),
+    "NCDHW": (3, Layout.CHANNELS_FIRST),
+    "NDHWC": (3, Layout.CHANNELS_LAST),
+}
+_DIRECTION_BITS = {
+    1: Direction.FORWARD,
+    2: Direction.BACKWARD_DATA,
+    4: Direction.BACKWARD_WEIGHTS,
+}
+_DIRECTION_TITLES = {
+    Direction.FORWARD: "Forward",
+    Direction.BACKWARD_DATA: "Backward-data",
+    Direction.BACKWARD_WEIGHTS: "Backward-weights",
+}
+
+# MIOpenDriver's defaults, except timing on.
+CONV_DEFAULTS = {
+    "batch": 100, "in_channels": 3, "in_h": 32, "in_w": 32, "out_channels": 32,
+    "fil_h": 3, "fil_w": 3, "iterations": 10,
+}  # fmt: skip
+# The headline case: a point-output patch embedding (DESIGN.md §7).
+DEMO_DEFAULTS = {
+    "batch": 9500, "in_channels": 3, "in_h": 14, "in_w": 14, "out_channels": 1280,
+    "fil_h": 14, "fil_w": 14, "stride_h": 14, "stride_w": 14, "iterations": 100,
+}  # fmt: skip
+# The CPU runs the demo's vendor backward-data in about 10 s a call at N=9500 (and the
+# float64 reference slower still), so on the CPU the demo uses a tenth of the batch.
+DEMO_CPU_BATCH = 950
+DEMO_CPU_ITERATIONS = 3
+
+
+def _add_problem_flags(p: argparse.ArgumentParser, defaults: dict) -> None:
+    def d(name: str, fallback):
+        return defaults.get(name, fallback)
+
+    g = p.add_argument_group("problem (MIOpenDriver flags)")
+    g.add_argument("-n", "--batch", type=int, default=d("batch", 100))
+    g.add_argument("-c", "--in-channels", type=int, default=d("in_channels", 3))
+    g.add_argument("-H", "--in-h", type=int, default=d("in_h", 32))
+    g.add_argument("-W", "--in-w", type=int, default=d("in_w", 32))
+    g.add_argument("--in-d", type=int, default=d("in_d", 8), help="input depth (3-D)")
+    g.add_argument("-k", "--out-channels", type=int, default=d("out_channels", 32))
+    g.add_argument("-y", "--fil-h", type=int, default=d("fil_h", 3))
+    g.add_argument("-x", "--fil-w", type=int, default=d("fil_w", 3))
+    g.add_argument("--fil-d", type=int, default=d("fil_d", 3), help="filter depth (3-D)")
+    g.add_argument("-p", "--pad-h", type=int, default=d("pad_h", 0))
+    g.add_argument("-q", "--pad-w", type=int, default=d("pad_w", 0))
+    g.add_argument("--pad-d", type=int, default=d("pad_d", 0))
+    g.add_argument("-u", "--stride-h", type=int, default=d("stride_h", 1))
+    g.add_argument("-v", "--stride-w", type=int, default=d("stride_w", 1))
+    g.add_argument("--stride-d", type=int, default=d("stride_d", 1))
+    g.add_argument("-l", "--dil-h", type=int, default=d("dil_h", 1))
+    g.add_argument("-j", "--dil-w", type=int, default=d("dil_w", 1))
+    g.add_argument("--dil-d", type=int, default=d("dil_d", 1))
+    g.add_argument("-g", "--groups", type=int, default=d("groups", 1))
+    g.add_argument(
+        "--spatial-dim",
+        type=int,
+        choices=(1, 2, 3),
+        default=None,
+        help="1, 2 or 3 (default: from --layout, else 2); 1-D uses W, 3-D adds D",
+    )
+    g.add_argument("-b", type=int, choices=(0, 1), dest="bias", default=0, help="bias 0/1")
+    g.add_argument("--bias", action="store_const", const=1, dest="bias", help="with bias")
+    g.add_argument(
+        "--dtype", choices=(*_DTYPES, "auto"), default="auto", help="auto: bf16 on CUDA, else fp32"
+    )
+    g.add_argument(
+        "--layout",
+        type=str.upper,
+        choices=tuple(_LAYOUTS),
+        default=None,
+        help="default: channels-first of the spatial dim",
+    )
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    g.add_argument(
+        "-F",
+        "--forw",
+        type=int,
+        default=0,
+        help="directions: 0 all, 1 fwd, 2 bwd-data, 4 bwd-weights (sums combine)",
+    )
+
+
+def _device(args) -> torch.device:
+    if args.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    return torch.device(args.device)
+
+
+def _directions(forw: int) -> list[Direction]:
+    if not 0 <= forw <= 7:
+        raise UsageError(f"-F/--forw {forw}: expected 0 (all) or a sum of 1, 2 and 4")
+    if forw == 0:
+        return list(DIRECTIONS)
+    return [d for bit, d in _DIRECTION_BITS.items() if forw & bit]
+
+
+def problem_from_args(args, device: torch.device) -> ConvProblem:
+    """The forward problem the flags describe, checked for consistency."""
+    dims, layout = _LAYOUTS[args.layout] if args.layout else (None, None)
+    if args.spatial_dim is not None and dims is not None and args.spatial_dim != dims:
+        raise UsageError(
+            f"--layout {args.layout} is {dims}-D but --spatial-dim is {args.spatial_dim}"
+        )
+    dims = args.spatial_dim or dims or 2
+    layout = layout or Layout.CHANNELS_FIRST
+    pick = {1: slice(2, 3), 2: slice(1, 3), 3: slice(0, 3)}[dims]
+    names = ("d", "h", "w")[pick]
+
+    def per_dim(kind: str) -> tuple[int, ...]:
+        return tuple(getattr(args, f"{kind}_{n}") for n in names)
+
+    spatial, kernel = per_dim("in"), per_dim("fil")
+    pad, stride, dil = per_dim("pad"), per_dim("stride"), per_dim("dil")
+    positive = {
+        "-n/--batch": [args.batch],
+        "-c/--in-channels": [args.in_channels],
+        "-k/--out-channels": [args.out_channels],
+        "-g/--groups": [args.groups],
+        "input size": spatial,
+        "filter size": kernel,
+        "stride": stride,
+        "dilation": dil,
+    }
+    for name, values in positive.items():
+        if any(v < 1 for v in values):
+            raise UsageError(f"{name} {_dims_text(values)}: expected every value >= 1")
+    if any(v < 0 for v in pad):
+        raise UsageError(f"padding {_dims_text(pad)}: expected every value >= 0")
+    for flag, channels in (
+        ("-c/--in-channels", args.in_channels),
+        ("-k/--out-channels", args.out_channels),
+    ):
+        if channels % args.groups:
+            raise UsageError(f"{flag} {channels} is not divisible by -g/--groups {args.groups}")
+    for n, s, r, p, d in zip(names, spatial, kernel, pad, dil):
+        if s + 2 * p < d * (r - 1) + 1:
+            raise UsageError(
+                f"filter {n.upper()}={r} (dilation {d}) is larger than the padded input "
+                f"{n.upper()}={s}+2*{p}"
+            )
+    dtype = _DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return ConvProblem.from_sizes(
+        args.batch, args.in_channels, args.out_channels, spatial, kernel,
+        stride=stride, padding=pad, dilation=dil, groups=args.groups, layout=layout,
+        dtype=dtype, device_type=device.type, has_bias=bool(args.bias),
+    )  # fmt: skip
+
+
+def _dims_text(values: Sequence[int]) -> str:
+    return "x".join(str(v) for v in values)
+
+
+def _layout_name(p: ConvProblem) -> str:
+    return next(n for n, (d, lay) in _LAYOUTS.items() if d == p.dims and lay is p.layout)
+
+
+def describe(p: ConvProblem) -> str:
+    spatial = "x".join(str(s) for s in p.spatial)
+    return (
+        f"N={p.n} C={p.c} {spatial} -> K={p.k}, filter {_dims_text(p.kernel)}, stride "
+        f"{_dims_text(p.stride)}, pad {_dims_text(p.padding)}, dilation "
+        f"{_dims_text(p.dilation)}, groups {p.groups}, {_layout_name(p)}, "
+        f"{dtype_name(p.dtype)}{', bias' if p.has_bias else ''}"
+    )
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+# ---- gemmconv conv / demo ------------------------------------------------------------
+
+
+def _add_run_flags(p: argparse.ArgumentParser, iterations: int) -> None:
+    g = p.add_argument_group("run")
+    g.add_argument("-t", "--time", type=int, choices=(0, 1), default=1, help="time 0/1")
+    g.add_argument("-V", "--verify", type=int, choices=(0, 1), default=1, help="verify 0/1")
+    g.add_argument("-i", "--iterations", type=int, default=iterations, help="timed repetitions")
+    g.add_argument("--warmup", type=int, default=None, help="untimed calls (default 5 GPU, 1 CPU)")
+    g.add_argument("-S", "--solver", default=None, help="force this solver id")
+    g.add_argument("-N", "--nan", type=int, choices=(0, 1), default=1, help="NaN-fill outputs 0/1")
+    g.add_argument("-s", "--search", type=int, choices=(0, 1), default=0, help="find 0/1")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+@dataclasses.dataclass
+class DirectionReport:
+    direction: str
+    problem: str
+    solver: str
+    reason: str
+    source: str
+    time_ms: float | None = None
+    min_ms: float | None = None
+    tflops: float | None = None
+    gbs: float | None = None
+    vendor_ms: float | None = None
+    speedup: float | None = None
+    verified: bool = False
+    ok: bool | None = None
+    rms: float | None = None
+    tol: float | None = None
+    vendor_rms: float | None = None
+    verdict: str | None = None
+
+
+def _selection(args, problem: ConvProblem):
+    from gemmconv import dispatch
+
+    mode = contextlib.nullcontext() if not args.search else dispatch.find_mode("find")
+    try:
+        with mode:
+            return dispatch.choose(problem, solver=args.solver)
+    except (ValueError, dispatch.SolverNotApplicable) as e:
+        # A forced solver that does not apply, an unknown id, a bad GEMMCONV_* variable.
+        raise UsageError(str(e)) from None
+
+
+def run_direction(args, problem: ConvProblem, device: torch.device) -> DirectionReport:
+    from gemmconv.find import random_operands, result_like
+    from gemmconv.solvers import get_solver
+    from gemmconv.timing import time_ms
+    from gemmconv.verify import verify
+
+    choice = _selection(args, problem)
+    solver = get_solver(choice.solver)
+    tensors = random_operands(problem, device, seed=args.seed)
+    out = result_like(problem, tensors)
+    report = DirectionReport(
+        problem.direction.value, problem.key(), choice.solver, choice.reason, choice.source
+    )
+    if args.nan:
+        out.fill_(math.nan)  # an element the solver leaves unwritten fails verification
+    result = solver.run(problem, tensors, out=out)
+    if args.verify:
+        verdict = verify(problem, tensors, result)
+        report.verified, report.ok = True, verdict.ok
+        report.rms, report.tol, report.vendor_rms = (
+            verdict.error,
+            verdict.tolerance,
+            verdict.vendor_error,
+        )
+        report.verdict = str(verdict)
+    if args.time:
+        warmup = args.warmup if args.warmup is not None else (5 if device.type == "cuda" else 1)
+        timing = time_ms(
+            lambda: solver.run(problem, tensors, out=out),
+            device=device,
+            warmup=warmup,
+            reps=args.iterations,
+        )
+        report.time_ms, report.min_ms = timing.median_ms, timing.min_ms
+        report.tflops = problem.flops() / timing.median_ms / 1e9
+        report.gbs = problem.min_bytes() / timing.median_ms / 1e6
+        if choice.solver == "vendor":
+            report.vendor_ms = timing.median_ms
+        else:
+            vendor = get_solver("vendor")
+            # The vendor allocates its own result, as it does inside torch.
+            report.vendor_ms = time_ms(
+                lambda: vendor.run(problem, tensors),
+                device=device,
+                warmup=warmup,
+                reps=args.iterations,
+            ).median_ms
+        report.speedup = report.vendor_ms / timing.median_ms
+    return report
+
+
+def _print_direction(r: DirectionReport, reps: int) -> None:
+    title = _DIRECTION_TITLES[Direction(r.direction)]
+    print(f"{title}: solver {r.solver} ({r.reason})")
+    if r.time_ms is not None:
+        print(
+            f"  time {r.time_ms:.4f} ms (median of {reps}, min {r.min_ms:.4f})  "
+            f"{r.tflops:.3g} TFLOP/s  {r.gbs:.3g} GB/s"
+        )
+        print(f"  vendor {r.vendor_ms:.4f} ms  speed-up {r.speedup:.2f}x")
+    if r.verified:
+        print(f"  {r.verdict}")
+
+
+def cmd_conv(args) -> int:
+    device = _device(args)
+    base = problem_from_args(args, device)
+    directions = _directions(args.forw)
+    if args.iterations < 1:
+        raise UsageError(f"-i/--iterations {args.iterations}: expected at least 1")
+    if args.solver is not None:
+        _check_solver_id(args.solver)
+    if not args.json:
+        print(f"gemmconv {args.command}: {describe(base)}")
+        print(f"device: {device_name(device)}")
+        for note in getattr(args, "notes", []):
+            print(f"note: {note}")
+    reports = []
+    for direction in directions:
+        report = run_direction(args, base.with_direction(direction), device)
+        reports.append(report)
+        if not args.json:
+            _print_direction(report, args.iterations)
+    ok = all(r.ok is not False for r in reports)
+    if args.json:
+        payload = {
+            "problem": describe(base),
+            "device": device_name(device),
+            "dtype": dtype_name(base.dtype),
+            "layout": _layout_name(base),
+            "iterations": args.iterations,
+            "notes": getattr(args, "notes", []),
+            "directions": [dataclasses.asdict(r) for r in reports],
+            "ok": ok,
+        }
+        print(json.dumps(payload, indent=1))
+    return 0 if ok else 1
+
+
+def cmd_demo(args) -> int:
+    device = _device(args)
+    args.notes = []
+    if device.type == "cpu":
+        if args.batch == DEMO_DEFAULTS["batch"] and not args.batch_given:
+            args.batch = DEMO_CPU_BATCH
+            args.notes.append(
+                f"on the CPU the demo runs N={DEMO_CPU_BATCH} (the vendor's backward-data "
+                "alone takes about 10 s a call at N=9500); pass -n 9500 for the full case"
+            )
+        if not args.iterations_given:
+            args.iterations = DEMO_CPU_ITERATIONS
+    return cmd_conv(args)
+
+
+def _check_solver_id(solver_id: str) -> None:
+    from gemmconv.solvers import get_solver
+
+    try:
+        get_solver(solver_id)
+    except ValueError as e:
+        raise UsageError(f"-S/--solver: {e}") from None
+
+
+# ---- gemmconv solvers -------------------------------------------------------------------
+
+
+def cmd_solvers(args) -> int:
+    from gemmconv import dispatch
+    from gemmconv.solvers import SOLVERS
+
+    device = _device(args)
+    base = problem_from_args(args, device)
+    rows = []
+    for direction in _directions(args.forw):
+        problem = base.with_direction(direction)
+        applicable = [s for s in SOLVERS if s.is_applicable(problem)]
+        best = dispatch.decide(problem, applicable).solver if applicable else None
+        for s in SOLVERS:
+            reasons = s.not_supported_reasons(problem)
+            rows.append(
+                {
+                    "direction": direction.value,
+                    "solver": s.id,
+                    "applicable": not reasons,
+                    "immediate_choice": s.id == best,
+                    "workspace_bytes": None if reasons else s.workspace_bytes(problem),
+                    "estimate_ms": None if reasons else s.estimate_ms(problem),
+                    "why_not": reasons,
+                }
+            )
+    if args.json:
+        print(json.dumps({"problem": describe(base), "solvers": rows}, indent=1))
+        return 0
+    print(f"gemmconv solvers: {describe(base)} on {device_name(device)}")
+    print(
+        f"{'direction':<17} {'solver':<18} {'applies':<8} {'workspace':>12} "
+        f"{'estimate ms':>12}  why not"
+    )
+    for r in rows:
+        ws = "" if r["workspace_bytes"] is None else _bytes_text(r["workspace_bytes"])
+        est = "" if r["estimate_ms"] is None else f"{r['estimate_ms']:.4g}"
+        mark = "yes *" if r["immediate_choice"] else ("yes" if r["applicable"] else "no")
+        why = "; ".join(r["why_not"])
+        print(f"{r['direction']:<17} {r['solver']:<18} {mark:<8} {ws:>12} {est:>12}  {why}")
+    print("* the immediate-mode choice (lowest estimate)")
+    return 0
+
+
+def _bytes_text(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+# ---- gemmconv tune ----------------------------------------------------------------------
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # a listed dependency; without it, run without a bar
+        return contextlib.nullcontext(_NoBar())
+    return tqdm(total=total, desc=desc, unit="problem", file=sys.stderr, disable=not enabled)
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+
+def cmd_tune(args) -> int:
+    from gemmconv import dispatch
+
+    jobs = []
+    for number, line in _problem_lines(args.file):
+        sub = _Parser(prog="gemmconv", add_help=False)
+        _add_problem_flags(sub, CONV_DEFAULTS)
+        try:
+            line_args = sub.parse_args(shlex.split(line))
+            base = problem_from_args(line_args, _device(line_args))
+            jobs += [base.with_direction(d) for d in _directions(line_args.forw)]
+        except UsageError as e:
+            raise UsageError(f"tune {args.file}:{number}: {e}") from None
+    if not jobs:
+        raise UsageError(f"tune {args.file}: no problems (one line of conv flags each)")
+    results = []
+    with _progress(len(jobs), "find", not args.no_progress) as bar:
+        for problem in jobs:
+            with dispatch.find_mode("find"):
+                choice = dispatch.choose(problem)
+            results.append(
+                {
+                    "problem": problem.key(),
+                    "solver": choice.solver,
+                    "time_ms": choice.times_ms.get(choice.solver),
+                    "times_ms": choice.times_ms,
+                }
+            )
+            bar.set_postfix_str(choice.solver)
+            bar.update(1)
+    if args.json:
+        print(json.dumps({"results": results}, indent=1))
+    else:
+        for r in results:
+            time_text = "" if r["time_ms"] is None else f"  {r['time_ms']:.4g} ms"
+            print(f"{r['problem']}  ->  {r['solver']}{time_text}")
+    return 0
+
+
+def _problem_lines(path: str) -> Iterator[tuple[int, str]]:
+    try:
+        text = open(path, encoding="utf-8").read()
+    except OSError as e:
+        raise UsageError(f"tune: cannot read {path!r} ({e.strerror})") from None
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if line:
+            yield number, line
+
+
+# ---- gemmconv db ------------------------------------------------------------------------
+
+
+def _current_identities():
+    from gemmconv import finddb
+
+    ids = {finddb.identity_for("cpu")}
+    if torch.cuda.is_available():
+        ids.add(finddb.identity_for("cuda"))
+    return ids
+
+
+def cmd_db(args) -> int:
+    from gemmconv import finddb
+
+    db = finddb.get_db()
+    if args.action == "show":
+        current = _current_identities()
+        records = db.records()
+        if args.json:
+            rows = [{**r.as_json(), "current": r.identity in current} for r in records]
+            print(json.dumps({"path": db.path, "records": rows}, indent=1))
+            return 0
+        print(f"find database: {db.path} ({len(records)} results)")
+        for r in records:
+            mark = " " if r.identity in current else "x"  # x: another device or version
+            print(
+                f"{mark} {r.problem}  ->  {r.solver}  {r.time_ms:.4g} ms  "
+                f"ws {_bytes_text(r.workspace_bytes)}  [{r.identity.device}, "
+                f"torch {r.identity.torch_version}, gemmconv {r.identity.gemmconv_version}]"
+            )
+        if any(r.identity not in current for r in records):
+            print("x: measured on another device or version; ignored here")
+        return 0
+    if args.action == "clear":
+        print(f"cleared {db.clear()} results from {db.path}")
+        return 0
+    if args.file is None:
+        raise UsageError(f"db {args.action}: expected a FILE argument")
+    if args.action == "export":
+        print(f"exported {db.export_json(args.file)} results to {args.file}")
+        return 0
+    try:
+        count = db.import_json(args.file)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(f"imported {count} results into {db.path}")
+    return 0
+
+
+# ---- gemmconv bench -----------------------------------------------------------------------
+
+
+def cmd_bench(argv: list[str]) -> int:
+    try:
+        bench = importlib.import_module("gemmconv.bench")
+    except ModuleNotFoundError as e:
+        if e.name != "gemmconv.bench":
+            raise
+        raise UsageError(
+            "bench: the benchmark suite (gemmconv.bench) is not part of this installation"
+        ) from None
+    return int(bench.main(argv) or 0)
+
+
+# ---- entry point -------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="gemmconv", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    conv = sub.add_parser("conv", help="run, time and verify one convolution problem")
+    _add_problem_flags(conv, CONV_DEFAULTS)
+    _add_run_flags(conv, CONV_DEFAULTS["iterations"])
+    conv.set_defaults(handler=cmd_conv)
+
+    demo = sub.add_parser("demo", help="conv preset to the headline case (9500x3x14x14->1280)")
+    _add_problem_flags(demo, DEMO_DEFAULTS)
+    _add_run_flags(demo, DEMO_DEFAULTS["iterations"])
+    demo.set_defaults(handler=cmd_demo)
+
+    solvers = sub.add_parser("solvers", help="every solver's verdict on a problem")
+    _add_problem_flags(solvers, CONV_DEFAULTS)
+    solvers.add_argument("--json", action="store_true")
+    solvers.set_defaults(handler=cmd_solvers)
+
+    tune = sub.add_parser("tune", help="find over many problems (a file of conv flag lines)")
+    tune.add_argument("file", help="one problem per line, as conv flags; # starts a comment")
+    tune.add_argument("--json", action="store_true")
+    tune.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tune.set_defaults(handler=cmd_tune)
+
+    db = sub.add_parser("db", help="the find database: show, clear, export, import")
+    db.add_argument("action", choices=("show", "clear", "export", "import"))
+    db.add_argument("file", nargs="?", default=None, help="JSON file for export/import")
+    db.add_argument("--json", action="store_true")
+    db.set_defaults(handler=cmd_db)
+
+    sub.add_parser(
+        "bench", help="the benchmark suite; arguments go to gemmconv.bench", add_help=False
+    )
+    return parser
+
+
+def _given(argv: Sequence[str], *flags: str) -> bool:
+    return any(a in flags or any(a.startswith(f + "=") for f in flags) for a in argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["bench"]:
+            return cmd_bench(argv[1:])
+        args = build_parser().parse_args(argv)
+        args.batch_given = _given(argv, "-n", "--batch")
+        args.iterations_given = _given(argv, "-i", "--iterations")
+        return args.handler(args)
+    except UsageError as e:
+        print(f"gemmconv: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, RuntimeError) as e:
+        # A failure while running (out of memory, every find candidate failing): one
+        # line, exit status 1; GEMMCONV_TRACEBACK=1 shows the stack.
+        if os.environ.get("GEMMCONV_TRACEBACK") == "1":
+            raise
+        print(f"gemmconv: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("gemmconv: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
