@@ -1,0 +1,420 @@
+"""Property-based tests: random convolutions, eligible for a GEMM solver and not.
+
+Every example is a ConvCase (tests/random_conv.py): 1-D/2-D/3-D, both layouts, random
+stride, padding (integers, 'same', 'valid'), dilation and groups, fp32 and fp64,
+non-contiguous views of the input, weight, bias and output gradient. Each is checked
+against a float64 reference through the public functions, through every solver that
+accepts it, and through the nn modules. Runs are deterministic (derandomize, no
+example database), so CI runs the same few hundred examples every time; an example
+that ever fails is kept in test_regressions.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+import gemmconv
+import gemmconv.nn
+from gemmconv import Direction, get_solver
+from random_conv import (
+    CF,
+    CL,
+    DY_VIEWS,
+    TORCH_CONV,
+    W_VIEWS,
+    X_VIEWS,
+    ConvCase,
+    assert_matches_reference,
+    check_against_torch,
+    check_every_solver,
+)
+
+# torch warns that 'same' padding with an even kernel copies the input; not under test.
+pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same'")
+
+# Small sizes so several hundred examples run in about a minute on two cores.
+MAX_SPATIAL = {1: 12, 2: 8, 3: 5}
+KINDS = ("patch", "point_output", "pointwise", "strided_pointwise", "near_miss", "general")
+# The solver each eligible kind exists to exercise.
+KIND_SOLVER = {
+    "patch": "patch",
+    "point_output": "point_output",
+    "pointwise": "pointwise",
+    "strided_pointwise": "strided_pointwise",
+}
+
+
+def _settings(examples: int):
+    return settings(
+        max_examples=examples,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+
+
+# ---- geometry per kind -----------------------------------------------------------
+
+
+@st.composite
+def _patch_dim(draw, cap: int):
+    r = draw(st.integers(1, 3))
+    o = draw(st.integers(1, cap // r))
+    remainder = draw(st.integers(0, min(r - 1, cap - o * r)))
+    return o * r + remainder, r, r, 0, 1
+
+
+@st.composite
+def _point_output_dim(draw, cap: int):
+    r = draw(st.integers(1, min(4, cap)))
+    s = draw(st.integers(r, min(2 * r - 1, cap)))
+    return s, r, r, 0, 1
+
+
+@st.composite
+def _pointwise_dim(draw, cap: int, strided: bool):
+    s = draw(st.integers(1, cap))
+    u = draw(st.integers(1, 3)) if strided else 1
+    return s, 1, u, 0, 1
+
+
+@st.composite
+def _general_dim(draw, cap: int):
+    r = draw(st.integers(1, 3))
+    d = draw(st.integers(1, 2))
+    p = draw(st.integers(0, 2))
+    u = draw(st.integers(1, 3))
+    s = draw(st.integers(max(1, d * (r - 1) + 1 - 2 * p), cap))
+    return s, r, u, p, d
+
+
+def _columns(per_dim):
+    """[(s, r, u, p, d), ...] per dimension -> (spatial, kernel, stride, padding, dilation)."""
+    return tuple(tuple(values) for values in zip(*per_dim, strict=True))
+
+
+@st.composite
+def geometries(draw, kind: str, dims: int):
+    """(spatial, kernel, stride, padding, dilation, groups) of one kind."""
+    cap = MAX_SPATIAL[dims]
+    groups = 1
+    if kind == "patch":
+        per_dim = [draw(_patch_dim(cap)) for _ in range(dims)]
+    elif kind == "point_output":
+        per_dim = [draw(_point_output_dim(cap)) for _ in range(dims)]
+    elif kind in ("pointwise", "strided_pointwise"):
+        strided = kind == "strided_pointwise"
+        per_dim = [draw(_pointwise_dim(cap, strided)) for _ in range(dims)]
+        if strided and all(u == 1 for _, _, u, _, _ in per_dim):
+            s, r, _, p, d = per_dim[0]
+            per_dim[0] = (s, r, 2, p, d)
+    elif kind == "near_miss":
+        # An eligible geometry with one thing changed, so exactly one rule rejects it.
+        base = draw(st.sampled_from(["patch", "pointwise"]))
+        make = _patch_dim(cap) if base == "patch" else _pointwise_dim(cap, strided=False)
+        per_dim = [list(draw(make)) for _ in range(dims)]
+        i = draw(st.integers(0, dims - 1))
+        change = draw(
+            st.sampled_from(["padding", "dilation", "stride_up", "stride_down", "groups"])
+        )
+        s, r, u, p, d = per_dim[i]
+        if change == "padding":
+            per_dim[i][3] = 1
+        elif change == "dilation" and r > 1 and s >= 2 * (r - 1) + 1:
+            per_dim[i][4] = 2
+        elif change == "stride_up":
+            per_dim[i][2] = u + 1
+        elif change == "stride_down" and u > 1:
+            per_dim[i][2] = u - 1
+        else:
+            groups = 2
+    else:
+        per_dim = [draw(_general_dim(cap)) for _ in range(dims)]
+        groups = draw(st.sampled_from([1, 1, 2, 3]))
+    return (*_columns(per_dim), groups)
+
+
+@st.composite
+def conv_cases(draw, integer_padding_only: bool = False, kinds=KINDS):
+    dims = draw(st.sampled_from([1, 2, 3]))
+    kind = draw(st.sampled_from(kinds))
+    spatial, kernel, stride, padding, dilation, groups = draw(geometries(kind, dims))
+    padding_arg: tuple[int, ...] | str = padding
+    if kind == "general" and not integer_padding_only:
+        choices = ["ints"]
+        if all(u == 1 for u in stride):
+            choices.append("same")
+        if not any(padding):
+            choices.append("valid")
+        choice = draw(st.sampled_from(choices))
+        padding_arg = padding if choice == "ints" else choice
+    event(f"kind {kind}, {dims}-D")
+    # Mostly every gradient; sometimes a subset, so needs_input_grad is exercised.
+    every = st.just((True, True, True))
+    needs_grad = draw(st.one_of(every, every, st.tuples(*[st.booleans()] * 3)))
+    return ConvCase(
+        dims=dims,
+        n=draw(st.integers(1, 3)),
+        c=draw(st.integers(1, 3)) * groups,
+        k=draw(st.integers(1, 3)) * groups,
+        spatial=spatial,
+        kernel=kernel,
+        stride=stride,
+        padding=padding_arg,
+        dilation=dilation,
+        groups=groups,
+        dtype=draw(st.sampled_from([torch.float32, torch.float64])),
+        bias=draw(st.booleans()),
+        x_layout=draw(st.sampled_from([CF, CL])),
+        w_layout=draw(st.sampled_from([CF, CF, CL])),
+        x_view=draw(st.sampled_from(X_VIEWS)),
+        w_view=draw(st.sampled_from(W_VIEWS)),
+        dy_view=draw(st.sampled_from(DY_VIEWS)),
+        needs_grad=needs_grad,
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+# ---- the properties --------------------------------------------------------------
+
+
+@_settings(300)
+@given(conv_cases())
+def test_conv_matches_torch_forward_and_every_gradient(case: ConvCase):
+    check_against_torch(case)
+
+
+@_settings(120)
+@given(conv_cases(integer_padding_only=True))
+def test_every_applicable_solver_matches_float64(case: ConvCase):
+    for solver_id in sorted(set(check_every_solver(case))):
+        event(f"solver {solver_id}")
+
+
+@pytest.mark.parametrize("kind", sorted(KIND_SOLVER))
+@_settings(60)
+@given(data=st.data())
+def test_eligible_geometries_reach_their_solver(kind: str, data):
+    """The generator's eligible kinds really are eligible, in every direction and layout,
+    so the properties above exercise the GEMM solvers and not only the fallbacks."""
+    case = data.draw(conv_cases(integer_padding_only=True, kinds=(kind,)))
+    solver = get_solver(KIND_SOLVER[kind])
+    for layout in (CF, CL):
+        for direction in Direction:
+            problem = case.problem(direction, layout)
+            assert solver.not_supported_reasons(problem) == [], (problem.key(), kind)
+
+
+def test_near_misses_are_rejected_by_the_patch_and_pointwise_rules():
+    """A geometry with padding, dilation or groups never passes the patch rules."""
+    patch = get_solver("patch")
+    for padding, dilation, groups in (
+        ((1, 0), (1, 1), 1),
+        ((0, 0), (1, 2), 1),
+        ((0, 0), (1, 1), 2),
+    ):
+        problem = gemmconv.ConvProblem.from_sizes(
+            2, 4, 4, (6, 6), 2, stride=2, padding=padding, dilation=dilation, groups=groups
+        )
+        assert patch.not_supported_reasons(problem), problem.key()
+
+
+# ---- random arguments, valid or not: gemmconv fails exactly where torch does --------
+
+
+def _mostly(good, bad):
+    """Draws from ``good`` about nine times in ten, else from ``bad``."""
+    return st.sampled_from([*good] * 9 * len(bad) + [*bad] * len(good))
+
+
+@st.composite
+def raw_calls(draw):
+    """Arguments of any kind, mostly valid: each draw is wrong with a small chance, so
+    single mistakes, combined mistakes and valid calls all occur."""
+    dims = draw(st.sampled_from([1, 2, 3]))
+    rank = draw(_mostly([dims + 2], [dims + 1, dims + 3, dims]))
+    groups = draw(_mostly([1, 1, 2], [3, 0, -1, 1.0, True]))
+    g = groups if type(groups) is int and groups > 0 else 1  # for the shapes only
+    n = draw(_mostly([1, 2], [0]))
+    cg = draw(_mostly([1, 2], [0, 3]))
+    c = draw(_mostly([cg * g], [cg + 1, 0]))
+    k = draw(_mostly([g, 2 * g], [0, 3]))
+    kernel = [draw(_mostly([1, 2, 3], [0, 6])) for _ in range(dims)]
+    spatial = [draw(_mostly([3, 5, 6], [0, 1, 2])) for _ in range(dims)]
+    shape = {
+        dims + 2: [n, c, *spatial],
+        dims + 1: [c, *spatial],  # unbatched
+        dims + 3: [1, n, c, *spatial],
+        dims: spatial,
+    }[rank]
+    padding = draw(
+        st.one_of(
+            _mostly([0, 1, 2], [-1]),
+            st.lists(_mostly([0, 1], [-1]), min_size=dims, max_size=dims).map(tuple),
+            st.lists(st.just(0), min_size=1, max_size=dims + 1).map(tuple),
+            _mostly(["same", "valid"], ["full", "SAME"]),
+        )
+    )
+    return dict(
+        dims=dims,
+        input_shape=tuple(shape),
+        weight_shape=(k, cg, *kernel),
+        bias_size=draw(_mostly([None, k], [k + 1])),
+        stride=draw(_mostly([1, 1, 2, 3], [0, -1, (1,) * (dims + 1), 1.5])),
+        padding=padding,
+        dilation=draw(_mostly([1, 1, 2], [0, -1])),
+        groups=groups,
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def _outcome(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs), None
+    except Exception as error:  # the type is what is compared
+        return None, error
+
+
+@_settings(300)
+@given(raw_calls())
+def test_random_arguments_fail_exactly_where_torch_fails(call):
+    gen = torch.Generator().manual_seed(call["seed"])
+    x = torch.rand(call["input_shape"], generator=gen, dtype=torch.float64) * 2 - 1
+    w = torch.rand(call["weight_shape"], generator=gen, dtype=torch.float64) * 2 - 1
+    b = None
+    if call["bias_size"] is not None:
+        b = torch.rand(call["bias_size"], generator=gen, dtype=torch.float64) * 2 - 1
+    kwargs = {key: call[key] for key in ("stride", "padding", "dilation", "groups")}
+    dims = call["dims"]
+    expected, torch_error = _outcome(TORCH_CONV[dims], x, w, b, **kwargs)
+    conv = {1: gemmconv.conv1d, 2: gemmconv.conv2d, 3: gemmconv.conv3d}[dims]
+    got, error = _outcome(conv, x, w, b, **kwargs)
+    if torch_error is not None:
+        event(f"refused: {type(torch_error).__name__}")
+        assert error is not None, f"torch refused ({torch_error}) but gemmconv ran: {call}"
+        assert type(error) is type(torch_error), f"{error!r} vs torch's {torch_error!r}: {call}"
+        return
+    event("accepted")
+    assert error is None, f"torch ran but gemmconv raised {error!r}: {call}"
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected)
+
+
+# ---- the modules ------------------------------------------------------------------
+
+
+@st.composite
+def module_configs(draw):
+    dims = draw(st.sampled_from([1, 2, 3]))
+    groups = draw(st.sampled_from([1, 1, 2]))
+    kernel = tuple(draw(st.integers(1, 3)) for _ in range(dims))
+    stride = tuple(draw(st.integers(1, 3)) for _ in range(dims))
+    padding_mode = draw(st.sampled_from(["zeros", "zeros", "reflect", "replicate", "circular"]))
+    patch_like = draw(st.booleans())
+    if patch_like:
+        stride = kernel
+        padding: tuple[int, ...] | str = (0,) * dims
+    elif all(u == 1 for u in stride) and draw(st.booleans()):
+        padding = "same"
+    else:
+        padding = tuple(draw(st.integers(0, 1)) for _ in range(dims))
+    cap = MAX_SPATIAL[dims]
+    spatial = tuple(draw(st.integers(max(r, 2), cap)) for r in kernel)
+    return dict(
+        dims=dims,
+        in_channels=draw(st.integers(1, 3)) * groups,
+        out_channels=draw(st.integers(1, 3)) * groups,
+        kernel_size=kernel,
+        stride=stride,
+        padding=padding,
+        dilation=1,
+        groups=groups,
+        bias=draw(st.booleans()),
+        padding_mode=padding_mode,
+        n=draw(st.integers(1, 2)),
+        spatial=spatial,
+        channels_last=draw(st.booleans()),
+        dtype=draw(st.sampled_from([torch.float32, torch.float64])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@_settings(80)
+@given(module_configs())
+def test_modules_match_torch_modules(config):
+    """gemmconv.nn.Conv{d}d against torch.nn.Conv{d}d with the same state_dict: every
+    padding mode, 'same' padding, groups, both layouts; torch's errors (reflect padding
+    wider than the input) are raised with torch's type."""
+    dims, dtype = config["dims"], config["dtype"]
+    keys = (
+        "in_channels",
+        "out_channels",
+        "kernel_size",
+        "stride",
+        "padding",
+        "dilation",
+        "groups",
+        "bias",
+        "padding_mode",
+    )
+    args = {key: config[key] for key in keys}
+    torch_cls = {1: torch.nn.Conv1d, 2: torch.nn.Conv2d, 3: torch.nn.Conv3d}[dims]
+    ours_cls = {1: gemmconv.nn.Conv1d, 2: gemmconv.nn.Conv2d, 3: gemmconv.nn.Conv3d}[dims]
+    torch.manual_seed(config["seed"])
+    reference = torch_cls(**args).to(torch.float64)
+    magnitudes = torch_cls(**args).to(torch.float64)  # |parameters|: the error scale
+    theirs = torch_cls(**args).to(dtype)
+    ours = ours_cls(**args).to(dtype)
+    state = reference.state_dict()
+    for module in (theirs, ours):
+        module.load_state_dict(state)
+    magnitudes.load_state_dict({name: t.abs() for name, t in state.items()})
+
+    gen = torch.Generator().manual_seed(config["seed"])
+    shape = (config["n"], config["in_channels"], *config["spatial"])
+    x64 = torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1
+    if config["channels_last"] and dims > 1:
+        x64 = x64.to(memory_format=torch.channels_last if dims == 2 else torch.channels_last_3d)
+    runs = {}
+    for name, module, x in (
+        ("ours", ours, x64.to(dtype)),
+        ("torch", theirs, x64.to(dtype)),
+        ("ref", reference, x64.clone()),
+        ("scale", magnitudes, x64.abs()),
+    ):
+        x.requires_grad_(True)
+        y, error = _outcome(module, x)
+        runs[name] = (x, y, error)
+    torch_error = runs["torch"][2]
+    if torch_error is not None:
+        assert type(runs["ours"][2]) is type(torch_error), (runs["ours"][2], torch_error)
+        return
+    assert runs["ours"][2] is None, runs["ours"][2]
+    (x, y, _), (x_ref, y_ref, _), (x_scale, y_scale, _) = runs["ours"], runs["ref"], runs["scale"]
+    assert y.shape == runs["torch"][1].shape
+    assert_matches_reference("module forward", y, y_ref, y_scale, ModuleConfig(config))
+    dy = torch.rand(y.shape, generator=gen, dtype=torch.float64) * 2 - 1
+    y.backward(dy.to(dtype))
+    y_ref.backward(dy)
+    y_scale.backward(dy.abs())
+    pairs = [("input grad", x.grad, x_ref.grad, x_scale.grad)]
+    ref_params, scale_params = (
+        dict(reference.named_parameters()),
+        dict(magnitudes.named_parameters()),
+    )
+    for name, p in ours.named_parameters():
+        pairs.append((f"{name} grad", p.grad, ref_params[name].grad, scale_params[name].grad))
+    for name, mine, ref, scale in pairs:
+        assert_matches_reference(name, mine, ref, scale, ModuleConfig(config))
+
+
+class ModuleConfig(dict):
+    """A module config dict with the ``dtype`` attribute assert_matches_reference reads."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self["dtype"]
