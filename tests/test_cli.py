@@ -1,0 +1,400 @@
+"""The ``gemmconv`` driver: output, exit codes, --json, bad flags, forced/disabled solvers,
+every selection mode, the database commands, tune, demo and bench."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from gemmconv import cli, dispatch, finddb
+from gemmconv.solvers.im2col import Im2colSolver
+
+ENV = ("GEMMCONV_FIND_MODE", "GEMMCONV_SOLVER", "GEMMCONV_DISABLE", "GEMMCONV_FIND_VERIFY")
+# A small patch-class problem: patch, im2col and vendor apply in every direction.
+PATCH = "-n 4 -c 3 -H 8 -W 8 -k 16 -y 4 -x 4 -u 4 -v 4 -i 2 --warmup 0".split()
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMCONV_DB", str(tmp_path / "find.sqlite"))
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    finddb.reset_db()
+    dispatch.set_find_mode(None)
+    yield
+    dispatch.set_find_mode(None)
+    finddb.reset_db()
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys, *argv: str) -> dict:
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+# ---- gemmconv conv ------------------------------------------------------------------
+
+
+def test_conv_reports_every_direction(capsys):
+    code, out, err = run(capsys, "conv", *PATCH)
+    assert code == 0, err
+    for title in ("Forward:", "Backward-data:", "Backward-weights:"):
+        assert title in out
+    assert out.count("Verifies OK (rms=") == 3
+    assert out.count("TFLOP/s") == 3 and out.count("GB/s") == 3
+    assert out.count("speed-up") == 3 and out.count("vendor ") >= 3
+    expected = dispatch.decide(cli.problem_from_args(_parsed(PATCH), torch.device("cpu")))
+    assert f"Forward: solver {expected.solver} (" in out
+
+
+def _parsed(argv):
+    return cli.build_parser().parse_args(["conv", *argv])
+
+
+def test_conv_json_is_complete_and_consistent(capsys):
+    data = run_json(capsys, "conv", *PATCH)
+    assert data["ok"] is True and data["dtype"] == "fp32" and data["layout"] == "NCHW"
+    assert [d["direction"] for d in data["directions"]] == [
+        "forward",
+        "backward_data",
+        "backward_weights",
+    ]
+    for d in data["directions"]:
+        assert d["verified"] and d["ok"] and d["rms"] <= d["tol"]
+        assert d["time_ms"] > 0 and d["vendor_ms"] > 0
+        assert d["speedup"] == pytest.approx(d["vendor_ms"] / d["time_ms"])
+        assert d["tflops"] > 0 and d["gbs"] > 0
+
+
+@pytest.mark.parametrize(
+    ("bits", "expected"),
+    [("1", ["forward"]), ("6", ["backward_data", "backward_weights"]), ("4", ["backward_weights"])],
+)
+def test_direction_bits_select_directions(capsys, bits, expected):
+    data = run_json(capsys, "conv", *PATCH, "-F", bits)
+    assert [d["direction"] for d in data["directions"]] == expected
+
+
+def test_time_and_verify_can_be_turned_off(capsys):
+    data = run_json(capsys, "conv", *PATCH, "-F", "1", "-t", "0", "-V", "0")
+    d = data["directions"][0]
+    assert d["time_ms"] is None and d["vendor_ms"] is None and not d["verified"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "layout", "key_part"),
+    [
+        ("--spatial-dim 1 -W 12 -x 4 -v 4", "NCW", "1d-"),
+        ("--layout NWC -W 12 -x 4 -v 4", "NWC", "1d-"),
+        ("--layout NHWC -H 8 -W 8 -y 4 -x 4 -u 4 -v 4", "NHWC", "2d-"),
+        (
+            "--layout NDHWC --in-d 4 --fil-d 2 --stride-d 2 -H 8 -W 8 -y 4 -x 4 -u 4 -v 4",
+            "NDHWC",
+            "3d-",
+        ),
+        ("--spatial-dim 3 --in-d 2 --fil-d 1 -H 6 -W 6 -y 1 -x 1", "NCDHW", "3d-"),
+    ],
+)
+def test_one_two_and_three_dimensional_problems(capsys, flags, layout, key_part):
+    data = run_json(capsys, "conv", "-n", "2", "-c", "4", "-k", "8", "-i", "1", *flags.split())
+    assert data["layout"] == layout and data["ok"]
+    assert all(d["problem"].startswith(key_part) for d in data["directions"])
+
+
+def test_bias_and_dtype_flags(capsys):
+    data = run_json(capsys, "conv", *PATCH, "-F", "1", "--bias", "--dtype", "bf16")
+    assert data["dtype"] == "bf16" and data["problem"].endswith("bf16, bias")
+    assert data["directions"][0]["problem"].endswith("-b1") and data["ok"]
+    data = run_json(capsys, "conv", *PATCH, "-F", "1", "-b", "1")
+    assert data["directions"][0]["problem"].endswith("-b1")
+
+
+def test_dtype_auto_is_fp32_on_the_cpu(capsys):
+    assert run_json(capsys, "conv", *PATCH, "-F", "1", "--device", "cpu")["dtype"] == "fp32"
+
+
+def _wrong_result(self, p, t, out):
+    out.copy_(torch.ones_like(out))
+    return out
+
+
+def _leaves_output_unwritten(self, p, t, out):
+    return out
+
+
+@pytest.mark.parametrize("broken", [_wrong_result, _leaves_output_unwritten])
+def test_failed_verification_prints_failed_and_exits_1(capsys, monkeypatch, broken):
+    monkeypatch.setattr(Im2colSolver, "forward", broken)
+    code, out, err = run(capsys, "conv", *PATCH, "-F", "1", "-S", "im2col", "-N", "1")
+    assert code == 1
+    assert "FAILED (rms=" in out and "Verifies OK" not in out
+
+
+# ---- forced and disabled solvers, modes ------------------------------------------------
+
+
+def test_forced_solver_flag(capsys):
+    data = run_json(capsys, "conv", *PATCH, "-S", "im2col")
+    assert {d["solver"] for d in data["directions"]} == {"im2col"}
+    assert {d["source"] for d in data["directions"]} == {"forced"}
+
+
+def test_forced_solver_environment(capsys, monkeypatch):
+    monkeypatch.setenv("GEMMCONV_SOLVER", "vendor")
+    data = run_json(capsys, "conv", *PATCH, "-F", "1")
+    d = data["directions"][0]
+    assert d["solver"] == "vendor" and d["speedup"] == pytest.approx(1.0)
+
+
+def test_disabled_solvers_are_not_used(capsys, monkeypatch):
+    monkeypatch.setenv("GEMMCONV_DISABLE", "patch,im2col")
+    data = run_json(capsys, "conv", *PATCH)
+    assert {d["solver"] for d in data["directions"]} == {"vendor"}
+
+
+def test_find_flag_benchmarks_and_stores(capsys):
+    data = run_json(capsys, "conv", *PATCH, "-s", "1")
+    assert {d["source"] for d in data["directions"]} == {"find"}
+    stored = {r.problem: r.solver for r in finddb.get_db().records()}
+    assert stored == {d["problem"]: d["solver"] for d in data["directions"]}
+
+
+@pytest.mark.parametrize(
+    ("mode", "stored", "expected_source"),
+    [
+        ("immediate", True, "estimate"),
+        ("database", True, "database"),
+        ("database", False, "estimate"),
+        ("hybrid", True, "database"),
+        ("hybrid", False, "find"),
+        ("find", True, "find"),
+    ],
+)
+def test_every_mode_through_the_environment(capsys, monkeypatch, mode, stored, expected_source):
+    problem = cli.problem_from_args(_parsed(PATCH), torch.device("cpu"))
+    if stored:
+        identity = finddb.identity_for("cpu")
+        finddb.get_db().store(finddb.Record(problem.key(), identity, "vendor", {}, 1.0, 0))
+    monkeypatch.setenv("GEMMCONV_FIND_MODE", mode)
+    d = run_json(capsys, "conv", *PATCH, "-F", "1")["directions"][0]
+    assert d["source"] == expected_source
+    if expected_source == "database":
+        assert d["solver"] == "vendor"
+
+
+# ---- bad flags and inconsistent problems ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ("conv -H 4 -W 4 -y 5 -x 5", "filter H=5"),
+        ("conv -c 3 -g 2", "-c/--in-channels 3 is not divisible by -g/--groups 2"),
+        ("conv -k 30 -c 4 -g 4", "-k/--out-channels 30 is not divisible"),
+        ("conv -S winograd", "unknown solver id"),
+        ("conv -n 2 -S pointwise", "kernel (3, 3) is not 1x1"),
+        ("conv --bogus", "unrecognized arguments: --bogus"),
+        ("conv -n x", "invalid int value: 'x'"),
+        ("conv -n 0", "-n/--batch 0"),
+        ("conv -u 0", "stride 0x1"),
+        ("conv -p -1", "padding -1x0"),
+        ("conv -F 8", "-F/--forw 8"),
+        ("conv -t 2", "argument -t/--time"),
+        ("conv -i 0", "-i/--iterations 0"),
+        ("conv --dtype fp64", "argument --dtype"),
+        ("conv --layout NCDHW --spatial-dim 1", "--layout NCDHW is 3-D"),
+        ("conv --layout CHWN", "argument --layout"),
+        ("solvers -y 40", "filter H=40"),
+        ("db import", "expected a FILE"),
+        ("db drop", "argument action"),
+        ("nothing", "invalid choice: 'nothing'"),
+        ("", "required"),
+    ],
+)
+def test_bad_flags_give_one_line_and_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv.split())
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gemmconv: error: "), err
+    assert message in lines[0]
+
+
+def test_bad_environment_variable_is_a_usage_error(capsys, monkeypatch):
+    monkeypatch.setenv("GEMMCONV_DISABLE", "fft")
+    code, _, err = run(capsys, "conv", *PATCH)
+    assert code == 2 and "GEMMCONV_DISABLE='fft'" in err
+
+
+def test_no_cuda_device_is_a_usage_error(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    code, _, err = run(capsys, "conv", *PATCH, "--device", "cuda")
+    assert code == 2 and "no CUDA device" in err
+
+
+def test_python_dash_m_gives_no_traceback():
+    env = {"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(
+        [sys.executable, "-m", "gemmconv", "conv", "-H", "4", "-y", "9"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "filter H=9" in result.stderr
+
+
+# ---- gemmconv solvers ---------------------------------------------------------------------
+
+
+def test_solvers_table_lists_every_solver_with_its_verdict(capsys):
+    from gemmconv.solvers import solver_ids
+
+    code, out, err = run(capsys, "solvers", *PATCH[:-4], "-F", "1")
+    assert code == 0, err
+    for sid in solver_ids():
+        assert f" {sid} " in out
+    assert "kernel (4, 4) is not 1x1" in out and "yes *" in out
+    data = run_json(capsys, "solvers", *PATCH[:-4])
+    assert len(data["solvers"]) == 3 * len(solver_ids())
+    chosen = [r for r in data["solvers"] if r["immediate_choice"]]
+    assert len(chosen) == 3 and all(r["applicable"] for r in chosen)
+    for r in data["solvers"]:
+        assert r["applicable"] == (not r["why_not"])
+        assert (r["estimate_ms"] is None) == (not r["applicable"])
+
+
+# ---- gemmconv db ----------------------------------------------------------------------------
+
+
+def test_db_show_export_import_clear(capsys, tmp_path):
+    run_json(capsys, "conv", *PATCH, "-s", "1", "-t", "0", "-V", "0")
+    code, out, _ = run(capsys, "db", "show")
+    assert code == 0 and "(3 results)" in out and "-forward-b0  ->  " in out
+    other = finddb.Identity("NVIDIA H200", "9.0", "2.11.0", "0.1.0")
+    finddb.get_db().store(finddb.Record("2d-elsewhere", other, "vendor", {}, 1.0, 0))
+    shown = run_json(capsys, "db", "show")
+    assert sorted(r["current"] for r in shown["records"]) == [False, True, True, True]
+    dump = tmp_path / "dump.json"
+    assert run(capsys, "db", "export", str(dump))[0] == 0
+    code, out, _ = run(capsys, "db", "clear")
+    assert code == 0 and "cleared 4 results" in out
+    assert finddb.get_db().records() == []
+    code, out, _ = run(capsys, "db", "import", str(dump))
+    assert code == 0 and "imported 4 results" in out
+    assert len(finddb.get_db().records()) == 4
+
+
+# ---- gemmconv tune ----------------------------------------------------------------------------
+
+
+def test_tune_finds_every_problem_of_a_file_with_a_progress_bar(capsys, tmp_path):
+    problems = tmp_path / "problems.txt"
+    problems.write_text(
+        "# patch embedding, forward only\n"
+        + " ".join(PATCH[:-4])
+        + " -F 1\n\n-n 2 -c 8 -H 6 -W 6 -k 8 -y 1 -x 1 --layout NHWC  # pointwise\n"
+    )
+    code, out, err = run(capsys, "tune", str(problems), "--json")
+    assert code == 0, err
+    results = json.loads(out)["results"]
+    assert len(results) == 4
+    for r in results:
+        assert r["solver"] == min(r["times_ms"], key=r["times_ms"].__getitem__)
+        assert r["time_ms"] == min(r["times_ms"].values())
+    assert [r["problem"].rsplit("-", 2)[-2] for r in results] == [
+        "forward",
+        "forward",
+        "backward_data",
+        "backward_weights",
+    ]
+    assert "find: 100%" in err  # the progress bar, on stderr
+    assert len(finddb.get_db().records()) == 4
+
+
+def test_tune_names_the_bad_line(capsys, tmp_path):
+    problems = tmp_path / "problems.txt"
+    problems.write_text(" ".join(PATCH[:-4]) + "\n-n 2 -y 99\n")
+    code, _, err = run(capsys, "tune", str(problems))
+    assert code == 2 and "problems.txt:2: filter H=99" in err
+
+
+# ---- gemmconv demo --------------------------------------------------------------------------
+
+
+def test_demo_presets_the_headline_case(capsys):
+    code, out, err = run(capsys, "demo", "-n", "16", "-i", "1", "--warmup", "0")
+    assert code == 0, err
+    assert "N=16 C=3 14x14 -> K=1280, filter 14x14, stride 14x14" in out
+    assert out.count("Verifies OK") == 3
+    assert "Forward: solver point_output" in out
+
+
+def test_demo_on_the_cpu_uses_a_short_run(monkeypatch):
+    seen = {}
+
+    def capture(args):
+        seen.update(batch=args.batch, iterations=args.iterations, notes=args.notes)
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_conv", capture)
+    assert cli.main(["demo", "--device", "cpu"]) == 0
+    assert seen["batch"] == cli.DEMO_CPU_BATCH and seen["iterations"] == cli.DEMO_CPU_ITERATIONS
+    assert "-n 9500" in seen["notes"][0]
+    assert cli.main(["demo", "--device", "cpu", "-n", "9500", "-i", "7"]) == 0
+    assert seen["batch"] == 9500 and seen["iterations"] == 7 and seen["notes"] == []
+
+
+# ---- gemmconv bench -------------------------------------------------------------------------
+
+
+def test_bench_forwards_its_arguments(monkeypatch):
+    received = []
+    fake = types.ModuleType("gemmconv.bench")
+    fake.main = lambda argv: received.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "gemmconv.bench", fake)
+    assert cli.main(["bench", "--quick", "--cases", "point2d"]) == 0
+    assert received == [["--quick", "--cases", "point2d"]]
+
+
+def test_bench_without_the_suite_installed_exits_2(capsys, monkeypatch):
+    import importlib
+
+    real = importlib.import_module
+
+    def missing(name, *args):
+        if name == "gemmconv.bench":
+            raise ModuleNotFoundError("No module named 'gemmconv.bench'", name=name)
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", missing)
+    code, _, err = run(capsys, "bench", "--quick")
+    assert code == 2 and "gemmconv.bench" in err and "Traceback" not in err
+
+
+# ---- on the GPU ----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_demo_on_the_gpu_is_fast_and_verified(capsys):
+    data = run_json(capsys, "demo")
+    assert data["ok"] and data["dtype"] == "bf16"
+    for d in data["directions"]:
+        assert d["verified"] and d["ok"]
+        assert d["speedup"] > 1.0, d
