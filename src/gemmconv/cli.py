@@ -487,23 +487,55 @@ def cmd_tune(args) -> int:
         for problem in jobs:
             with dispatch.find_mode("find"):
                 choice = dispatch.choose(problem)
-            results.append(
-                {
-                    "problem": problem.key(),
-                    "solver": choice.solver,
-                    "time_ms": choice.times_ms.get(choice.solver),
-                    "times_ms": choice.times_ms,
-                }
-            )
+            results.append(_tune_result(problem, choice))
             bar.set_postfix_str(choice.solver)
             bar.update(1)
+    summary = _agreement(results)
     if args.json:
-        print(json.dumps({"results": results}, indent=1))
-    else:
-        for r in results:
-            time_text = "" if r["time_ms"] is None else f"  {r['time_ms']:.4g} ms"
-            print(f"{r['problem']}  ->  {r['solver']}{time_text}")
+        print(json.dumps({"results": results, "summary": summary}, indent=1))
+        return 0
+    for r in results:
+        time_text = "" if r["time_ms"] is None else f"  {r['time_ms']:.4g} ms"
+        note = (
+            "" if r["agrees"] else f"  (immediate: {r['immediate']}, {r['immediate_ratio']:.2f}x)"
+        )
+        print(f"{r['problem']}  ->  {r['solver']}{time_text}{note}")
+    print(
+        f"immediate mode agrees with find on {summary['agree']} of {summary['problems']} "
+        f"problems; its picks run at most {summary['worst_ratio']:.2f}x find's best "
+        f"(geometric mean {summary['geomean_ratio']:.3f}x)"
+    )
     return 0
+
+
+def _tune_result(problem: ConvProblem, choice) -> dict:
+    """The find winner beside what immediate mode would have run and how much slower
+    that is (the immediate pick's measured time over the winner's)."""
+    estimates = choice.estimates_ms
+    immediate = min(estimates, key=estimates.__getitem__)  # as dispatch.decide picks
+    best_ms = choice.times_ms[choice.solver]
+    immediate_ms = choice.times_ms.get(immediate)
+    return {
+        "problem": problem.key(),
+        "solver": choice.solver,
+        "time_ms": best_ms,
+        "times_ms": choice.times_ms,
+        "immediate": immediate,
+        "agrees": immediate == choice.solver,
+        # A pick that failed in find counts as infinitely slow.
+        "immediate_ratio": math.inf if immediate_ms is None else immediate_ms / best_ms,
+    }
+
+
+def _agreement(results: list[dict]) -> dict:
+    ratios = [r["immediate_ratio"] for r in results]
+    return {
+        "problems": len(results),
+        "agree": sum(r["agrees"] for r in results),
+        "within_10_percent": sum(q <= 1.10 for q in ratios),
+        "worst_ratio": max(ratios),
+        "geomean_ratio": math.exp(sum(math.log(q) for q in ratios) / len(ratios)),
+    }
 
 
 def _problem_lines(path: str) -> Iterator[tuple[int, str]]:
