@@ -192,3 +192,15 @@ def test_four_processes_writing_at_once_lose_nothing(tmp_path):
         warnings.simplefilter("error")  # the shared file must still be healthy
         stored = {r.problem for r in FindDb(path).records()}
     assert stored == {f"2d-w{w}-p{i}" for w in range(4) for i in range(count)}
+
+
+def test_reading_a_database_that_does_not_exist_creates_nothing(tmp_path):
+    path = tmp_path / "cache" / "gemmconv" / "find.sqlite"
+    db = FindDb(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert db.lookup("2d-a", HERE) is None
+        assert db.records() == [] and db.lookup_rates(HERE) is None
+    assert not (tmp_path / "cache").exists()
+    db.store(_record("2d-a"))
+    assert path.exists() and db.lookup("2d-a", HERE).solver == "patch"

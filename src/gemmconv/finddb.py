@@ -237,6 +237,10 @@ class FindDb:
         aside and rebuilt, one that refuses writes degrades to memory; either way the
         work is retried once on the new database."""
         with self._lock:
+            if not write and self._conn is None and self._absent():
+                # Reading a database that does not exist yet: nothing to find, and no
+                # reason to create a file (or warn about an unwritable location).
+                return work(_EMPTY)
             conn = self._connection()
             try:
                 with conn:
@@ -252,6 +256,9 @@ class FindDb:
                 self._conn = self._recover(e)
             with self._conn:
                 return work(self._conn)
+
+    def _absent(self) -> bool:
+        return not self.in_memory and not os.path.exists(self.path)
 
     def close(self) -> None:
         with self._lock:
@@ -363,6 +370,15 @@ class FindDb:
             write=True,
         )
 
+
+def _empty_database() -> sqlite3.Connection:
+    conn = sqlite3.connect(IN_MEMORY, check_same_thread=False)
+    conn.executescript(_SCHEMA)
+    return conn
+
+
+# Stands in for a database file that does not exist yet; never written to.
+_EMPTY = _empty_database()
 
 _shared: FindDb | None = None
 _shared_lock = threading.Lock()
