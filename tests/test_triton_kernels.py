@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from gemmconv import ConvProblem, Direction, Layout
+from gemmconv.kernels.patch_gemm import patch_gemm_forward, patch_gemm_weight_grad
 from gemmconv.kernels.patch_permute import gather_patches, scatter_patches
 from gemmconv.memory_format import empty_in
 from gemmconv.solvers import get_solver
@@ -138,11 +139,14 @@ def _solver_cases(solver_id: str, dtypes):
     return cases
 
 
-CPU_SOLVER_CASES = _solver_cases("patch_triton", (torch.float32, torch.float16))
+CPU_DTYPES = (torch.float32, torch.float16)  # the interpreter's tl.dot is wrong for bf16
+CPU_SOLVER_CASES = _solver_cases("patch_triton", CPU_DTYPES) + _solver_cases(
+    "patch_implicit", CPU_DTYPES
+)
 
 
 @pytest.mark.parametrize("case", CPU_SOLVER_CASES, ids=[case_id(c) for c in CPU_SOLVER_CASES])
-def test_triton_patch_solver_matches_float64_interpreted(case, monkeypatch):
+def test_triton_solvers_match_float64_interpreted(case, monkeypatch):
     # The solver declares CUDA only; on the CPU its kernels run interpreted, so the
     # mapping is checked here by lifting the device restriction for the test.
     solver = case[0]
@@ -155,6 +159,35 @@ def test_triton_patch_solver_declares_cuda_only():
     assert "device cpu not supported" in get_solver("patch_triton").not_supported_reasons(p)
     assert get_solver("patch_triton").not_supported_reasons(p.__class__.from_sizes(
         2, 3, 5, (8, 6), (4, 3), (4, 3), device_type="cuda")) == []  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+def test_split_weight_gradient_sums_its_partials_interpreted(layout):
+    # M = 4 * 5 * 4 = 80 rows cut into three fp32 partials (32 + 32 + 16 rows).
+    p = _problem((10, 12), (2, 3), layout, torch.float32, "cpu", c=3, n=4)
+    dev = torch.device("cpu")
+    x = _random(p.input_shape, layout, torch.float32, dev, 11)
+    dy = _random(p.output_shape, layout, torch.float32, dev, 12)
+    channels_last = layout is Layout.CHANNELS_LAST
+    rows = patch_gemm_weight_grad(dy, x, p.kernel, channels_last, splits=3)
+    col = patches(x, p).reshape(p.gemm_m, p.gemm_k).double()
+    expected = dy.movedim(1, -1).reshape(-1, p.k).double().t() @ col
+    assert rows.dtype == torch.float32
+    assert torch.allclose(rows.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_implicit_forward_writes_through_any_output_strides_interpreted():
+    p = _problem((8, 9), (4, 3), Layout.CHANNELS_FIRST, torch.float32, "cpu")
+    dev = torch.device("cpu")
+    x = _random(p.input_shape, Layout.CHANNELS_FIRST, torch.float32, dev, 5)
+    w = _random(p.weight_shape, Layout.CHANNELS_FIRST, torch.float32, dev, 6)
+    bias = torch.rand(p.k) + 0.5
+    expected = torch.nn.functional.conv2d(x.double(), w.double(), bias.double(), stride=(4, 3))
+    wide = torch.full((p.n, p.k, 2, 3 * 2), float("nan"))
+    y = wide[..., ::2]  # an output view with a stride-2 innermost dimension
+    patch_gemm_forward(x, w.reshape(p.k, -1), bias, p.kernel, False, out=y)
+    assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.isnan(wide[..., 1::2]).all()
 
 
 # ---- on the GPU --------------------------------------------------------------
@@ -177,9 +210,11 @@ def test_gather_large_rows_on_cuda(dtype):
                           torch.device("cuda"), extra_pad=0)  # fmt: skip
 
 
-GPU_SOLVER_CASES = _solver_cases("patch_triton", GPU_DTYPES) + _solver_cases(
-    "patch_padded", GPU_DTYPES
-)
+GPU_SOLVER_CASES = [
+    case
+    for solver_id in ("patch_triton", "patch_implicit", "patch_padded")
+    for case in _solver_cases(solver_id, GPU_DTYPES)
+]
 
 
 @pytest.mark.gpu

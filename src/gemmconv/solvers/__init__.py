@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gemmconv.solvers.base import ConvTensors, Solver
 from gemmconv.solvers.im2col import Im2colSolver
+from gemmconv.solvers.implicit_patch import ImplicitPatchSolver
 from gemmconv.solvers.padded_patch import PaddedPatchSolver
 from gemmconv.solvers.patch import PatchSolver, PointOutputSolver
 from gemmconv.solvers.pointwise import PointwiseSolver, StridedPointwiseSolver
@@ -17,6 +18,7 @@ SOLVERS: tuple[Solver, ...] = (
     StridedPointwiseSolver(),
     PaddedPatchSolver(),
     TritonPatchSolver(),
+    ImplicitPatchSolver(),
     Im2colSolver(),
     VendorSolver(),
 )

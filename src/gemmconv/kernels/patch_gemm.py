@@ -1,0 +1,405 @@
+"""Implicit GEMMs for the patch class: the patches are gathered inside the GEMM's loads.
+
+No column buffer exists: each program loads its [BLOCK_M, BLOCK_K] tile of the column
+matrix straight from x through x's strides (the index map of patch_permute), masks
+the reduction's unaligned tail, and multiplies on the tensor cores with fp32
+accumulation. The kernels use only Triton's core builtins (no tl.cdiv, tl.zeros,
+tl.minimum: those are jit helpers that the interpreter cannot call when Triton was
+imported without TRITON_INTERPRET), so the CPU tests run the same code.
+
+- forward: Y[M, K] = col(x) @ W^T (+ bias), each tile stored through y's strides, so
+  the output lands in the requested layout with no copy and the bias costs no pass.
+- backward-weights: dW[K, Kred] = dY^T @ col(x), dY read through its own strides
+  (channels-first dY needs no transposed copy). The reduction over M is split
+  across programs; each writes an fp32 partial and the partials are summed in fp32,
+  so the long reduction never rounds to half precision and the result does not
+  depend on scheduling (no atomics).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from gemmconv.kernels import compiled
+from gemmconv.kernels.patch_permute import PatchGeometry
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Hopper-sized tiles for half precision; fp32 tiles are half as deep (twice the bytes).
+FORWARD_TILES = {
+    torch.float16: TileConfig(128, 128, 64, 8, 3),
+    torch.bfloat16: TileConfig(128, 128, 64, 8, 3),
+    torch.float32: TileConfig(128, 64, 32, 8, 3),
+}
+DGRAD_TILES = FORWARD_TILES  # the same GEMM shape: [M, K] @ [K, Kred]
+WGRAD_TILES = {
+    torch.float16: TileConfig(64, 128, 128, 8, 3),  # block_m is the reduction chunk here
+    torch.bfloat16: TileConfig(64, 128, 128, 8, 3),
+    torch.float32: TileConfig(32, 64, 64, 8, 3),
+}
+
+# Sizes and strides change per problem: no specialisation on them (see patch_permute).
+_SIZES = ("M", "KOUT", "KRED", "C", "O1", "O2", "O3", "R1", "R2", "R3")
+_STRIDES = ("XSN", "XSC", "XS1", "XS2", "XS3", "YSN", "YSC", "YS1", "YS2", "YS3")
+_FORWARD_ARGS = (*_SIZES, *_STRIDES, "WLD")
+_WGRAD_ARGS = (*_SIZES, *_STRIDES, "M_PER_SPLIT")
+
+
+def _forward_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    M, KOUT, KRED, C, O1, O2, O3, R1, R2, R3,
+    XSN, XSC, XS1, XS2, XS3,
+    YSN, YSC, YS1, YS2, YS3,
+    WLD,
+    HAS_BIAS: tl.constexpr,
+    CHANNELS_LAST_COLUMNS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    # Grouped program order: consecutive programs share weight tiles in L2.
+    pid = tl.program_id(0)
+    tiles_m = (M + BLOCK_M - 1) // BLOCK_M  # not tl.cdiv: a jit helper the interpreter lacks
+    tiles_n = (KOUT + BLOCK_N - 1) // BLOCK_N
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.where(tiles_m - first_m < GROUP_M, tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    kout = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o3 = m % O3
+    rest = m // O3
+    o2 = rest % O2
+    rest = rest // O2
+    o1 = rest % O1
+    n = (rest // O1).to(tl.int64)
+    x_row = n * XSN + (o1 * R1).to(tl.int64) * XS1 + (o2 * R2).to(tl.int64) * XS2
+    x_row += (o3 * R3).to(tl.int64) * XS3
+    y_row = n * YSN + o1.to(tl.int64) * YS1 + o2.to(tl.int64) * YS2 + o3.to(tl.int64) * YS3
+    m_ok = m < M
+    n_ok = kout < KOUT
+
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    for k0 in range(0, KRED, BLOCK_K):
+        kr = k0 + tl.arange(0, BLOCK_K)
+        if CHANNELS_LAST_COLUMNS:
+            c = kr % C
+            rest_k = kr // C
+            r3 = rest_k % R3
+            rest_k = rest_k // R3
+            r2 = rest_k % R2
+            r1 = rest_k // R2
+        else:
+            r3 = kr % R3
+            rest_k = kr // R3
+            r2 = rest_k % R2
+            rest_k = rest_k // R2
+            r1 = rest_k % R1
+            c = rest_k // R1
+        x_col = c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
+        x_col += r3.to(tl.int64) * XS3
+        k_ok = kr < KRED
+        a = tl.load(x_ptr + x_row[:, None] + x_col[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        b = tl.load(w_ptr + kout[None, :].to(tl.int64) * WLD + kr[:, None],
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + kout, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + y_row[:, None] + kout[None, :].to(tl.int64) * YSC, out,
+             mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
+
+
+def _wgrad_kernel(
+    dy_ptr, x_ptr, part_ptr,
+    M, KOUT, KRED, C, O1, O2, O3, R1, R2, R3,
+    XSN, XSC, XS1, XS2, XS3,
+    YSN, YSC, YS1, YS2, YS3,
+    M_PER_SPLIT,
+    CHANNELS_LAST_COLUMNS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """part[split, KOUT, KRED] = dY[m-range]^T @ col(x)[m-range] in fp32. BLOCK_N tiles the
+    output channels, BLOCK_K the reduction columns, BLOCK_M is the chunk of M per step."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    split = tl.program_id(2)
+    kout = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kr = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    if CHANNELS_LAST_COLUMNS:
+        c = kr % C
+        rest_k = kr // C
+        r3 = rest_k % R3
+        rest_k = rest_k // R3
+        r2 = rest_k % R2
+        r1 = rest_k // R2
+    else:
+        r3 = kr % R3
+        rest_k = kr // R3
+        r2 = rest_k % R2
+        rest_k = rest_k // R2
+        r1 = rest_k % R1
+        c = rest_k // R1
+    x_col = c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
+    x_col += r3.to(tl.int64) * XS3
+    dy_col = kout.to(tl.int64) * YSC
+    n_ok = kout < KOUT
+    k_ok = kr < KRED
+
+    acc = tl.full((BLOCK_N, BLOCK_K), 0.0, dtype=tl.float32)
+    m_start = split * M_PER_SPLIT
+    m_end = tl.where(m_start + M_PER_SPLIT < M, m_start + M_PER_SPLIT, M)
+    for m0 in range(m_start, m_end, BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)
+        o3 = m % O3
+        rest = m // O3
+        o2 = rest % O2
+        rest = rest // O2
+        o1 = rest % O1
+        n = (rest // O1).to(tl.int64)
+        x_row = n * XSN + (o1 * R1).to(tl.int64) * XS1 + (o2 * R2).to(tl.int64) * XS2
+        x_row += (o3 * R3).to(tl.int64) * XS3
+        dy_row = n * YSN + o1.to(tl.int64) * YS1 + o2.to(tl.int64) * YS2
+        dy_row += o3.to(tl.int64) * YS3
+        m_ok = m < m_end
+        a = tl.load(dy_ptr + dy_col[:, None] + dy_row[None, :],
+                    mask=n_ok[:, None] & m_ok[None, :], other=0.0)  # fmt: skip
+        b = tl.load(x_ptr + x_row[:, None] + x_col[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+    base = split.to(tl.int64) * KOUT * KRED
+    tl.store(part_ptr + base + kout[:, None].to(tl.int64) * KRED + kr[None, :], acc,
+             mask=n_ok[:, None] & k_ok[None, :])  # fmt: skip
+
+
+def _dgrad_kernel(
+    dy_ptr, w_ptr, dx_ptr,
+    M, KOUT, KRED, C, O1, O2, O3, R1, R2, R3,
+    XSN, XSC, XS1, XS2, XS3,
+    YSN, YSC, YS1, YS2, YS3,
+    WLD,
+    CHANNELS_LAST_COLUMNS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """dcol[M, KRED] = dY @ W, each tile scattered straight into dx's patch positions
+    (the x strides here are dx's). BLOCK_N tiles the reduction columns of the output,
+    BLOCK_K steps over the output channels (this GEMM's reduction)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    kr = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o3 = m % O3
+    rest = m // O3
+    o2 = rest % O2
+    rest = rest // O2
+    o1 = rest % O1
+    n = (rest // O1).to(tl.int64)
+    x_row = n * XSN + (o1 * R1).to(tl.int64) * XS1 + (o2 * R2).to(tl.int64) * XS2
+    x_row += (o3 * R3).to(tl.int64) * XS3
+    dy_row = n * YSN + o1.to(tl.int64) * YS1 + o2.to(tl.int64) * YS2 + o3.to(tl.int64) * YS3
+    if CHANNELS_LAST_COLUMNS:
+        c = kr % C
+        rest_k = kr // C
+        r3 = rest_k % R3
+        rest_k = rest_k // R3
+        r2 = rest_k % R2
+        r1 = rest_k // R2
+    else:
+        r3 = kr % R3
+        rest_k = kr // R3
+        r2 = rest_k % R2
+        rest_k = rest_k // R2
+        r1 = rest_k % R1
+        c = rest_k // R1
+    x_col = c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
+    x_col += r3.to(tl.int64) * XS3
+    m_ok = m < M
+    kr_ok = kr < KRED
+
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    for k0 in range(0, KOUT, BLOCK_K):
+        kout = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kout < KOUT
+        a = tl.load(dy_ptr + dy_row[:, None] + kout[None, :].to(tl.int64) * YSC,
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        b = tl.load(w_ptr + kout[:, None].to(tl.int64) * WLD + kr[None, :],
+                    mask=k_ok[:, None] & kr_ok[None, :], other=0.0)  # fmt: skip
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+    out = acc.to(dx_ptr.dtype.element_ty)
+    tl.store(dx_ptr + x_row[:, None] + x_col[None, :], out,
+             mask=m_ok[:, None] & kr_ok[None, :])  # fmt: skip
+
+
+def _output_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """n, c and three spatial element strides of [N, K, O..] (missing dims stride 0)."""
+    dims = t.dim() - 2
+    return (t.stride(0), t.stride(1), *((0,) * (3 - dims)), *t.stride()[2:])
+
+
+def _precision(dtype: torch.dtype, allow_tf32: bool) -> str:
+    return "tf32" if dtype == torch.float32 and allow_tf32 else "ieee"
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} of shape {tuple(t.shape)}: expected {shape}")
+    if t.dtype != like.dtype or t.device != like.device:
+        raise ValueError(
+            f"{name} is {t.dtype} on {t.device}; expected {like.dtype} on {like.device}"
+        )
+
+
+def patch_gemm_forward(
+    x: torch.Tensor,
+    weight_rows: torch.Tensor,
+    bias: torch.Tensor | None,
+    kernel: tuple[int, ...],
+    channels_last_columns: bool,
+    out: torch.Tensor,
+    allow_tf32: bool = False,
+) -> torch.Tensor:
+    """out [N, K, O..] (any strides) = conv(x, W) for a patch-class problem, where
+    ``weight_rows`` [K, Kred] is the weight flattened in the column order. Returns out."""
+    outs = tuple(out.shape[2:])
+    g = PatchGeometry.of(x, outs, kernel, channels_last_columns)
+    kout = weight_rows.shape[0]
+    _check("out", out, (g.n, kout, *outs), x)
+    _check("weight_rows", weight_rows, (kout, g.reduction), x)
+    if weight_rows.stride(1) != 1:
+        raise ValueError(f"weight_rows with strides {weight_rows.stride()}: expected dense rows")
+    if bias is not None:
+        _check("bias", bias, (kout,), x)
+    if g.rows == 0 or kout == 0:
+        return out
+    cfg = FORWARD_TILES[x.dtype]
+    grid = (triton.cdiv(g.rows, cfg.block_m) * triton.cdiv(kout, cfg.block_n),)
+    launch = compiled(_forward_kernel, x.device, do_not_specialize=_FORWARD_ARGS)
+    launch[grid](
+        x, weight_rows, bias if bias is not None else weight_rows, out,
+        g.rows, kout, g.reduction, g.c, *g.outs, *g.kernel, *g.strides,
+        *_output_strides(out), weight_rows.stride(0),
+        HAS_BIAS=bias is not None,
+        CHANNELS_LAST_COLUMNS=channels_last_columns,
+        INPUT_PRECISION=_precision(x.dtype, allow_tf32),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def patch_gemm_backward_data(
+    grad_output: torch.Tensor,
+    weight_rows: torch.Tensor,
+    kernel: tuple[int, ...],
+    channels_last_columns: bool,
+    dx: torch.Tensor,
+    allow_tf32: bool = False,
+) -> torch.Tensor:
+    """Write dY @ W into the patch positions of dx [N, C, S..] (any strides); positions
+    no patch covers are left as they are. Returns dx."""
+    outs = tuple(grad_output.shape[2:])
+    g = PatchGeometry.of(dx, outs, kernel, channels_last_columns)
+    kout = grad_output.shape[1]
+    _check("grad_output", grad_output, (g.n, kout, *outs), dx)
+    _check("weight_rows", weight_rows, (kout, g.reduction), dx)
+    if weight_rows.stride(1) != 1:
+        raise ValueError(f"weight_rows with strides {weight_rows.stride()}: expected dense rows")
+    if g.rows == 0 or g.reduction == 0:
+        return dx
+    cfg = DGRAD_TILES[dx.dtype]
+    grid = (triton.cdiv(g.rows, cfg.block_m), triton.cdiv(g.reduction, cfg.block_n))
+    launch = compiled(_dgrad_kernel, dx.device, do_not_specialize=_FORWARD_ARGS)
+    launch[grid](
+        grad_output, weight_rows, dx,
+        g.rows, kout, g.reduction, g.c, *g.outs, *g.kernel, *g.strides,
+        *_output_strides(grad_output), weight_rows.stride(0),
+        CHANNELS_LAST_COLUMNS=channels_last_columns,
+        INPUT_PRECISION=_precision(dx.dtype, allow_tf32),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return dx
+
+
+def wgrad_splits(rows: int, kout: int, reduction: int, dtype: torch.dtype, programs: int) -> int:
+    """How many slices the reduction over M is cut into: enough programs to fill the
+    device (``programs`` is about twice its multiprocessor count), never a slice
+    shorter than four steps."""
+    cfg = WGRAD_TILES[dtype]
+    tiles = triton.cdiv(kout, cfg.block_n) * triton.cdiv(reduction, cfg.block_k)
+    longest = max(1, triton.cdiv(rows, 4 * cfg.block_m))
+    return max(1, min(triton.cdiv(programs, tiles), longest))
+
+
+def patch_gemm_weight_grad(
+    grad_output: torch.Tensor,
+    x: torch.Tensor,
+    kernel: tuple[int, ...],
+    channels_last_columns: bool,
+    splits: int,
+    allow_tf32: bool = False,
+) -> torch.Tensor:
+    """dW as fp32 rows [K, Kred] in the column order, from dY [N, K, O..] and x (any
+    strides each), the reduction over M cut into ``splits`` fp32 partials."""
+    outs = tuple(grad_output.shape[2:])
+    g = PatchGeometry.of(x, outs, kernel, channels_last_columns)
+    kout = grad_output.shape[1]
+    _check("grad_output", grad_output, (g.n, kout, *outs), x)
+    if splits < 1:
+        raise ValueError(f"splits={splits}: expected at least 1")
+    cfg = WGRAD_TILES[x.dtype]
+    per_split = triton.cdiv(triton.cdiv(max(g.rows, 1), splits), cfg.block_m) * cfg.block_m
+    splits = triton.cdiv(max(g.rows, 1), per_split)
+    if not (g.rows and kout and g.reduction):
+        return torch.zeros(kout, g.reduction, dtype=torch.float32, device=x.device)
+    # Every element of every partial is written: each split owns a non-empty M range.
+    partials = torch.empty(splits, kout, g.reduction, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(kout, cfg.block_n), triton.cdiv(g.reduction, cfg.block_k), splits)
+    launch = compiled(_wgrad_kernel, x.device, do_not_specialize=_WGRAD_ARGS)
+    launch[grid](
+        grad_output, x, partials,
+        g.rows, kout, g.reduction, g.c, *g.outs, *g.kernel, *g.strides,
+        *_output_strides(grad_output), per_split,
+        CHANNELS_LAST_COLUMNS=channels_last_columns,
+        INPUT_PRECISION=_precision(x.dtype, allow_tf32),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return partials[0] if splits == 1 else partials.sum(0)
+
+
+__all__ = [
+    "DGRAD_TILES",
+    "FORWARD_TILES",
+    "WGRAD_TILES",
+    "patch_gemm_backward_data",
+    "patch_gemm_forward",
+    "patch_gemm_weight_grad",
+    "wgrad_splits",
+]

@@ -1,0 +1,111 @@
+"""Patch class as implicit GEMMs in Triton: no column buffer, no copies of x, y or dY.
+
+All three directions run gemmconv.kernels.patch_gemm, which gathers the patches
+inside the GEMM's loads, masks the unaligned reduction tail instead of padding it,
+stores y in the requested layout with the bias fused, scatters dx in the
+backward-data epilogue, and splits the weight gradient's reduction into fp32
+partials.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gemmconv.device_rates import rates_for
+from gemmconv.kernels import triton_available
+from gemmconv.memory_format import Layout
+from gemmconv.precision import convolutions_allow_tf32
+from gemmconv.problem import ConvProblem, Direction
+from gemmconv.solvers.base import ConvTensors, Solver, _math_mode
+from gemmconv.solvers.patch import patch_class_reasons
+from gemmconv.solvers.views import result_buffer, store_weight_rows, weight_rows, zero_outside
+
+# Fraction of cuBLAS's matrix rate a Triton GEMM with gathered A loads is expected to
+# reach (its loads cannot be proven contiguous, so they are not 16 bytes wide). A
+# guess until the suite measures it; find decides in the meantime.
+IMPLICIT_GEMM_EFFICIENCY = 0.6
+# Programs per multiprocessor the split weight-gradient reduction aims for.
+WGRAD_PROGRAMS_PER_SM = 2
+
+
+def _device_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return WGRAD_PROGRAMS_PER_SM * sms
+    return 8  # the interpreter (tests): a few splits, so the split path is exercised
+
+
+class ImplicitPatchSolver(Solver):
+    id = "patch_implicit"
+    dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
+    devices = frozenset({"cuda"})
+
+    def problem_reasons(self, p: ConvProblem) -> list[str]:
+        reasons = patch_class_reasons(p)
+        if not triton_available():
+            reasons.append("triton is not installed")
+        return reasons
+
+    # ---- cost ---------------------------------------------------------------
+
+    def _splits(self, p: ConvProblem) -> int:
+        from gemmconv.kernels.patch_gemm import wgrad_splits
+
+        return wgrad_splits(p.gemm_m, p.k, p.gemm_k, p.dtype, WGRAD_PROGRAMS_PER_SM * 132)
+
+    def workspace_bytes(self, p: ConvProblem) -> int:
+        if p.direction is Direction.BACKWARD_WEIGHTS:
+            return (self._splits(p) + 1) * p.k * p.gemm_k * 4
+        return 0
+
+    def copied_bytes(self, p: ConvProblem) -> int:
+        # The fp32 partials are written once and read once by their sum.
+        return 2 * self.workspace_bytes(p)
+
+    def gemm_is_aligned(self, p: ConvProblem) -> bool:
+        return True  # the tail is masked, not run on a slower kernel
+
+    def estimate_ms(self, p: ConvProblem, rates=None) -> float:
+        rates = rates or rates_for(p.device_type)
+        flop_ms = p.flops() / rates.matrix_rate(_math_mode(p)) / IMPLICIT_GEMM_EFFICIENCY
+        byte_ms = p.min_bytes() / rates.bytes_per_ms()
+        extra_ms = self.copied_bytes(p) / rates.bytes_per_ms()
+        launches = 2 if p.direction is Direction.BACKWARD_WEIGHTS else 1
+        return max(flop_ms, byte_ms) + extra_ms + launches * rates.launch_us / 1000.0
+
+    # ---- the three directions ----------------------------------------------
+
+    def forward(self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None) -> torch.Tensor:
+        from gemmconv.kernels.patch_gemm import patch_gemm_forward
+
+        y = result_buffer(p, t.input, out)
+        wm = weight_rows(t.weight, p.layout).contiguous()
+        channels_last = p.layout is Layout.CHANNELS_LAST
+        return patch_gemm_forward(t.input, wm, t.bias, p.kernel, channels_last, out=y,
+                                  allow_tf32=convolutions_allow_tf32())  # fmt: skip
+
+    def backward_data(
+        self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        from gemmconv.kernels.patch_gemm import patch_gemm_backward_data
+
+        dx = result_buffer(p, t.grad_output, out)
+        zero_outside(dx, tuple(o * r for o, r in zip(p.output_spatial, p.kernel)))
+        wm = weight_rows(t.weight, p.layout).contiguous()
+        channels_last = p.layout is Layout.CHANNELS_LAST
+        return patch_gemm_backward_data(t.grad_output, wm, p.kernel, channels_last, dx,
+                                        allow_tf32=convolutions_allow_tf32())  # fmt: skip
+
+    def backward_weights(
+        self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        from gemmconv.kernels.patch_gemm import patch_gemm_weight_grad, wgrad_splits
+
+        x = t.input
+        dw = result_buffer(p, x, out)
+        splits = wgrad_splits(p.gemm_m, p.k, p.gemm_k, p.dtype, _device_programs(x.device))
+        channels_last = p.layout is Layout.CHANNELS_LAST
+        rows32 = patch_gemm_weight_grad(t.grad_output, x, p.kernel, channels_last, splits,
+                                        allow_tf32=convolutions_allow_tf32())  # fmt: skip
+        store_weight_rows(dw, rows32.to(p.dtype), p.layout)
+        return dw
