@@ -26,7 +26,7 @@ from gemmconv.memory_format import Layout
 from gemmconv.precision import reduction_mm
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors, Solver
-from gemmconv.solvers.patch import patch_class_reasons, patches
+from gemmconv.solvers.patch import patch_class_reasons, patches, permute_slowdown
 from gemmconv.solvers.views import (
     batched_view,
     result_buffer,
@@ -37,10 +37,6 @@ from gemmconv.solvers.views import (
     weight_rows,
     zero_outside,
 )
-
-# torch's copy through a permuted patch view ran 1.2 TB/s on an H200 against 3.8 TB/s
-# for a plain copy of the same bytes (DESIGN.md §7); on the CPU no such gap was seen.
-TORCH_PERMUTE_SLOWDOWN = {"cuda": 3.0, "cpu": 1.0}
 
 
 def padded_reduction(p: ConvProblem) -> int:
@@ -79,7 +75,7 @@ class PaddedPatchSolver(Solver):
     # ---- cost ---------------------------------------------------------------
 
     def permute_slowdown(self, p: ConvProblem) -> float:
-        return TORCH_PERMUTE_SLOWDOWN.get(p.device_type, 1.0)
+        return permute_slowdown(p.device_type)
 
     def _col_bytes(self, p: ConvProblem) -> int:
         return p.gemm_m * padded_reduction(p) * p.element_size
@@ -105,9 +101,7 @@ class PaddedPatchSolver(Solver):
             uncovered = math.prod(p.spatial) - math.prod(covered_extent(p))
             moved += uncovered * p.n * p.c * p.element_size
         if self._dy_rows_copied(p):
-            moved += (
-                2 * p.gemm_m * p.k * p.element_size * TORCH_PERMUTE_SLOWDOWN.get(p.device_type, 1.0)
-            )
+            moved += 2 * p.gemm_m * p.k * p.element_size * permute_slowdown(p.device_type)
         return int(moved)
 
     def gemm_launches(self, p: ConvProblem) -> int:
