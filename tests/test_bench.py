@@ -129,3 +129,12 @@ def test_suite_has_the_issue_cases():
 def test_default_file_stem():
     assert default_stem("NVIDIA H200") == "h200"
     assert default_stem("cpu") == "cpu"
+
+
+def test_a_spent_time_budget_stops_the_run_and_says_so(tmp_path):
+    argv = ["--device", "cpu", "--quick", "--cases", "dit_xl2", "--out", str(tmp_path),
+            "--name", "cut", "--time-budget", "0"]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "cut.json").read_text())
+    assert data["truncated"] and data["rows"] == []
+    assert "TRUNCATED" in (tmp_path / "cut.md").read_text()

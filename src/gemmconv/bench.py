@@ -444,7 +444,12 @@ def run_suite(
     dtypes: Sequence[str] | None = None,
     seed: int = 0,
     log: Callable[[str], None] = print,
+    on_row: Callable[[dict], None] | None = None,
+    time_budget_s: float | None = None,
 ) -> dict:
+    """Every row of the suite; ``on_row`` sees the results so far after each row (so a
+    run cut short still leaves them), and no new row starts once ``time_budget_s`` has
+    passed (the results then say ``truncated``)."""
     started = time.time()
     wanted = [d for c in cases for d in c.dtypes if dtypes is None or d in dtypes]
     row_dtypes = sorted(set(wanted), key=list(DTYPES).index)
@@ -454,29 +459,41 @@ def run_suite(
         + ", ".join(f"{k} {v:.1f} TFLOP/s" for k, v in rates.matrix_tflops.items())
         + f", copy {rates.bandwidth_gbs:.0f} GB/s"
     )
-    rows = []
-    for case in cases:
-        shape = case.tiny if quick else case.full
-        for dtype_key in case.dtypes:
-            if dtypes is not None and dtype_key not in dtypes:
-                continue
-            for layout in layouts:
-                for direction in directions:
-                    seed += 1
-                    row = run_row(case, shape, layout, dtype_key, direction, device, rates,
-                                  timing, seed)  # fmt: skip
-                    rows.append(row)
-                    log(_row_line(row))
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-    return {
+    results = {
         **environment(device),
         "quick": quick,
         "timing": timing,
         "rates": dataclasses.asdict(rates),
-        "seconds": time.time() - started,
-        "rows": rows,
+        "seconds": 0.0,
+        "truncated": False,
+        "rows": [],
     }
+    plan = [
+        (case, dtype_key, layout, direction)
+        for case in cases
+        for dtype_key in case.dtypes
+        if dtypes is None or dtype_key in dtypes
+        for layout in layouts
+        for direction in directions
+    ]
+    for case, dtype_key, layout, direction in plan:
+        if time_budget_s is not None and time.time() - started > time_budget_s:
+            results["truncated"] = True
+            log(f"time budget of {time_budget_s} s spent: {len(plan) - len(results['rows'])} "
+                "rows not run")  # fmt: skip
+            break
+        seed += 1
+        shape = case.tiny if quick else case.full
+        row = run_row(case, shape, layout, dtype_key, direction, device, rates, timing, seed)
+        results["rows"].append(row)
+        results["seconds"] = time.time() - started
+        log(_row_line(row))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if on_row is not None:
+            on_row(results)
+    results["seconds"] = time.time() - started
+    return results
 
 
 def _row_line(r: dict) -> str:
@@ -508,6 +525,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument(
+        "--time-budget", type=float, default=None, help="seconds after which no row starts"
+    )
     return ap
 
 
@@ -540,9 +560,14 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup if args.warmup is not None else (1 if args.quick else 3),
         "reps": args.reps if args.reps is not None else (3 if args.quick else 20),
     }
+    stem = args.name or default_stem(environment(device)["device"])
+
+    def save_so_far(partial: dict) -> None:
+        write_results(partial, args.out, stem, plot_it=False)
+
     results = run_suite(cases, layouts, directions, device, args.quick, timing, dtypes,
-                        args.seed)  # fmt: skip
-    stem = args.name or default_stem(results["device"])
+                        args.seed, on_row=save_so_far,
+                        time_budget_s=args.time_budget)  # fmt: skip
     paths = write_results(results, args.out, stem, plot_it=not args.no_plot)
     for path in paths:
         print(f"wrote {path}")

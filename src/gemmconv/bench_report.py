@@ -77,7 +77,8 @@ def markdown(results: dict, stats: dict) -> str:
         "",
         f"torch {results['torch']}, cuDNN {results['cudnn']}, CUDA {results['cuda']}, "
         f"triton {results['triton']}, gemmconv {results['gemmconv']}"
-        + (" — QUICK (tiny shapes, not a measurement)" if results.get("quick") else ""),
+        + (" — QUICK (tiny shapes, not a measurement)" if results.get("quick") else "")
+        + (" — TRUNCATED (time budget spent; rows missing)" if results.get("truncated") else ""),
         "",
         "Measured in the same run: "
         + ", ".join(f"{k} {v:.1f} TFLOP/s" for k, v in results["rates"]["matrix_tflops"].items())
@@ -103,10 +104,13 @@ def markdown(results: dict, stats: dict) -> str:
         )
     lines += ["", "## Targets", ""]
     g = stats["floor_ratio_geomean"]
-    lines.append(
-        f"- geometric mean of floor/gemmconv: {g:.3f} (target >= {FLOOR_GEOMEAN}); "
-        f"minimum {stats['floor_ratio_min']:.3f} (target >= {FLOOR_MIN})"
-    )
+    if g is None:
+        lines.append("- no rows were run")
+    else:
+        lines.append(
+            f"- geometric mean of floor/gemmconv: {g:.3f} (target >= {FLOOR_GEOMEAN}); "
+            f"minimum {stats['floor_ratio_min']:.3f} (target >= {FLOOR_MIN})"
+        )
     for key, what in (
         ("slower_than_vendor_or_linear", f"rows under {NOT_SLOWER} x vendor or x linear"),
         ("below_floor_min", f"rows with floor/gemmconv under {FLOOR_MIN}"),
@@ -164,7 +168,7 @@ def write_results(results: dict, out_dir: str | Path, stem: str, plot_it: bool =
     paths = [out / f"{stem}.json", out / f"{stem}.md"]
     paths[0].write_text(json.dumps(results, indent=1) + "\n")
     paths[1].write_text(markdown(results, stats))
-    if plot_it and plot(results, out / f"{stem}.png"):
+    if plot_it and results["rows"] and plot(results, out / f"{stem}.png"):
         paths.append(out / f"{stem}.png")
     return paths
 
