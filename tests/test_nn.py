@@ -110,7 +110,7 @@ def test_unbatched_input_like_torch():
 
 def test_solvers_reports_each_direction_and_is_not_state():
     conv = gemmconv.nn.Conv2d(3, 8, kernel_size=4, stride=4)
-    with pytest.raises(RuntimeError, match="no forward has run yet"):
+    with pytest.raises(RuntimeError, match="no eager forward has run yet"):
         conv.solvers()
     example = torch.empty(2, 3, 8, 8)
     assert conv.solvers(example)["forward"].solver == "patch"

@@ -63,8 +63,9 @@ class _GemmConvMixin:
         seen = self._gemmconv_last_input
         if seen is None:
             raise RuntimeError(
-                f"{type(self).__name__}.solvers(): no forward has run yet; pass an example "
-                "input, e.g. module.solvers(torch.empty(1, C, H, W))"
+                f"{type(self).__name__}.solvers(): no eager forward has run yet (compiled "
+                "forwards are not recorded); pass an example input, e.g. "
+                "module.solvers(torch.empty(1, C, H, W))"
             )
         padding = self.padding if self.padding_mode == "zeros" else self._gemmconv_zero_padding
         # An uninitialised stand-in: problem_of reads only metadata.
