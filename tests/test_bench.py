@@ -138,3 +138,15 @@ def test_a_spent_time_budget_stops_the_run_and_says_so(tmp_path):
     data = json.loads((tmp_path / "cut.json").read_text())
     assert data["truncated"] and data["rows"] == []
     assert "TRUNCATED" in (tmp_path / "cut.md").read_text()
+
+
+def test_gather_table_appears_when_rows_carry_gather_times(quick_run):
+    from gemmconv.bench_report import markdown, summary
+
+    _, out = quick_run
+    data = json.loads((out / "cpu.json").read_text())
+    data["rows"][0]["gather"] = {
+        "bytes": 4e6, "torch_ms": 0.004, "torch_tbs": 1.0, "triton_ms": 0.001, "triton_tbs": 4.0,
+    }  # fmt: skip
+    md = markdown(data, summary(data))
+    assert "| point2d | cf | 0.0040 | 1.00 | 0.0010 | 4.00 |" in md

@@ -341,6 +341,7 @@ def run_row(
         candidates = [_try_solver(s, p, t, ref, vendor_result, device, timing) for s in SOLVERS
                       if s.is_applicable(p)]  # fmt: skip
         immediate = dispatch.decide(p).solver
+        gathers = measure_gathers(p, t, device, timing)
     del ref, vendor_result
     verified = [c for c in candidates if c.ok]
     if not verified:
@@ -381,7 +382,35 @@ def run_row(
         "largest_operand_bytes": operand_bytes(p),
         "memory_ok": None if best.extra_bytes is None else best.extra_bytes <= operand_bytes(p),
         "candidates": {c.solver: dataclasses.asdict(c) for c in candidates},
+        "gather": gathers,
     }
+
+
+def measure_gathers(p: ConvProblem, t: ConvTensors, device: torch.device, timing: dict):
+    """Lever 3 in isolation: the patch gather x -> padded column buffer, by torch's
+    permuted-view copy and by the Triton kernel, in ms and TB/s (bytes read plus
+    written). None where it does not apply (not a forward patch problem on CUDA)."""
+    from gemmconv.solvers.padded_patch import PaddedPatchSolver, padded_reduction
+    from gemmconv.solvers.patch import patch_class_reasons
+    from gemmconv.solvers.triton_patch import TritonPatchSolver
+
+    triton = TritonPatchSolver()
+    if (
+        device.type != "cuda"
+        or p.direction is not Direction.FORWARD
+        or patch_class_reasons(p)
+        or not triton.is_applicable(p)
+    ):
+        return None
+    ld = padded_reduction(p)
+    read = p.n * p.c * math.prod(o * r for o, r in zip(p.output_spatial, p.kernel))
+    moved = (read + p.gemm_m * ld) * p.element_size
+    out = {"bytes": moved}
+    for name, solver in (("torch", PaddedPatchSolver()), ("triton", triton)):
+        ms = time_ms(lambda s=solver: s.gather(t.input, p, ld), device=device, **timing).median_ms
+        out[f"{name}_ms"] = ms
+        out[f"{name}_tbs"] = moved / (ms * 1e9)
+    return out
 
 
 def _estimate(solver_id: str, p: ConvProblem) -> float:
@@ -571,6 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     paths = write_results(results, args.out, stem, plot_it=not args.no_plot)
     for path in paths:
         print(f"wrote {path}")
+    report = paths[1].read_text()
+    print(report[report.index("## Targets") :], end="")
     bad = [r for r in results["rows"] for c in r["candidates"].values() if not c["ok"]]
     if bad:
         print(f"{len(bad)} solver result(s) failed verification or raised", file=sys.stderr)

@@ -102,6 +102,21 @@ def markdown(results: dict, stats: dict) -> str:
             f"| {r['floor_ratio']:.2f} | {r['immediate_solver']} ({gap}) "
             f"| {extra}/{r['largest_operand_bytes'] / 2**20:.1f} | {r['rms_error']:.2e} |"
         )
+    gathers = [r for r in results["rows"] if r.get("gather")]
+    if gathers:
+        lines += [
+            "",
+            "Patch gather alone (x -> padded column buffer; TB/s counts bytes read + written):",
+            "",
+            "| case | layout | torch ms | torch TB/s | triton ms | triton TB/s |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        for r in gathers:
+            g = r["gather"]
+            lines.append(
+                f"| {r['case']} | {r['layout']} | {g['torch_ms']:.4f} | {g['torch_tbs']:.2f} "
+                f"| {g['triton_ms']:.4f} | {g['triton_tbs']:.2f} |"
+            )
     lines += ["", "## Targets", ""]
     g = stats["floor_ratio_geomean"]
     if g is None:
