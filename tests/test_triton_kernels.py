@@ -17,7 +17,12 @@ import torch
 
 from gemmconv import ConvProblem, Direction, Layout
 from gemmconv.kernels.patch_gemm import patch_gemm_forward, patch_gemm_weight_grad
-from gemmconv.kernels.patch_permute import gather_patches, scatter_patches
+from gemmconv.kernels.patch_permute import (
+    PatchGeometry,
+    contiguous_run,
+    gather_patches,
+    scatter_patches,
+)
 from gemmconv.memory_format import empty_in
 from gemmconv.solvers import get_solver
 from gemmconv.solvers.padded_patch import padded_reduction
@@ -102,6 +107,23 @@ def test_gather_reads_through_arbitrary_strides_interpreted():
     col = torch.full((p.gemm_m, p.gemm_k), float("nan"))
     gather_patches(x, p.output_spatial, p.kernel, False, out=col)
     assert torch.equal(col, patches(x, p).reshape(p.gemm_m, p.gemm_k))
+
+
+@pytest.mark.parametrize("memory", list(Layout))
+@pytest.mark.parametrize("columns", list(Layout))
+def test_column_order_independent_of_memory_order_interpreted(memory, columns):
+    # Mismatched pairs take the general index map (no contiguous run to exploit).
+    p = _problem((8, 6, 4), (2, 3, 2), columns, torch.float32, "cpu")
+    x = _random(p.input_shape, memory, torch.float32, torch.device("cpu"), 17)
+    channels_last = columns is Layout.CHANNELS_LAST
+    g = PatchGeometry.of(x, p.output_spatial, p.kernel, channels_last)
+    assert (contiguous_run(g) == 0) == (channels_last and memory is Layout.CHANNELS_FIRST)
+    col = torch.full((p.gemm_m, p.gemm_k), float("nan"))
+    gather_patches(x, p.output_spatial, p.kernel, channels_last, out=col)
+    assert torch.equal(col, patches(x, p).reshape(p.gemm_m, p.gemm_k))
+    dx = torch.full_like(x, float("nan"))
+    scatter_patches(col, p.output_spatial, p.kernel, channels_last, dx)
+    assert torch.equal(dx, x)
 
 
 def test_bad_buffers_are_refused_with_their_shapes():

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from gemmconv.kernels import compiled
-from gemmconv.kernels.patch_permute import PatchGeometry
+from gemmconv.kernels.patch_permute import PatchGeometry, contiguous_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +50,11 @@ WGRAD_TILES = {
     torch.float32: TileConfig(32, 64, 64, 8, 3),
 }
 
-# Sizes and strides change per problem: no specialisation on them (see patch_permute).
-_SIZES = ("M", "KOUT", "KRED", "C", "O1", "O2", "O3", "R1", "R2", "R3")
-_STRIDES = ("XSN", "XSC", "XS1", "XS2", "XS3", "YSN", "YSC", "YS1", "YS2", "YS3")
-_FORWARD_ARGS = (*_SIZES, *_STRIDES, "WLD")
-_WGRAD_ARGS = (*_SIZES, *_STRIDES, "M_PER_SPLIT")
+# Index-only sizes are not specialised on; strides, KRED, KOUT and WLD are (their
+# divisibility proves the alignment that vector loads and cp.async pipelining need).
+_SIZES = ("M", "C", "O1", "O2", "O3", "R1", "R2", "R3")
+_FORWARD_ARGS = _SIZES
+_WGRAD_ARGS = (*_SIZES, "M_PER_SPLIT")
 
 
 def _forward_kernel(
@@ -65,6 +65,7 @@ def _forward_kernel(
     WLD,
     HAS_BIAS: tl.constexpr,
     CHANNELS_LAST_COLUMNS: tl.constexpr,
+    RUN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -90,7 +91,12 @@ def _forward_kernel(
     o1 = rest % O1
     n = (rest // O1).to(tl.int64)
     x_row = n * XSN + (o1 * R1).to(tl.int64) * XS1 + (o2 * R2).to(tl.int64) * XS2
-    x_row += (o3 * R3).to(tl.int64) * XS3
+    if RUN > 0 and CHANNELS_LAST_COLUMNS:
+        x_row += (o3 * RUN).to(tl.int64) * XSC  # R3 * XS3 == RUN * XSC: known alignment
+    elif RUN > 0:
+        x_row += (o3 * RUN).to(tl.int64) * XS3  # RUN == R3
+    else:
+        x_row += (o3 * R3).to(tl.int64) * XS3
     y_row = n * YSN + o1.to(tl.int64) * YS1 + o2.to(tl.int64) * YS2 + o3.to(tl.int64) * YS3
     m_ok = m < M
     n_ok = kout < KOUT
@@ -98,13 +104,30 @@ def _forward_kernel(
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     for k0 in range(0, KRED, BLOCK_K):
         kr = k0 + tl.arange(0, BLOCK_K)
-        if CHANNELS_LAST_COLUMNS:
+        if RUN > 0:
+            # The innermost RUN columns are contiguous in memory (r3 of a channels-first x,
+            # (r3, c) of a channels-last one): keeping them one modulo apart lets Triton see
+            # the contiguity and issue vector loads and stores.
+            inner = kr % RUN
+            outer = kr // RUN
+            r2 = outer % R2
+            outer = outer // R2
+            if CHANNELS_LAST_COLUMNS:
+                x_col = inner.to(tl.int64) * XSC + outer.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
+            else:
+                r1 = outer % R1
+                c = outer // R1
+                x_col = inner.to(tl.int64) * XS3 + c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1
+                x_col += r2.to(tl.int64) * XS2
+        elif CHANNELS_LAST_COLUMNS:
             c = kr % C
             rest_k = kr // C
             r3 = rest_k % R3
             rest_k = rest_k // R3
             r2 = rest_k % R2
             r1 = rest_k // R2
+            x_col = c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
+            x_col += r3.to(tl.int64) * XS3
         else:
             r3 = kr % R3
             rest_k = kr // R3
@@ -112,8 +135,8 @@ def _forward_kernel(
             rest_k = rest_k // R2
             r1 = rest_k % R1
             c = rest_k // R1
-        x_col = c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
-        x_col += r3.to(tl.int64) * XS3
+            x_col = c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
+            x_col += r3.to(tl.int64) * XS3
         k_ok = kr < KRED
         a = tl.load(x_ptr + x_row[:, None] + x_col[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
@@ -135,6 +158,7 @@ def _wgrad_kernel(
     YSN, YSC, YS1, YS2, YS3,
     M_PER_SPLIT,
     CHANNELS_LAST_COLUMNS: tl.constexpr,
+    RUN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -147,13 +171,30 @@ def _wgrad_kernel(
     split = tl.program_id(2)
     kout = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kr = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    if CHANNELS_LAST_COLUMNS:
+    if RUN > 0:
+        # The innermost RUN columns are contiguous in memory (r3 of a channels-first x,
+        # (r3, c) of a channels-last one): keeping them one modulo apart lets Triton see
+        # the contiguity and issue vector loads and stores.
+        inner = kr % RUN
+        outer = kr // RUN
+        r2 = outer % R2
+        outer = outer // R2
+        if CHANNELS_LAST_COLUMNS:
+            x_col = inner.to(tl.int64) * XSC + outer.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
+        else:
+            r1 = outer % R1
+            c = outer // R1
+            x_col = inner.to(tl.int64) * XS3 + c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1
+            x_col += r2.to(tl.int64) * XS2
+    elif CHANNELS_LAST_COLUMNS:
         c = kr % C
         rest_k = kr // C
         r3 = rest_k % R3
         rest_k = rest_k // R3
         r2 = rest_k % R2
         r1 = rest_k // R2
+        x_col = c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
+        x_col += r3.to(tl.int64) * XS3
     else:
         r3 = kr % R3
         rest_k = kr // R3
@@ -161,8 +202,8 @@ def _wgrad_kernel(
         rest_k = rest_k // R2
         r1 = rest_k % R1
         c = rest_k // R1
-    x_col = c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
-    x_col += r3.to(tl.int64) * XS3
+        x_col = c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
+        x_col += r3.to(tl.int64) * XS3
     dy_col = kout.to(tl.int64) * YSC
     n_ok = kout < KOUT
     k_ok = kr < KRED
@@ -179,7 +220,12 @@ def _wgrad_kernel(
         o1 = rest % O1
         n = (rest // O1).to(tl.int64)
         x_row = n * XSN + (o1 * R1).to(tl.int64) * XS1 + (o2 * R2).to(tl.int64) * XS2
-        x_row += (o3 * R3).to(tl.int64) * XS3
+        if RUN > 0 and CHANNELS_LAST_COLUMNS:
+            x_row += (o3 * RUN).to(tl.int64) * XSC  # R3 * XS3 == RUN * XSC: known alignment
+        elif RUN > 0:
+            x_row += (o3 * RUN).to(tl.int64) * XS3  # RUN == R3
+        else:
+            x_row += (o3 * R3).to(tl.int64) * XS3
         dy_row = n * YSN + o1.to(tl.int64) * YS1 + o2.to(tl.int64) * YS2
         dy_row += o3.to(tl.int64) * YS3
         m_ok = m < m_end
@@ -201,6 +247,7 @@ def _dgrad_kernel(
     YSN, YSC, YS1, YS2, YS3,
     WLD,
     CHANNELS_LAST_COLUMNS: tl.constexpr,
+    RUN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -220,15 +267,37 @@ def _dgrad_kernel(
     o1 = rest % O1
     n = (rest // O1).to(tl.int64)
     x_row = n * XSN + (o1 * R1).to(tl.int64) * XS1 + (o2 * R2).to(tl.int64) * XS2
-    x_row += (o3 * R3).to(tl.int64) * XS3
+    if RUN > 0 and CHANNELS_LAST_COLUMNS:
+        x_row += (o3 * RUN).to(tl.int64) * XSC  # R3 * XS3 == RUN * XSC: known alignment
+    elif RUN > 0:
+        x_row += (o3 * RUN).to(tl.int64) * XS3  # RUN == R3
+    else:
+        x_row += (o3 * R3).to(tl.int64) * XS3
     dy_row = n * YSN + o1.to(tl.int64) * YS1 + o2.to(tl.int64) * YS2 + o3.to(tl.int64) * YS3
-    if CHANNELS_LAST_COLUMNS:
+    if RUN > 0:
+        # The innermost RUN columns are contiguous in memory (r3 of a channels-first x,
+        # (r3, c) of a channels-last one): keeping them one modulo apart lets Triton see
+        # the contiguity and issue vector loads and stores.
+        inner = kr % RUN
+        outer = kr // RUN
+        r2 = outer % R2
+        outer = outer // R2
+        if CHANNELS_LAST_COLUMNS:
+            x_col = inner.to(tl.int64) * XSC + outer.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
+        else:
+            r1 = outer % R1
+            c = outer // R1
+            x_col = inner.to(tl.int64) * XS3 + c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1
+            x_col += r2.to(tl.int64) * XS2
+    elif CHANNELS_LAST_COLUMNS:
         c = kr % C
         rest_k = kr // C
         r3 = rest_k % R3
         rest_k = rest_k // R3
         r2 = rest_k % R2
         r1 = rest_k // R2
+        x_col = c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
+        x_col += r3.to(tl.int64) * XS3
     else:
         r3 = kr % R3
         rest_k = kr // R3
@@ -236,8 +305,8 @@ def _dgrad_kernel(
         rest_k = rest_k // R2
         r1 = rest_k % R1
         c = rest_k // R1
-    x_col = c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
-    x_col += r3.to(tl.int64) * XS3
+        x_col = c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
+        x_col += r3.to(tl.int64) * XS3
     m_ok = m < M
     kr_ok = kr < KRED
 
@@ -306,6 +375,7 @@ def patch_gemm_forward(
         *_output_strides(out), weight_rows.stride(0),
         HAS_BIAS=bias is not None,
         CHANNELS_LAST_COLUMNS=channels_last_columns,
+        RUN=contiguous_run(g),
         INPUT_PRECISION=_precision(x.dtype, allow_tf32),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -340,6 +410,7 @@ def patch_gemm_backward_data(
         g.rows, kout, g.reduction, g.c, *g.outs, *g.kernel, *g.strides,
         *_output_strides(grad_output), weight_rows.stride(0),
         CHANNELS_LAST_COLUMNS=channels_last_columns,
+        RUN=contiguous_run(g),
         INPUT_PRECISION=_precision(dx.dtype, allow_tf32),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -387,6 +458,7 @@ def patch_gemm_weight_grad(
         g.rows, kout, g.reduction, g.c, *g.outs, *g.kernel, *g.strides,
         *_output_strides(grad_output), per_split,
         CHANNELS_LAST_COLUMNS=channels_last_columns,
+        RUN=contiguous_run(g),
         INPUT_PRECISION=_precision(x.dtype, allow_tf32),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

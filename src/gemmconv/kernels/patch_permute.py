@@ -94,6 +94,7 @@ def _permute_kernel(
     S2,
     S3,
     CHANNELS_LAST_COLUMNS: tl.constexpr,
+    RUN: tl.constexpr,
     GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -109,20 +110,38 @@ def _permute_kernel(
     rest = rest // O2
     o1 = rest % O1
     n = rest // O1
-    row_off = (
-        n.to(tl.int64) * SN
-        + (o1 * R1).to(tl.int64) * S1
-        + (o2 * R2).to(tl.int64) * S2
-        + (o3 * R3).to(tl.int64) * S3
-    )
+    row_off = n.to(tl.int64) * SN + (o1 * R1).to(tl.int64) * S1 + (o2 * R2).to(tl.int64) * S2
+    if RUN > 0 and CHANNELS_LAST_COLUMNS:
+        row_off += (o3 * RUN).to(tl.int64) * SC  # R3 * S3 == RUN * SC: known alignment
+    elif RUN > 0:
+        row_off += (o3 * RUN).to(tl.int64) * S3  # RUN == R3
+    else:
+        row_off += (o3 * R3).to(tl.int64) * S3
 
-    if CHANNELS_LAST_COLUMNS:
+    if RUN > 0:
+        # The innermost RUN columns are contiguous in memory (r3 of a channels-first x,
+        # (r3, c) of a channels-last one): keeping them one modulo apart lets Triton see
+        # the contiguity and issue vector loads and stores.
+        inner = k % RUN
+        outer = k // RUN
+        r2 = outer % R2
+        outer = outer // R2
+        if CHANNELS_LAST_COLUMNS:
+            col_off = inner.to(tl.int64) * SC + outer.to(tl.int64) * S1 + r2.to(tl.int64) * S2
+        else:
+            r1 = outer % R1
+            c = outer // R1
+            col_off = inner.to(tl.int64) * S3 + c.to(tl.int64) * SC + r1.to(tl.int64) * S1
+            col_off += r2.to(tl.int64) * S2
+    elif CHANNELS_LAST_COLUMNS:
         c = k % C
         rest_k = k // C
         r3 = rest_k % R3
         rest_k = rest_k // R3
         r2 = rest_k % R2
         r1 = rest_k // R2
+        col_off = c.to(tl.int64) * SC + r1.to(tl.int64) * S1 + r2.to(tl.int64) * S2
+        col_off += r3.to(tl.int64) * S3
     else:
         r3 = k % R3
         rest_k = k // R3
@@ -130,9 +149,8 @@ def _permute_kernel(
         rest_k = rest_k // R2
         r1 = rest_k % R1
         c = rest_k // R1
-    col_off = (
-        c.to(tl.int64) * SC + r1.to(tl.int64) * S1 + r2.to(tl.int64) * S2 + r3.to(tl.int64) * S3
-    )
+        col_off = c.to(tl.int64) * SC + r1.to(tl.int64) * S1 + r2.to(tl.int64) * S2
+        col_off += r3.to(tl.int64) * S3
 
     strided = row_off[:, None] + col_off[None, :]
     dense = m[:, None].to(tl.int64) * LD + k[None, :]
@@ -146,25 +164,24 @@ def _permute_kernel(
         tl.store(dst_ptr + strided, values, mask=in_reduction)
 
 
-# Sizes and strides change from problem to problem; specialising on them (Triton's
-# default for integers equal to 1 or divisible by 16) would compile a kernel per
-# problem for no gain. LD stays specialised: its divisibility allows 16-byte stores.
-_GEOMETRY_ARGS = (
-    "M",
-    "KRED",
-    "C",
-    "O1",
-    "O2",
-    "O3",
-    "R1",
-    "R2",
-    "R3",
-    "SN",
-    "SC",
-    "S1",
-    "S2",
-    "S3",
-)
+# Sizes that only enter index arithmetic are not specialised on (Triton's default for
+# integers equal to 1 or divisible by 16 would compile more variants for no gain).
+# Strides, KRED and LD are: their divisibility is what lets Triton prove the 16-byte
+# alignment of the contiguous runs and issue vector loads and stores.
+_GEOMETRY_ARGS = ("M", "C", "O1", "O2", "O3", "R1", "R2", "R3")
+
+
+def contiguous_run(g: PatchGeometry) -> int:
+    """How many consecutive columns are consecutive in memory, when that can be used:
+    r3 for the channels-first column order (always valid; contiguous when x's last
+    stride is 1), (r3, c) for the channels-last order when x's strides nest that way
+    (a channels-last dense x). 0: no such run, use the general index map."""
+    _, sc, _, _, s3 = g.strides
+    if not g.channels_last_columns:
+        return g.kernel[2]
+    if g.kernel[2] == 1 or s3 == g.c * sc:
+        return g.kernel[2] * g.c
+    return 0
 
 
 def _blocks(ld: int) -> tuple[int, int]:
@@ -190,6 +207,7 @@ def _launch(src: torch.Tensor, dst: torch.Tensor, g: PatchGeometry, ld: int, gat
         *g.kernel,
         *g.strides,
         CHANNELS_LAST_COLUMNS=g.channels_last_columns,
+        RUN=contiguous_run(g),
         GATHER=gather,
         BLOCK_M=block_m,
         BLOCK_K=block_k,
@@ -246,4 +264,4 @@ def scatter_patches(
     return dx
 
 
-__all__ = ["PatchGeometry", "gather_patches", "scatter_patches"]
+__all__ = ["PatchGeometry", "contiguous_run", "gather_patches", "scatter_patches"]
