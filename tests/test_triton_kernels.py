@@ -215,11 +215,17 @@ def test_implicit_forward_writes_through_any_output_strides_interpreted():
 # ---- on the GPU --------------------------------------------------------------
 
 GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# Every new problem geometry compiles new kernel variants (the contiguous run and the
+# strides are specialised), a few seconds each, so the GPU matrix keeps one problem
+# per kind: 1-D with a remainder, 2-D exact, 3-D with a remainder, point-output.
+GPU_PERMUTE_CASES = [
+    c for c in CASES if (c[0], c[1]) in {(1, (11,)), (2, (8, 9)), (3, (5, 7, 5)), (2, (5, 3))}
+]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+@pytest.mark.parametrize("case", GPU_PERMUTE_CASES, ids=[_ids(c) for c in GPU_PERMUTE_CASES])
 def test_gather_and_scatter_match_torch_views_on_cuda(case, dtype):
     _check_gather_scatter(*case, dtype, torch.device("cuda"), extra_pad=0)
 
@@ -232,10 +238,20 @@ def test_gather_large_rows_on_cuda(dtype):
                           torch.device("cuda"), extra_pad=0)  # fmt: skip
 
 
+# 3-D with a remainder (cropping, an unaligned reduction, all three index levels) for
+# every solver x layout x dtype x direction; 2-D point-output and aligned for the
+# solvers whose kernels compile fast (the implicit GEMMs meet those shapes in the
+# bench, which verifies every candidate against float64 too).
+_GPU_SHAPES = {
+    "patch_triton": {("remainder", 3), ("point", 2), ("aligned", 2)},
+    "patch_padded": {("remainder", 3), ("point", 2)},
+    "patch_implicit": {("remainder", 3)},
+}
 GPU_SOLVER_CASES = [
     case
-    for solver_id in ("patch_triton", "patch_implicit", "patch_padded")
+    for solver_id, shapes in _GPU_SHAPES.items()
     for case in _solver_cases(solver_id, GPU_DTYPES)
+    if (case[1].label, case[2]) in shapes
 ]
 
 
