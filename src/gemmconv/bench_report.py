@@ -134,6 +134,13 @@ def markdown(results: dict, stats: dict) -> str:
     ):
         items = stats[key]
         lines.append(f"- {what}: {len(items)}" + (f" ({', '.join(items)})" if items else ""))
+    for error in results.get("errors", []):
+        lines.append(f"- ROW FAILED: {error}")
+    for r in results["rows"]:
+        for sid, c in r["candidates"].items():
+            if not c["ok"]:
+                why = c["error"] or f"verification failed (rms {c['rms_error']:.3g})"
+                lines.append(f"- candidate {sid} on {_label(r)}: {why}")
     for label, a in stats["absolute"].items():
         lines.append(
             f"- {label}: {a['gemmconv_ms']:.4f} ms (target <= {a['target_ms']}) "
