@@ -255,3 +255,18 @@ def test_explain_still_reports_each_direction():
     choices = gemmconv.explain(x, w, stride=4)
     assert set(choices) == {"forward", "backward_data", "backward_weights"}
     assert all(c.solver == "patch" for c in choices.values())
+
+
+def test_autocast_inside_a_compiled_module():
+    conv = gemmconv.nn.Conv2d(3, 8, kernel_size=4, stride=4)
+    compiled = torch.compile(conv, backend="aot_eager", fullgraph=True)
+    x, _, _ = _operands((2, 3, 8, 8), (8, 3, 4, 4), Layout.CHANNELS_FIRST, seed=10)
+    x.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = compiled(x)
+        y_torch = F.conv2d(x, conv.weight, conv.bias, stride=4)
+    assert y.dtype == y_torch.dtype == torch.bfloat16
+    ref = F.conv2d(*(t.detach().bfloat16().double() for t in (x, conv.weight, conv.bias)), stride=4)
+    assert rms_range(y, ref) <= tolerance(torch.bfloat16, "cpu")
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and conv.weight.grad.dtype == torch.float32
