@@ -24,6 +24,7 @@ import os
 import shlex
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import torch
 
@@ -540,7 +541,7 @@ def _agreement(results: list[dict]) -> dict:
 
 def _problem_lines(path: str) -> Iterator[tuple[int, str]]:
     try:
-        text = open(path, encoding="utf-8").read()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise UsageError(f"tune: cannot read {path!r} ({e.strerror})") from None
     for number, line in enumerate(text.splitlines(), 1):
