@@ -95,6 +95,7 @@ def _stored_or_measured(index: int) -> DeviceRates:
 
 def measure_rates(index: int = 0) -> DeviceRates:
     """Measure the matrix rate of each math mode and the copy bandwidth of a CUDA device."""
+    from gemmconv.precision import _fp32_matmul_mode
     from gemmconv.timing import time_ms
 
     device = torch.device("cuda", index)
@@ -105,13 +106,9 @@ def measure_rates(index: int = 0) -> DeviceRates:
         size = 8192 if key in modes else 4096  # full fp32 is slow; a smaller size suffices
         a = torch.empty(size, size, dtype=dtype, device=device).uniform_(-1, 1, generator=generator)
         out = torch.empty_like(a)
-        # fp32 matmuls run in TF32 only when this flag allows it.
-        previous = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = key == "tf32"
-        try:
+        # fp32 matmuls run in TF32 only in the TF32 math mode.
+        with _fp32_matmul_mode(key == "tf32"):
             t = time_ms(lambda a=a, out=out: torch.mm(a, a, out=out), device=device, reps=10)
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = previous
         tflops[key] = 2 * size**3 / t.median_ms / 1e9
         del a, out
     tflops["fp64"] = tflops["fp32"]
