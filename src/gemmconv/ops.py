@@ -98,10 +98,13 @@ def _as_promised(result: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 
 def _run(problem: ConvProblem, tensors: ConvTensors) -> torch.Tensor:
+    solver = dispatch.solver_for(problem)
+    if not torch.is_autocast_enabled(problem.device_type):
+        return solver.run(problem, tensors)
     # Autocast would re-cast the GEMMs inside a solver (and undo their fp32
     # accumulation); the operands were already cast before the op, as for F.conv*.
     with torch.autocast(problem.device_type, enabled=False):
-        return dispatch.solver_for(problem).run(problem, tensors)
+        return solver.run(problem, tensors)
 
 
 # ---- forward ----------------------------------------------------------------
