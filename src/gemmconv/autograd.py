@@ -35,7 +35,7 @@ def _backward(ctx, grad_output: torch.Tensor):
             grad_output, input, ctx.weight_size, *ctx.conv_args, ctx.channels_last
         )
     if ctx.needs_input_grad[2]:
-        db = bias_grad(grad_output)
+        db = bias_grad(grad_output, out_channels=ctx.weight_size[0])
     return dx, dw, db, None, None, None, None
 
 

@@ -10,6 +10,7 @@ device's bandwidth.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 import torch
@@ -21,6 +22,12 @@ from gemmconv.problem import DIRECTIONS, ConvProblem, Direction, dtype_name
 
 ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 ALL_LAYOUTS = frozenset({Layout.CHANNELS_FIRST, Layout.CHANNELS_LAST})
+
+# GEMM libraries index in 32 bits: cuBLAS takes int sizes and has read out of bounds
+# on operands of more than 2^31 elements (pytorch/pytorch#17897), and CPU BLAS paths
+# have overflowed 32-bit products of sizes (pytorch/pytorch#191083). A GEMM solver
+# refuses any problem with a larger operand; the vendor path takes it.
+INT32_MAX = 2**31 - 1
 
 
 
@@ -44,6 +51,8 @@ class Solver:
     dtypes: ClassVar[frozenset[torch.dtype]] = ALL_DTYPES
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     handles_empty: ClassVar[bool] = False
+    # The most elements any one operand of the solver's GEMMs may have; None: no limit.
+    max_operand_elements: ClassVar[int | None] = INT32_MAX
 
     # ---- applicability ------------------------------------------------------
 
@@ -62,7 +71,28 @@ class Solver:
             reasons.append(f"device {problem.device_type} not supported")
         if not self.handles_empty and 0 in (problem.n, problem.c, problem.k):
             reasons.append(f"empty problem (N={problem.n}, C={problem.c}, K={problem.k})")
+        reasons += self._operand_size_reasons(problem)
         return reasons + self.problem_reasons(problem)
+
+    def operand_elements(self, problem: ConvProblem) -> dict[str, int]:
+        """Elements of each tensor the solver's GEMMs read or write (their views reach
+        over the whole input and output), by name."""
+        return {
+            "input": math.prod(problem.input_shape),
+            "weight": math.prod(problem.weight_shape),
+            "output": math.prod(problem.output_shape),
+            "column matrix": problem.groups * problem.gemm_m * problem.gemm_k,
+        }
+
+    def _operand_size_reasons(self, problem: ConvProblem) -> list[str]:
+        limit = self.max_operand_elements
+        if limit is None:
+            return []
+        return [
+            f"{name} has {count} elements, more than {limit} (32-bit GEMM indexing)"
+            for name, count in self.operand_elements(problem).items()
+            if count > limit
+        ]
 
     def problem_reasons(self, problem: ConvProblem) -> list[str]:
         """What this solver's mapping rejects, beyond the declared capabilities."""

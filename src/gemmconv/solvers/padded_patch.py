@@ -72,6 +72,9 @@ class PaddedPatchSolver(Solver):
             )
         return reasons
 
+    def operand_elements(self, p: ConvProblem) -> dict[str, int]:
+        return {**super().operand_elements(p), "column matrix": p.gemm_m * padded_reduction(p)}
+
     # ---- cost ---------------------------------------------------------------
 
     def permute_slowdown(self, p: ConvProblem) -> float:

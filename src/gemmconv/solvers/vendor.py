@@ -39,6 +39,7 @@ def vendor_efficiency(p: ConvProblem) -> float:
 class VendorSolver(Solver):
     id = "vendor"
     handles_empty = True
+    max_operand_elements = None  # aten splits large convolutions itself (or raises as F.conv*)
 
     def estimate_ms(self, problem: ConvProblem, rates=None) -> float:
         return super().estimate_ms(problem, rates) / vendor_efficiency(problem)

@@ -92,8 +92,14 @@ def zero_outside(t: torch.Tensor, covered: tuple[int, ...]) -> None:
             t.narrow(dim, keep, size - keep).zero_()
 
 
-def bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
-    """Sum of dy over batch and space, accumulated in fp32 (or fp64 for fp64)."""
+def bias_grad(grad_output: torch.Tensor, out_channels: int | None = None) -> torch.Tensor:
+    """Sum of dy over batch and space, accumulated in fp32 (or fp64 for fp64).
+
+    torch gives a convolution of a zero-channel input a zero-channel output, so dy
+    then has no channels although the bias has ``out_channels``: its gradient is
+    zeros of the bias's size, as torch's."""
+    if out_channels is not None and grad_output.shape[1] != out_channels:
+        return grad_output.new_zeros(out_channels)
     acc = torch.float64 if grad_output.dtype == torch.float64 else torch.float32
     dims = [0, *range(2, grad_output.dim())]
     return grad_output.sum(dim=dims, dtype=acc).to(grad_output.dtype)

@@ -1,0 +1,349 @@
+"""Numerical edge cases behave as torch's convolution does.
+
+- NaN and +-Inf in any operand give non-finite results at exactly the positions
+  torch's convolution gives them, for every solver forced through the solver
+  interface and through the public functions.
+- Empty batches and empty channel sets give torch's shapes and gradients.
+- Problems with an operand of more than 2^31 - 1 elements never reach a GEMM solver
+  (32-bit GEMM indexing); they are decided on descriptors, with no allocation.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gemmconv
+from gemmconv import ConvProblem, ConvTensors, Direction, Layout, get_solver
+from gemmconv.device_rates import CPU, H200
+from gemmconv.dispatch import decide
+from gemmconv.solvers import SOLVERS
+from gemmconv.solvers.base import INT32_MAX
+from gemmconv.verify import reference
+
+from solver_cases import GEOMETRIES, Geometry, operands, problem_for
+
+TORCH_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+GEMMCONV_CONV = {1: gemmconv.conv1d, 2: gemmconv.conv2d, 3: gemmconv.conv3d}
+DIRECTIONS = (Direction.FORWARD, Direction.BACKWARD_DATA, Direction.BACKWARD_WEIGHTS)
+GEMM_SOLVERS = [s for s in SOLVERS if s.id != "vendor"]
+
+
+# ---- NaN and Inf -----------------------------------------------------------------
+
+
+def _poison(t: torch.Tensor, gen: torch.Generator, count: int = 3) -> torch.Tensor:
+    """A copy of ``t`` (same strides) with ``count`` each of NaN, +Inf and -Inf at random
+    places."""
+    t = t.clone()
+    positions = torch.randperm(t.numel(), generator=gen)[: 3 * count]
+    values = (float("nan"), float("inf"), float("-inf"))
+    for i, index in enumerate(zip(*torch.unravel_index(positions, t.shape), strict=True)):
+        t[tuple(int(v) for v in index)] = values[i % 3]
+    return t
+
+
+def _finiteness(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    t = t.detach().cpu()
+    return torch.isnan(t), torch.isposinf(t), torch.isneginf(t)
+
+
+def _non_finite_difference(ours: torch.Tensor, theirs: torch.Tensor) -> str | None:
+    """None when NaN, +Inf and -Inf sit at the same positions and the finite values
+    agree; else what differs."""
+    if ours.shape != theirs.shape:
+        return f"shape {tuple(ours.shape)} vs {tuple(theirs.shape)}"
+    for name, mine, ref in zip(("NaN", "+Inf", "-Inf"), _finiteness(ours), _finiteness(theirs)):
+        differ = (mine != ref).nonzero().tolist()
+        if differ:
+            return f"{name} positions differ at {differ[:5]}"
+    finite = torch.isfinite(theirs.detach().cpu())
+    a, b = ours.detach().cpu()[finite].double(), theirs.detach().cpu()[finite].double()
+    if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+        return "finite values differ"
+    return None
+
+
+def _assert_same_non_finite(what: str, ours: torch.Tensor, *torch_results: torch.Tensor) -> None:
+    """``ours`` has torch's non-finite positions: those of the first of ``torch_results``,
+    or of one of the others where torch's backends disagree among themselves."""
+    differences = [_non_finite_difference(ours, theirs) for theirs in torch_results]
+    assert None in differences, f"{what}: {differences[0]}"
+
+
+def _torch_results(problem: ConvProblem, tensors: ConvTensors) -> list[torch.Tensor]:
+    """torch's answers on the same data: float64, which on the CPU is its direct
+    GEMM path on the zero-padded input, and, where the problem pads, also the
+    problem's own dtype and device (oneDNN or cuDNN). The two differ only where a
+    non-finite weight (or output gradient) meets padding: oneDNN skips the padded
+    taps, the GEMM path multiplies them, and IEEE makes 0 * NaN a NaN."""
+    results = [reference(problem, tensors)]
+    if any(problem.padding):
+        results.append(get_solver("vendor").run(problem, tensors))
+    return results
+
+
+# For the patch-class solvers solver_cases has no geometries of its own for: its
+# patch geometries, and one whose reduction (3 x 3.. x 4 bytes) is never 16-byte
+# aligned, which the padded-reduction solvers require.
+PATCH_FAMILY_GEOMETRIES = [
+    *GEOMETRIES["patch"],
+    Geometry("unaligned", spatial=(11, 7, 5), kernel=(3, 3, 2), stride=(3, 3, 2), c=3),
+]
+
+
+def _poisoned_cases(device_type: str):
+    """(solver id, geometry, dims, layout, direction) for every solver that applies to
+    the geometry on ``device_type``."""
+    cases = []
+    for solver in SOLVERS:
+        solver_id = solver.id
+        for geometry in GEOMETRIES.get(solver_id, PATCH_FAMILY_GEOMETRIES):
+            for dims in (1, 2, 3):
+                for layout in (Layout.CHANNELS_FIRST, Layout.CHANNELS_LAST):
+                    for direction in DIRECTIONS:
+                        problem = problem_for(
+                            geometry, dims, layout, torch.float32, device_type, direction
+                        )
+                        if solver.not_supported_reasons(problem):
+                            continue
+                        cases.append((solver_id, geometry, dims, layout, direction))
+    return cases
+
+
+def _operands_of(direction: Direction) -> tuple[str, ...]:
+    return {
+        Direction.FORWARD: ("input", "weight"),
+        Direction.BACKWARD_DATA: ("grad_output", "weight"),
+        Direction.BACKWARD_WEIGHTS: ("grad_output", "input"),
+    }[direction]
+
+
+def _case_id(case) -> str:
+    solver_id, geometry, dims, layout, direction = case
+    return f"{solver_id}-{geometry.label}-{dims}d-{layout.value}-{direction.value}"
+
+
+CPU_POISONED = _poisoned_cases("cpu")
+GPU_POISONED = _poisoned_cases("cuda")
+
+
+def _check_poisoned(case, device_type: str) -> None:
+    solver_id, geometry, dims, layout, direction = case
+    solver = get_solver(solver_id)
+    problem = problem_for(geometry, dims, layout, torch.float32, device_type, direction)
+    seed = zlib.crc32(_case_id(case).encode())
+    tensors = operands(problem, device_type, seed)
+    gen = torch.Generator().manual_seed(seed)
+    # Both operands of the direction: the first three of each non-finite value, the
+    # second one of each, so that many outputs stay finite and positions matter.
+    large, small = _operands_of(direction)
+    setattr(tensors, large, _poison(getattr(tensors, large).cpu(), gen).to(device_type))
+    setattr(tensors, small, _poison(getattr(tensors, small).cpu(), gen, 1).to(device_type))
+    ours = solver.run(problem, tensors)
+    _assert_same_non_finite(
+        f"{solver_id} {direction.value}", ours, *_torch_results(problem, tensors)
+    )
+
+
+@pytest.mark.parametrize("case", CPU_POISONED, ids=[_case_id(c) for c in CPU_POISONED])
+def test_solver_propagates_nan_and_inf_like_torch(case):
+    """Each solver, forced, on an operand holding NaN, +Inf and -Inf: non-finite results
+    exactly where torch's convolution (float64, the same data) has them."""
+    _check_poisoned(case, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_POISONED, ids=[_case_id(c) for c in GPU_POISONED])
+def test_solver_propagates_nan_and_inf_like_torch_on_cuda(case):
+    _check_poisoned(case, "cuda")
+
+
+def test_every_solver_is_checked_with_non_finite_operands():
+    checked = {case[0] for case in CPU_POISONED} | {case[0] for case in GPU_POISONED}
+    assert checked == {s.id for s in SOLVERS}
+
+
+@pytest.mark.parametrize("dims", (1, 2, 3))
+@pytest.mark.parametrize(
+    "kind, kernel, stride, padding",
+    [
+        ("patch", 2, 2, 0),
+        ("point_output", 5, 5, 0),
+        ("pointwise", 1, 1, 0),
+        ("strided_pointwise", 1, 2, 0),
+        ("general", 3, 1, 1),
+    ],
+)
+@pytest.mark.parametrize("poisoned", ("input", "weight", "grad_output"))
+def test_conv_propagates_nan_and_inf_like_torch(dims, kind, kernel, stride, padding, poisoned):
+    """Through gemmconv.conv{d}d and autograd: forward and every gradient."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{dims}{kind}{poisoned}".encode()))
+    spatial = (5,) * dims if kind != "patch" else (6,) * dims
+    x = torch.rand(2, 3, *spatial, generator=gen) * 2 - 1
+    w = torch.rand(4, 3, *(kernel,) * dims, generator=gen) * 2 - 1
+    b = torch.rand(4, generator=gen) * 2 - 1
+    if poisoned == "input":
+        x = _poison(x, gen)
+    if poisoned == "weight":
+        w = _poison(w, gen, count=1)
+    runs = [(GEMMCONV_CONV[dims], torch.float32), (TORCH_CONV[dims], torch.float64)]
+    if padding:  # see _torch_results: torch's backends differ where NaN meets padding
+        runs.append((TORCH_CONV[dims], torch.float32))
+    results = []
+    for conv, dtype in runs:
+        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (x, w, b)]
+        y = conv(*leaves, stride=stride, padding=padding)
+        dy = torch.rand(y.shape, generator=torch.Generator().manual_seed(7)) * 2 - 1
+        if poisoned == "grad_output":
+            dy = _poison(dy, torch.Generator().manual_seed(8))
+        y.backward(dy.to(dtype))
+        results.append((y, *(t.grad for t in leaves)))
+    names = ("forward", "input grad", "weight grad", "bias grad")
+    for i, name in enumerate(names):
+        ours, *theirs = (result[i] for result in results)
+        _assert_same_non_finite(f"{kind} {name}", ours, *theirs)
+
+
+# ---- empty tensors -----------------------------------------------------------------
+
+
+EMPTY_CASES = {
+    # label: (n, c, spatial, kernel, stride, padding)
+    "zero_batch_patch": (0, 3, 6, 2, 2, 0),
+    "zero_batch_point_output": (0, 3, 4, 4, 4, 0),
+    "zero_batch_pointwise": (0, 3, 5, 1, 1, 0),
+    "zero_batch_strided_pointwise": (0, 3, 5, 1, 2, 0),
+    "zero_batch_general": (0, 3, 5, 3, 1, 1),
+    "zero_batch_empty_spatial_padded": (0, 3, 0, 3, 1, 2),
+    "zero_channels_general": (2, 0, 5, 3, 1, 1),
+    "zero_channels_pointwise": (2, 0, 5, 1, 1, 0),
+}
+
+
+@pytest.mark.parametrize("layout", ("cf", "cl"))
+@pytest.mark.parametrize("dims", (1, 2, 3))
+@pytest.mark.parametrize("label", list(EMPTY_CASES))
+def test_empty_tensors_give_torchs_shapes_and_gradients(label, dims, layout):
+    n, c, s, r, u, p = EMPTY_CASES[label]
+    gen = torch.Generator().manual_seed(zlib.crc32(label.encode()))
+    x = torch.rand(n, c, *(s,) * dims, generator=gen)
+    if layout == "cl" and dims > 1:
+        x = x.to(memory_format=torch.channels_last if dims == 2 else torch.channels_last_3d)
+    if layout == "cl" and dims == 1:
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    w = torch.rand(4, c, *(r,) * dims, generator=gen) * 2 - 1
+    b = torch.rand(4, generator=gen) * 2 - 1
+    results = []
+    for conv in (GEMMCONV_CONV[dims], TORCH_CONV[dims]):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+        y = conv(*leaves, stride=u, padding=p)
+        y.backward(torch.ones_like(y))
+        results.append((y, *(t.grad for t in leaves)))
+    for name, ours, theirs in zip(("forward", "input grad", "weight grad", "bias grad"), *results):
+        assert ours.shape == theirs.shape, f"{name}: {ours.shape} vs torch's {theirs.shape}"
+        assert ours.dtype == theirs.dtype, name
+        torch.testing.assert_close(ours, theirs, msg=name)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS, ids=lambda d: d.value)
+def test_empty_batch_goes_to_the_vendor_path(direction):
+    problem = ConvProblem.from_sizes(0, 3, 8, (224, 224), 16, stride=16, direction=direction)
+    for solver in GEMM_SOLVERS:
+        reasons = solver.not_supported_reasons(problem)
+        assert any("empty problem" in r for r in reasons), (solver.id, reasons)
+    assert decide(problem, rates=CPU).solver == "vendor"
+
+
+def test_empty_batch_runs_on_every_direction_through_the_vendor():
+    problem = ConvProblem.from_sizes(0, 3, 8, (6, 6), 2, stride=2)
+    for direction in DIRECTIONS:
+        p = problem.with_direction(direction)
+        tensors = operands(p, "cpu", 0)
+        result = get_solver("vendor").run(p, tensors)
+        expected = {
+            Direction.FORWARD: p.output_shape,
+            Direction.BACKWARD_DATA: p.input_shape,
+            Direction.BACKWARD_WEIGHTS: p.weight_shape,
+        }[direction]
+        assert tuple(result.shape) == expected
+        if direction is Direction.BACKWARD_WEIGHTS:
+            assert torch.equal(result, torch.zeros(expected)), "a sum over no samples is zero"
+
+
+# ---- operands past 32-bit indexing --------------------------------------------------
+
+
+def _huge_problems():
+    """(label, problem, the operand that is too large) with every other operand small
+    where the geometry allows; sizes only, nothing is allocated."""
+    half = torch.bfloat16
+    return [
+        # ViT-B/16 on 50 000 images: 7.5e9 input elements.
+        (
+            "vit_patch_embedding",
+            ConvProblem.from_sizes(50_000, 3, 768, (224, 224), 16, stride=16, dtype=half),
+            "input",
+        ),
+        # 1x1 with a huge output: 65536 pixels x 32769 output channels.
+        ("pointwise_output", ConvProblem.from_sizes(1, 1, 2**15 + 1, (2**16,), 1), "output"),
+        # A pointwise weight of 2^16 x (2^15 + 1).
+        ("pointwise_weight", ConvProblem.from_sizes(1, 2**15 + 1, 2**16, (1,), 1), "weight"),
+        # 3x3, padding 1: x and y have 2.7e8 elements, the column matrix 2.4e9.
+        (
+            "im2col_columns",
+            ConvProblem.from_sizes(1, 64, 64, (2048, 2048), 3, padding=1),
+            "column matrix",
+        ),
+        # A point-output problem whose M = N is huge: 3x14x14 patches of 2^22 images.
+        (
+            "point_output_batch",
+            ConvProblem.from_sizes(2**22, 3, 1280, (14, 14), 14, stride=14, dtype=half),
+            "input",
+        ),
+    ]
+
+
+HUGE = _huge_problems()
+
+
+@pytest.mark.parametrize("device_type", ("cpu", "cuda"))
+@pytest.mark.parametrize("direction", DIRECTIONS, ids=lambda d: d.value)
+@pytest.mark.parametrize("label, problem, operand", HUGE, ids=[h[0] for h in HUGE])
+def test_huge_operands_are_routed_to_the_vendor(label, problem, operand, direction, device_type):
+    problem = problem.with_direction(direction)
+    problem = ConvProblem.from_sizes(
+        problem.n, problem.c, problem.k, problem.spatial, problem.kernel, problem.stride,
+        problem.padding, problem.dilation, problem.groups, problem.layout, problem.dtype,
+        device_type, direction,
+    )  # fmt: skip
+    for solver in GEMM_SOLVERS:
+        reasons = solver.not_supported_reasons(problem)
+        assert any(f"{operand} has" in r and str(INT32_MAX) in r for r in reasons), (
+            solver.id,
+            reasons,
+        )
+    assert get_solver("vendor").not_supported_reasons(problem) == []
+    rates = H200 if device_type == "cuda" else CPU
+    assert decide(problem, rates=rates).solver == "vendor"
+
+
+@pytest.mark.parametrize("layout", (Layout.CHANNELS_FIRST, Layout.CHANNELS_LAST))
+def test_operand_of_exactly_int32_max_elements_still_runs_as_a_gemm(layout):
+    """The limit is inclusive: 2^31 - 1 elements (a prime, so one long row) pass, one more
+    does not."""
+    at_limit = ConvProblem.from_sizes(1, 1, 1, (INT32_MAX,), 1, layout=layout)
+    assert get_solver("pointwise").not_supported_reasons(at_limit) == []
+    over = ConvProblem.from_sizes(1, 1, 1, (INT32_MAX + 1,), 1, layout=layout)
+    assert get_solver("pointwise").not_supported_reasons(over)
+
+
+def test_problem_arithmetic_does_not_overflow_on_huge_sizes():
+    """Sizes, flops and bytes are Python integers: exact however large."""
+    _, problem, _ = HUGE[0]
+    assert problem.gemm_m == 50_000 * 14 * 14
+    assert problem.flops() == 2 * 50_000 * 196 * 768 * 768
+    assert problem.min_bytes() > 2**33
