@@ -596,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device=cuda: no CUDA device is available")
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(torch.device(device).index or 0)
     cases = suite_cases([c for c in args.cases.split(",") if c])
     layouts = _pick(args.layouts, LAYOUT_NAMES, "layouts")
     directions = _pick(args.directions, DIRECTION_NAMES, "directions")

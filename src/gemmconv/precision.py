@@ -89,7 +89,12 @@ def reduce_batched_products(a: torch.Tensor, b: torch.Tensor, workspace_cap: int
     chunk = max(1, min(n, workspace_cap // max(per_sample, 1)))
     half = a.dtype in (torch.float16, torch.bfloat16)
     total_dtype = torch.float32 if half else torch.float64
-    product_dtype = _reduction_dtype(a) or (torch.float32 if half else a.dtype)
+    product_dtype = torch.float32 if half else a.dtype
+    if a.dtype == torch.float32 and not (a.device.type == "cuda" and convolutions_allow_tf32()):
+        # Full-fp32 products rounded per sample, then summed, measure about twice the
+        # vendor's error (one rounding of a single long reduction); fp64 products
+        # round only once, at the end. Under TF32 the products keep TF32's precision.
+        product_dtype = torch.float64
     total = torch.zeros(rows, cols, dtype=total_dtype, device=a.device)
     for start in range(0, n, chunk):
         a_part, b_part = a[start : start + chunk], b[start : start + chunk]
