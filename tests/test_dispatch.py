@@ -97,6 +97,19 @@ def test_mode_precedence_context_then_setter_then_environment(monkeypatch):
     assert dispatch.current_find_mode() is FindMode.FIND
 
 
+def test_find_mode_block_reaches_other_threads():
+    # The autograd engine runs CUDA backward passes on its own threads.
+    import threading
+
+    seen = []
+    with gemmconv.find_mode("find"):
+        worker = threading.Thread(target=lambda: seen.append(dispatch.current_find_mode()))
+        worker.start()
+        worker.join()
+    assert seen == [FindMode.FIND]
+    assert dispatch.current_find_mode() is FindMode.DATABASE
+
+
 def test_unknown_mode_is_an_error_naming_its_source(monkeypatch):
     with pytest.raises(ValueError, match="mode='fast'"):
         gemmconv.set_find_mode("fast")

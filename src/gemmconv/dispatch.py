@@ -28,11 +28,11 @@ off, for code that runs convolutions on some ranks only).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import enum
 import logging
 import os
+import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -43,6 +43,10 @@ from gemmconv.problem import DIRECTIONS, ConvProblem
 from gemmconv.solvers import SOLVERS, Solver, get_solver
 
 log = logging.getLogger("gemmconv.dispatch")
+
+# What a find-database call may raise that must not stop a convolution: sqlite errors
+# (locked past the busy timeout, disk full, I/O), file errors, malformed rows.
+DATABASE_ERRORS = (sqlite3.Error, OSError, ValueError)
 
 
 class SolverNotApplicable(RuntimeError):
@@ -77,9 +81,9 @@ class Choice:
 
 # ---- the mode -----------------------------------------------------------------
 
-_context_mode: contextvars.ContextVar[FindMode | None] = contextvars.ContextVar(
-    "gemmconv_find_mode", default=None
-)
+# Process-wide, like torch.backends flags: the autograd engine runs CUDA backward
+# passes on its own threads, which a per-thread (contextvar) setting would not reach.
+_block_mode: FindMode | None = None
 _process_mode: FindMode | None = None
 
 
@@ -99,16 +103,18 @@ def set_find_mode(mode: FindMode | str | None) -> None:
 
 @contextlib.contextmanager
 def find_mode(mode: FindMode | str) -> Iterator[FindMode]:
-    """Use ``mode`` inside the block (this thread / task only)."""
-    token = _context_mode.set(_parse_mode(mode, "mode"))
+    """Use ``mode`` inside the block, process-wide (as ``torch.backends.cudnn.flags``
+    does), backward passes run by the autograd engine's threads included."""
+    global _block_mode
+    saved, _block_mode = _block_mode, _parse_mode(mode, "mode")
     try:
-        yield _context_mode.get()
+        yield _block_mode
     finally:
-        _context_mode.reset(token)
+        _block_mode = saved
 
 
 def current_find_mode() -> FindMode:
-    mode = _context_mode.get() or _process_mode
+    mode = _block_mode or _process_mode
     if mode is not None:
         return mode
     env = os.environ.get("GEMMCONV_FIND_MODE")
@@ -216,7 +222,19 @@ def _decide_in_mode(
 def _database_hit(problem: ConvProblem, estimated: Choice):
     from gemmconv import finddb
 
-    hit = finddb.get_db().lookup(problem.key(), finddb.identity_for(problem.device_type))
+    identity = finddb.identity_for(problem.device_type)
+    try:
+        hit = finddb.get_db().lookup(problem.key(), identity)
+    except DATABASE_ERRORS as e:
+        # The database must never be why a convolution fails: a file locked past its
+        # timeout, a full disk or a malformed row is a miss.
+        log.warning(
+            "%s: find database lookup failed (%s: %s); treated as a miss",
+            problem.key(),
+            type(e).__name__,
+            e,
+        )
+        return None
     if hit is not None and hit.solver not in estimated.estimates_ms:
         # Stored by a run where it applied, but now disabled or no longer applicable.
         log.debug("%s: database names %s, which is not a candidate now", problem.key(), hit.solver)
@@ -248,7 +266,10 @@ def _decide_by_find(problem: ConvProblem, estimated: Choice, store: bool) -> Cho
             result.best_ms,
             result.workspace_bytes,
         )
-        finddb.get_db().store(record)
+        try:
+            finddb.get_db().store(record)
+        except DATABASE_ERRORS as e:
+            log.warning("%s: find result not stored (%s: %s)", problem.key(), type(e).__name__, e)
     return dataclasses.replace(
         estimated,
         solver=result.best,
