@@ -619,7 +619,9 @@ def cmd_bench(argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="gemmconv", description=__doc__.split("\n\n")[0])
+    parser = _Parser(
+        prog="gemmconv", description="Run, time and verify GEMM convolutions (MIOpenDriver style)."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     conv = sub.add_parser("conv", help="run, time and verify one convolution problem")
