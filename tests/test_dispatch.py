@@ -95,6 +95,8 @@ def test_mode_precedence_context_then_setter_then_environment(monkeypatch):
     assert dispatch.current_find_mode() is FindMode.HYBRID
     gemmconv.set_find_mode(None)
     assert dispatch.current_find_mode() is FindMode.FIND
+    gemmconv.set_find_mode("immediate-with-database")
+    assert dispatch.current_find_mode() is FindMode.DATABASE
 
 
 def test_find_mode_block_reaches_other_threads():

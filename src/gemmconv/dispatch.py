@@ -87,9 +87,16 @@ _block_mode: FindMode | None = None
 _process_mode: FindMode | None = None
 
 
+# Other spellings of the database mode, as the design notes call it.
+_MODE_ALIASES = {"immediate-with-database": "database", "immediate_with_database": "database"}
+
+
 def _parse_mode(mode: FindMode | str, source: str) -> FindMode:
     try:
-        return FindMode(mode.lower() if isinstance(mode, str) else mode)
+        if isinstance(mode, str):
+            key = mode.strip().lower()
+            return FindMode(_MODE_ALIASES.get(key, key))
+        return FindMode(mode)
     except ValueError:
         names = ", ".join(m.value for m in FindMode)
         raise ValueError(f"{source}={mode!r}: unknown find mode; expected one of {names}") from None
