@@ -139,6 +139,15 @@ def _measure(problem, solver, tensors, out, warmup, reps, judge_candidate) -> Ca
                 return Candidate(
                     solver.id, None, workspace, f"verification {verdict}", str(verdict)
                 )
+        else:
+            # Without verification, one cheap check still runs: the operands are finite,
+            # so a NaN left in the NaN-filled result is an element the solver never
+            # wrote (or garbage), and such a solver must not win however fast it is.
+            out.fill_(math.nan)
+            solver.run(problem, tensors, out=out)
+            if torch.isnan(out).any():
+                log.warning("find %s: %s skipped, left NaN in its result", problem.key(), solver.id)
+                return Candidate(solver.id, None, workspace, "left NaN in its result")
         timing = time_ms(
             lambda: solver.run(problem, tensors, out=out),
             device=out.device,
