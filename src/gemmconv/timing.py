@@ -121,11 +121,18 @@ def _time_cuda(
                 setup()
             if flush is not None:
                 flush.zero_()
+            # A spin kernel ahead of the timed region lets the host queue fn's launches
+            # before the device reaches them, so the events measure device time, not
+            # Python launch overhead (which a busy training step hides the same way).
+            torch.cuda._sleep(_HEAD_START_CYCLES)
             start.record()
             fn()
             end.record()
         torch.cuda.synchronize()
         return Timing.from_samples(tuple(start.elapsed_time(end) for start, end in events))
+
+
+_HEAD_START_CYCLES = 1_000_000  # about 0.5 ms at the H200's 1.98 GHz
 
 
 def _flush_buffer(index: int) -> torch.Tensor:
