@@ -41,6 +41,7 @@ import torch
 from gemmconv.device_rates import DeviceRates
 from gemmconv.problem import DIRECTIONS, ConvProblem
 from gemmconv.solvers import SOLVERS, Solver, get_solver
+from gemmconv.solvers.base import determinism_state
 
 log = logging.getLogger("gemmconv.dispatch")
 
@@ -223,7 +224,15 @@ def _decide_in_mode(
             )
         if mode is FindMode.DATABASE:
             return estimated
-    return _decide_by_find(problem, estimated, store=not disabled)
+    # A find restricted by GEMMCONV_DISABLE, or by the determinism rules (a solver
+    # refused for that reason alone), is not the true best: it is not stored.
+    restricted = disabled or any(_refused_only_for_determinism(s, problem) for s in SOLVERS)
+    return _decide_by_find(problem, estimated, store=not restricted)
+
+
+def _refused_only_for_determinism(solver: Solver, problem: ConvProblem) -> bool:
+    reasons = solver.determinism_reasons(problem)
+    return bool(reasons) and solver.not_supported_reasons(problem) == reasons
 
 
 def _database_hit(problem: ConvProblem, estimated: Choice):
@@ -331,7 +340,7 @@ def _decide_collectively(
 
 # ---- the cached entry points ----------------------------------------------------
 
-_CacheKey = tuple[ConvProblem, FindMode, "str | None", frozenset]
+_CacheKey = tuple[ConvProblem, FindMode, "str | None", frozenset, tuple[bool, bool]]
 _cache: dict[_CacheKey, Choice] = {}
 _lock = threading.Lock()
 
@@ -346,7 +355,7 @@ def choose(problem: ConvProblem, solver: str | None = None) -> Choice:
             f"solver {forced!r} is forced and also listed in GEMMCONV_DISABLE; "
             "expected one or the other"
         )
-    key = (problem, mode, forced, disabled)
+    key = (problem, mode, forced, disabled, determinism_state())
     choice = _cache.get(key)
     if choice is None:
         choice = _decide_collectively(problem, mode, forced, disabled)

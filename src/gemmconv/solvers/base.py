@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import ClassVar
 
 import torch
@@ -28,6 +29,22 @@ ALL_LAYOUTS = frozenset({Layout.CHANNELS_FIRST, Layout.CHANNELS_LAST})
 # have overflowed 32-bit products of sizes (pytorch/pytorch#191083). A GEMM solver
 # refuses any problem with a larger operand; the vendor path takes it.
 INT32_MAX = 2**31 - 1
+
+# cuBLAS is bitwise reproducible run to run only with one of these workspace
+# configurations (its documentation; torch refuses cuBLAS calls under
+# torch.use_deterministic_algorithms(True) without one).
+CUBLAS_DETERMINISTIC_CONFIGS = (":4096:8", ":16:8")
+
+
+def cublas_is_reproducible() -> bool:
+    if torch.version.hip:  # ROCm's BLAS needs no workspace setting
+        return True
+    return os.environ.get("CUBLAS_WORKSPACE_CONFIG", "") in CUBLAS_DETERMINISTIC_CONFIGS
+
+
+def determinism_state() -> tuple[bool, bool]:
+    """What the determinism rules depend on, for caches of solver decisions."""
+    return torch.are_deterministic_algorithms_enabled(), cublas_is_reproducible()
 
 
 
@@ -53,6 +70,13 @@ class Solver:
     handles_empty: ClassVar[bool] = False
     # The most elements any one operand of the solver's GEMMs may have; None: no limit.
     max_operand_elements: ClassVar[int | None] = INT32_MAX
+    # Bitwise identical results run to run on the same device and inputs. False for a
+    # solver whose reductions depend on scheduling (split reductions with atomics);
+    # such a solver is refused under torch.use_deterministic_algorithms(True).
+    deterministic: ClassVar[bool] = True
+    # Whether its GEMMs run on cuBLAS on CUDA (reproducible only with a
+    # CUBLAS_WORKSPACE_CONFIG from CUBLAS_DETERMINISTIC_CONFIGS).
+    uses_cublas: ClassVar[bool] = True
 
     # ---- applicability ------------------------------------------------------
 
@@ -72,7 +96,21 @@ class Solver:
         if not self.handles_empty and 0 in (problem.n, problem.c, problem.k):
             reasons.append(f"empty problem (N={problem.n}, C={problem.c}, K={problem.k})")
         reasons += self._operand_size_reasons(problem)
+        reasons += self.determinism_reasons(problem)
         return reasons + self.problem_reasons(problem)
+
+    def determinism_reasons(self, problem: ConvProblem) -> list[str]:
+        """Why the solver may not run while torch.use_deterministic_algorithms is on."""
+        if not torch.are_deterministic_algorithms_enabled():
+            return []
+        if not self.deterministic:
+            return ["not bitwise reproducible (torch.use_deterministic_algorithms is on)"]
+        if problem.device_type == "cuda" and self.uses_cublas and not cublas_is_reproducible():
+            return [
+                "cuBLAS is not reproducible without CUBLAS_WORKSPACE_CONFIG=:4096:8 or :16:8 "
+                "(torch.use_deterministic_algorithms is on)"
+            ]
+        return []
 
     def operand_elements(self, problem: ConvProblem) -> dict[str, int]:
         """Elements of each tensor the solver's GEMMs read or write (their views reach

@@ -39,6 +39,9 @@ class ImplicitPatchSolver(Solver):
     id = "patch_implicit"
     dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
     devices = frozenset({"cuda"})
+    # Triton GEMMs only; the split weight-gradient reduction sums fp32 partials in a
+    # fixed order (no atomics), so it is reproducible.
+    uses_cublas = False
 
     def problem_reasons(self, p: ConvProblem) -> list[str]:
         reasons = patch_class_reasons(p)

@@ -40,6 +40,9 @@ class VendorSolver(Solver):
     id = "vendor"
     handles_empty = True
     max_operand_elements = None  # aten splits large convolutions itself (or raises as F.conv*)
+    # cuDNN and the CPU kernels pick their deterministic algorithms under
+    # torch.use_deterministic_algorithms, as F.conv* does.
+    uses_cublas = False
 
     def estimate_ms(self, problem: ConvProblem, rates=None) -> float:
         return super().estimate_ms(problem, rates) / vendor_efficiency(problem)

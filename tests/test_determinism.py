@@ -1,0 +1,233 @@
+"""Determinism: under torch.use_deterministic_algorithms(True) gemmconv runs only solvers
+whose results are bitwise reproducible run to run, and two runs are bitwise equal.
+
+Each solver declares ``deterministic`` (False for split reductions with atomics) and
+``uses_cublas`` (cuBLAS is reproducible only with CUBLAS_WORKSPACE_CONFIG=:4096:8 or
+:16:8); the base class turns both into rejection reasons while the flag is on.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import gemmconv
+from gemmconv import ConvProblem, Direction, Layout, dispatch, get_solver, solvers
+from gemmconv.solvers import SOLVERS
+from gemmconv.solvers.base import cublas_is_reproducible
+from gemmconv.solvers.patch import PatchSolver
+
+from solver_cases import GEOMETRIES, Geometry, operands, problem_for
+
+DIRECTIONS = (Direction.FORWARD, Direction.BACKWARD_DATA, Direction.BACKWARD_WEIGHTS)
+PATCH_FAMILY = [
+    *GEOMETRIES["patch"],
+    Geometry("unaligned", spatial=(11, 7, 5), kernel=(3, 3, 2), stride=(3, 3, 2), c=3),
+]
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    """A private find database and no selection variables."""
+    from gemmconv import finddb
+
+    monkeypatch.setenv("GEMMCONV_DB", str(tmp_path / "find.sqlite"))
+    for name in ("GEMMCONV_FIND_MODE", "GEMMCONV_SOLVER", "GEMMCONV_DISABLE"):
+        monkeypatch.delenv(name, raising=False)
+    finddb.reset_db()
+    yield
+    finddb.reset_db()
+
+
+@pytest.fixture
+def deterministic():
+    """torch.use_deterministic_algorithms(True) for the test, then as it was."""
+    was, warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    torch.use_deterministic_algorithms(True)
+    dispatch.clear_cache()
+    yield
+    torch.use_deterministic_algorithms(was, warn_only=warn_only)
+    dispatch.clear_cache()
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.shape == b.shape
+        and a.stride() == b.stride()
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
+
+
+def _cases(device_type: str):
+    """(solver, geometry, dims, layout, dtype, direction) for every solver that applies."""
+    cases = []
+    dtypes = (torch.float32, torch.bfloat16) if device_type == "cuda" else (torch.float32,)
+    for solver in SOLVERS:
+        for geometry in GEOMETRIES.get(solver.id, PATCH_FAMILY):
+            for dims in (1, 2, 3):
+                for layout in (Layout.CHANNELS_FIRST, Layout.CHANNELS_LAST):
+                    for dtype in dtypes:
+                        for direction in DIRECTIONS:
+                            p = problem_for(geometry, dims, layout, dtype, device_type, direction)
+                            if solver.is_applicable(p):
+                                cases.append((solver, geometry, dims, layout, dtype, direction))
+    return cases
+
+
+def _case_id(case) -> str:
+    solver, geometry, dims, layout, dtype, direction = case
+    dt = str(dtype).replace("torch.", "")
+    return f"{solver.id}-{geometry.label}-{dims}d-{layout.value}-{dt}-{direction.value}"
+
+
+def _run_twice_bitwise_equal(case, device_type: str) -> None:
+    solver, geometry, dims, layout, dtype, direction = case
+    problem = problem_for(geometry, dims, layout, dtype, device_type, direction)
+    assert solver.not_supported_reasons(problem) == [], "refused under the flag"
+    seed = zlib.crc32(_case_id(case).encode())
+    # Fresh operands (fresh allocations, so alignment may differ) with the same values.
+    first = solver.run(problem, operands(problem, device_type, seed))
+    second = solver.run(problem, operands(problem, device_type, seed))
+    assert _bitwise_equal(first, second), f"{_case_id(case)}: two runs differ"
+
+
+CPU_CASES = _cases("cpu")
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=[_case_id(c) for c in CPU_CASES])
+def test_every_cpu_solver_is_bitwise_reproducible(case, deterministic):
+    _run_twice_bitwise_equal(case, "cpu")
+
+
+@pytest.mark.gpu
+def test_every_cuda_solver_is_bitwise_reproducible(deterministic, monkeypatch):
+    # torch refuses cuBLAS under the flag without this; set it before CUDA starts (the
+    # GPU command exports it) for cuBLAS to honour it for its own handles as well.
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    dispatch.clear_cache()
+    cases = _cases("cuda")
+    assert {c[0].id for c in cases} == {s.id for s in SOLVERS if "cuda" in s.devices}
+    for case in cases:
+        _run_twice_bitwise_equal(case, "cuda")
+
+
+@pytest.mark.parametrize("dims", (1, 2, 3))
+@pytest.mark.parametrize("layout", ("cf", "cl"))
+@pytest.mark.parametrize(
+    "kind, kernel, stride, padding",
+    [("patch", 4, 4, 0), ("pointwise", 1, 1, 0), ("strided", 1, 2, 0), ("general", 3, 1, 1)],
+)
+def test_conv_and_its_gradients_are_bitwise_reproducible(
+    kind, kernel, stride, padding, layout, dims, deterministic
+):
+    conv = {1: gemmconv.conv1d, 2: gemmconv.conv2d, 3: gemmconv.conv3d}[dims]
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}{layout}{dims}".encode()))
+    x = torch.rand(3, 5, *(8,) * dims, generator=gen) * 2 - 1
+    if layout == "cl":
+        x = x.movedim(1, -1).contiguous().movedim(-1, 1)
+    w = torch.rand(6, 5, *(kernel,) * dims, generator=gen) * 2 - 1
+    b = torch.rand(6, generator=gen) * 2 - 1
+    runs = []
+    for _ in range(2):
+        dispatch.clear_cache()
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+        y = conv(*leaves, stride=stride, padding=padding)
+        y.backward(torch.rand(y.shape, generator=torch.Generator().manual_seed(3)) - 0.5)
+        runs.append([y.detach(), *(t.grad for t in leaves)])
+    for name, first, second in zip(("y", "dx", "dw", "db"), *runs, strict=True):
+        assert _bitwise_equal(first, second), name
+
+
+# ---- the declared capability and its rules ---------------------------------------
+
+
+class _NondeterministicPatch(PatchSolver):
+    """A stand-in for a split-reduction solver with atomics, cheaper than all others."""
+
+    id = "nondeterministic_patch"
+    deterministic = False
+
+    def estimate_ms(self, problem, rates=None) -> float:
+        return 0.0
+
+
+@pytest.fixture
+def nondeterministic(monkeypatch):
+    solver = _NondeterministicPatch()
+    monkeypatch.setattr(dispatch, "SOLVERS", (solver, *dispatch.SOLVERS))
+    monkeypatch.setitem(solvers._BY_ID, solver.id, solver)
+    return solver
+
+
+def _patch_problem(device_type: str = "cpu") -> ConvProblem:
+    return ConvProblem.from_sizes(2, 3, 4, (8, 8), 4, stride=4, device_type=device_type)
+
+
+def test_every_solver_declares_whether_it_is_deterministic():
+    for solver in SOLVERS:
+        assert isinstance(solver.deterministic, bool), solver.id
+        assert isinstance(solver.uses_cublas, bool), solver.id
+
+
+def test_a_nondeterministic_solver_is_refused_only_under_the_flag(nondeterministic):
+    problem = _patch_problem()
+    assert nondeterministic.not_supported_reasons(problem) == []
+    assert dispatch.choose(problem).solver == nondeterministic.id
+    torch.use_deterministic_algorithms(True)
+    try:
+        reasons = nondeterministic.not_supported_reasons(problem)
+        assert reasons and "use_deterministic_algorithms" in reasons[0]
+        # The cached choice made without the flag is not reused under it.
+        choice = dispatch.choose(problem)
+        assert choice.solver != nondeterministic.id
+        assert "not bitwise reproducible" in choice.rejected[nondeterministic.id][0]
+        with pytest.raises(dispatch.SolverNotApplicable, match="not bitwise reproducible"):
+            dispatch.choose(problem, solver=nondeterministic.id)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert dispatch.choose(problem).solver == nondeterministic.id
+
+
+def test_find_under_the_flag_skips_and_does_not_store_a_restricted_result(
+    nondeterministic, deterministic
+):
+    from gemmconv import finddb
+
+    problem = _patch_problem()
+    with gemmconv.find_mode("find"):
+        choice = dispatch.choose(problem)
+    assert choice.solver != nondeterministic.id
+    assert nondeterministic.id not in choice.times_ms
+    assert finddb.get_db().lookup(problem.key(), finddb.identity_for("cpu")) is None
+
+
+@pytest.mark.parametrize("config", ["", ":0:0", ":4096:8", ":16:8"])
+def test_cublas_solvers_need_a_reproducible_workspace_config(config, monkeypatch, deterministic):
+    """Decided on descriptors: no GPU needed. Without a reproducible config torch itself
+    would refuse the GEMM; gemmconv routes the problem to cuDNN instead."""
+    if config:
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", config)
+    else:
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    reproducible = config in (":4096:8", ":16:8") or bool(torch.version.hip)
+    assert cublas_is_reproducible() == reproducible
+    problem = _patch_problem("cuda")
+    for solver in SOLVERS:
+        reasons = solver.determinism_reasons(problem)
+        refused = any("CUBLAS_WORKSPACE_CONFIG" in r for r in reasons)
+        assert refused == (solver.uses_cublas and not reproducible), (solver.id, reasons)
+    for solver_id in ("vendor", "patch_implicit"):
+        if solver_id in solvers._BY_ID:
+            assert get_solver(solver_id).determinism_reasons(problem) == []
+
+
+def test_without_the_flag_nothing_is_refused_for_determinism(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert not torch.are_deterministic_algorithms_enabled()
+    for solver in SOLVERS:
+        assert solver.determinism_reasons(_patch_problem("cuda")) == []
