@@ -68,7 +68,9 @@ class ConvCase:
     def int_padding(self) -> bool:
         return not isinstance(self.padding, str)
 
-    def problem(self, direction: Direction, layout: Layout) -> ConvProblem:
+    def problem(
+        self, direction: Direction, layout: Layout, device_type: str = "cpu"
+    ) -> ConvProblem:
         """The solver-level problem (integer padding only)."""
         assert self.int_padding
         return ConvProblem.from_sizes(
@@ -83,7 +85,7 @@ class ConvCase:
             groups=self.groups,
             layout=layout,
             dtype=self.dtype,
-            device_type="cpu",
+            device_type=device_type,
             direction=direction,
             has_bias=self.bias and direction is Direction.FORWARD,
         )
@@ -190,14 +192,20 @@ def conditioned_rms(a: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> 
 
 
 def assert_matches_reference(
-    what: str, ours: torch.Tensor | None, ref: torch.Tensor, scale: torch.Tensor, case
+    what: str,
+    ours: torch.Tensor | None,
+    ref: torch.Tensor,
+    scale: torch.Tensor,
+    case,
+    device_type: str = "cpu",
 ) -> None:
     """``ours`` within the dtype's tolerance of the float64 ``ref``: by rms_range, or,
     where terms cancel, by conditioned_rms."""
     assert ours is not None, f"{what}: gemmconv gave no result"
     assert tuple(ours.shape) == tuple(ref.shape), f"{what}: shape {ours.shape} != {ref.shape}"
     assert ours.dtype == case.dtype, f"{what}: dtype {ours.dtype} != {case.dtype}"
-    tol = tolerance(case.dtype, "cpu")
+    tol = tolerance(case.dtype, device_type)
+    ours, ref, scale = (t.detach().cpu() for t in (ours, ref, scale))
     plain = rms_range(ours, ref)
     if plain <= tol:
         return
@@ -300,7 +308,7 @@ def check_against_torch(case: ConvCase) -> None:
             assert_matches_reference(name, mine.grad, ref_leaf.grad, scale_leaf.grad, case)
 
 
-def check_every_solver(case: ConvCase) -> list[str]:
+def check_every_solver(case: ConvCase, device_type: str = "cpu") -> list[str]:
     """Every solver that accepts the case's problem, in every direction and in both
     layouts, run into a NaN-filled output and judged against float64. Returns the ids
     of the solvers that ran (so a property test can report its coverage)."""
@@ -309,20 +317,21 @@ def check_every_solver(case: ConvCase) -> list[str]:
     ran = []
     for layout in (CF, CL):
         for direction in (Direction.FORWARD, Direction.BACKWARD_DATA, Direction.BACKWARD_WEIGHTS):
-            problem = case.problem(direction, layout)
-            tensors: ConvTensors = operands(problem, "cpu", case.seed)
+            problem = case.problem(direction, layout, device_type)
+            tensors: ConvTensors = operands(problem, device_type, case.seed)
             ref = reference(problem, tensors)
             scale = reference(problem, _magnitudes(tensors))
             for solver in SOLVERS:
                 if solver.not_supported_reasons(problem):
                     continue
-                out = nan_output(problem, "cpu")
+                out = nan_output(problem, device_type)
                 result = solver.run(problem, tensors, out=out)
                 what = f"{solver.id} {direction.value} {layout.value}"
                 assert result.data_ptr() == out.data_ptr(), f"{what}: did not write into out"
-                assert_matches_reference(what, result, ref, scale, case)
+                assert_matches_reference(what, result, ref, scale, case, device_type)
                 fresh = solver.run(problem, tensors)
-                assert_matches_reference(f"{what} (allocated result)", fresh, ref, scale, case)
+                again = f"{what} (allocated result)"
+                assert_matches_reference(again, fresh, ref, scale, case, device_type)
                 ran.append(solver.id)
     return ran
 

@@ -11,6 +11,8 @@ that ever fails is kept in test_regressions.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
@@ -192,6 +194,20 @@ def test_conv_matches_torch_forward_and_every_gradient(case: ConvCase):
 @given(conv_cases(integer_padding_only=True))
 def test_every_applicable_solver_matches_float64(case: ConvCase):
     for solver_id in sorted(set(check_every_solver(case))):
+        event(f"solver {solver_id}")
+
+
+@pytest.mark.gpu
+@_settings(150)
+@given(
+    conv_cases(integer_padding_only=True),
+    st.sampled_from([torch.float32, torch.float32, torch.bfloat16, torch.float16]),
+)
+def test_every_applicable_solver_matches_float64_on_cuda(case: ConvCase, dtype):
+    """The same property on the GPU, where the Triton and cuBLAS solvers run, in fp32
+    (TF32 as torch's convolutions allow), bf16 and fp16."""
+    ran = check_every_solver(dataclasses.replace(case, dtype=dtype), "cuda")
+    for solver_id in sorted(set(ran)):
         event(f"solver {solver_id}")
 
 
