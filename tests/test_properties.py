@@ -15,6 +15,10 @@ import dataclasses
 
 import pytest
 import torch
+
+# CI installs hypothesis (the test extra); a machine without it skips this module by name.
+pytest.importorskip("hypothesis")
+
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
