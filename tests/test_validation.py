@@ -279,6 +279,17 @@ def test_device_mismatch_matches_torch_on_cuda(d: int, which: str, no_kernel_run
 
 
 @pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("n", [0, 2])
+def test_zero_size_kernel_is_refused_by_name(d: int, n: int, no_kernel_runs):
+    """torch has no argument check for a zero-size kernel: the backend fails (oneDNN
+    with a RuntimeError; an empty batch has given an IndexError). gemmconv refuses it
+    up front with a RuntimeError that says what is wrong."""
+    x, w = x_of(d, n=n), torch.randn(6, 4, *([3] * (d - 1)), 0)
+    with pytest.raises(RuntimeError, match=r"kernel size .*expected every kernel size >= 1"):
+        GEMMCONV_CONV[d](x, w)
+
+
+@pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize("dtype", [torch.int64, torch.complex64])
 def test_unsupported_dtype_is_refused_by_name(d: int, dtype: torch.dtype, no_kernel_runs):
     """torch's CPU convolution computes integer and complex tensors; gemmconv does not,
