@@ -370,9 +370,44 @@ def solver_for(problem: ConvProblem, solver: str | None = None) -> Solver:
     return get_solver(choose(problem, solver).solver)
 
 
+def selection_state() -> tuple:
+    """Everything besides the problem that ``choose(problem)`` decides from, read raw:
+    the block and process modes, ``$GEMMCONV_FIND_MODE``, the cudnn benchmark flag,
+    ``$GEMMCONV_SOLVER``, ``$GEMMCONV_DISABLE`` and the determinism state.
+
+    Equal states give equal choices for a problem until ``clear_cache()``, so a caller
+    may memoise per (problem metadata, state) what it derives from a choice (see
+    ``dependent_cache``). Nothing is parsed or validated here, which keeps it cheap:
+    a bad setting is reported by ``choose`` on the first call that sees it, and a
+    state that made ``choose`` raise is never memoised."""
+    environ = os.environ
+    return (
+        _block_mode,
+        _process_mode,
+        environ.get("GEMMCONV_FIND_MODE"),
+        torch.backends.cudnn.benchmark,
+        environ.get("GEMMCONV_SOLVER"),
+        environ.get("GEMMCONV_DISABLE"),
+        determinism_state(),
+    )
+
+
+# Memos of other modules built from choices; emptied with the choice cache.
+_dependent_caches: list[dict] = []
+
+
+def dependent_cache() -> dict:
+    """A new dict that ``clear_cache()`` empties along with the choices themselves."""
+    memo: dict = {}
+    _dependent_caches.append(memo)
+    return memo
+
+
 def clear_cache() -> None:
     with _lock:
         _cache.clear()
+        for memo in _dependent_caches:
+            memo.clear()
 
 
 def explain_problem(problem: ConvProblem) -> dict[str, Choice]:
@@ -391,8 +426,10 @@ __all__ = [
     "clear_cache",
     "current_find_mode",
     "decide",
+    "dependent_cache",
     "explain_problem",
     "find_mode",
+    "selection_state",
     "set_find_mode",
     "solver_for",
 ]

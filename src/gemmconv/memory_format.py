@@ -28,6 +28,13 @@ def _is_channels_last(t: torch.Tensor) -> bool:
     return False
 
 
+# layout_of is a function of shapes and strides alone, and torch's suggest_memory_format
+# costs tens of microseconds of Python per call; eager calls repeat the same few
+# shape/stride pairs, so their answers are remembered (boundedly).
+_LAYOUTS_MAX = 4096
+_layouts: dict[tuple, Layout] = {}
+
+
 def layout_of(input: torch.Tensor, weight: torch.Tensor) -> Layout:
     """The layout a convolution of these tensors is computed in.
 
@@ -35,6 +42,21 @@ def layout_of(input: torch.Tensor, weight: torch.Tensor) -> Layout:
     return: channels-last when the input or the weight is channels-last. A 1-D
     convolution follows its input (its output is always contiguous).
     """
+    key = (input.shape, input.stride(), weight.shape, weight.stride())
+    try:
+        return _layouts[key]
+    except KeyError:
+        pass
+    except TypeError:  # symbolic sizes (tracing) are not hashable: nothing to remember
+        return _layout_of(input, weight)
+    layout = _layout_of(input, weight)
+    if len(_layouts) >= _LAYOUTS_MAX:
+        _layouts.clear()
+    _layouts[key] = layout
+    return layout
+
+
+def _layout_of(input: torch.Tensor, weight: torch.Tensor) -> Layout:
     if input.dim() == 3:
         return Layout.CHANNELS_LAST if _is_channels_last(input) else Layout.CHANNELS_FIRST
     if _is_channels_last(input) or _is_channels_last(weight):

@@ -12,7 +12,7 @@ part of the state_dict.
 
 from __future__ import annotations
 
-import dataclasses
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -80,10 +80,10 @@ class _GemmConvMixin:
         return explain_problem(problem)
 
 
-@dataclasses.dataclass(frozen=True)
-class _SeenInput:
+class _SeenInput(NamedTuple):
     """A forward's input without its data: shape, strides, the dtype the convolution
-    ran in (autocast resolved) and the device."""
+    ran in (autocast resolved) and the device. A NamedTuple, not a dataclass: one is
+    built on every eager forward, and a frozen dataclass costs several times more."""
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]

@@ -19,14 +19,15 @@ one of them: backward-data never needs the input, backward-weights never the wei
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
 from gemmconv import dispatch
 from gemmconv.memory_format import Layout, empty_in, layout_of, output_layout
 from gemmconv.problem import ConvProblem, Direction
-from gemmconv.solvers import ConvTensors
+from gemmconv.solvers import ConvTensors, Solver
 
 _FORWARD_SCHEMA = (
     "(Tensor input, Tensor weight, Tensor? bias, int[] stride, int[] padding, "
@@ -59,9 +60,18 @@ def dense(t: torch.Tensor, layout: Layout) -> torch.Tensor:
     Slices, expanded (stride-0) gradients and other views are copied once here, as
     torch's own convolutions copy them, so solvers only ever see dense operands.
     """
-    expanded = any(st == 0 and size > 1 for st, size in zip(t.stride(), t.shape, strict=True))
-    if not expanded and (t.is_contiguous() or t.movedim(1, -1).is_contiguous()):
+    if is_dense(t):
         return t
+    return _dense_copy(t, layout)
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` is dense in either layout (a function of its shape and strides)."""
+    expanded = any(st == 0 and size > 1 for st, size in zip(t.stride(), t.shape, strict=True))
+    return not expanded and (t.is_contiguous() or t.movedim(1, -1).is_contiguous())
+
+
+def _dense_copy(t: torch.Tensor, layout: Layout) -> torch.Tensor:
     if layout is Layout.CHANNELS_FIRST:
         return t.contiguous()
     return t.movedim(1, -1).contiguous().movedim(-1, 1)
@@ -80,14 +90,14 @@ def _strides_in(shape: Sequence[int], layout: Layout) -> tuple[int, ...]:
     return tuple(strides)
 
 
-def _as_promised(result: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """``result`` with exactly the strides the fake implementation promises.
+def _as_promised(result: torch.Tensor, layout: Layout, want: tuple[int, ...]) -> torch.Tensor:
+    """``result`` with exactly the strides the fake implementation promises (``want``,
+    the strides of a dense tensor of its shape in ``layout``).
 
     Strides of size-1 dimensions do not address memory, so a result that differs only
     there is re-viewed for free; anything else (a vendor kernel choosing another
     memory format) is copied once.
     """
-    want = _strides_in(result.shape, layout)
     if result.stride() == want:
         return result
     if all(a == b for a, b, n in zip(result.stride(), want, result.shape, strict=True) if n > 1):
@@ -97,14 +107,72 @@ def _as_promised(result: torch.Tensor, layout: Layout) -> torch.Tensor:
     return out
 
 
-def _run(problem: ConvProblem, tensors: ConvTensors) -> torch.Tensor:
-    solver = dispatch.solver_for(problem)
+class _Plan(NamedTuple):
+    """What a call derives from its operands' metadata and the selection state: built
+    once per distinct call, then found in one dict lookup (eager calls of a small
+    convolution would otherwise spend more time here than in its GEMM)."""
+
+    problem: ConvProblem
+    solver: Solver
+    copy_first: bool  # the first tensor operand is not dense in either layout
+    copy_second: bool
+    result_layout: Layout
+    result_strides: tuple[int, ...]
+
+
+# Bounded so that a stream of ever-new shapes cannot grow it without limit; emptied
+# by dispatch.clear_cache() with the choices the plans hold.
+_PLANS_MAX = 4096
+_plans: dict[tuple, _Plan] = dispatch.dependent_cache()
+
+
+def _plan(
+    key: tuple,
+    first: torch.Tensor,
+    second: torch.Tensor,
+    build: Callable[[], tuple[ConvProblem, Layout, Sequence[int]]],
+) -> _Plan:
+    """The plan of ``key``; ``build`` gives (problem, result layout, result shape).
+
+    ``key`` must hold the shapes and strides of ``first`` and ``second``, every other
+    argument the problem is built from, and dispatch.selection_state()."""
+    plan = _plans.get(key)
+    if plan is None:
+        problem, layout, shape = build()
+        plan = _Plan(
+            problem,
+            dispatch.solver_for(problem),
+            not is_dense(first),
+            not is_dense(second),
+            layout,
+            _strides_in(shape, layout),
+        )
+        if len(_plans) >= _PLANS_MAX:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
+def _operands(
+    plan: _Plan, first: torch.Tensor, second: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    layout = plan.problem.layout
+    return (
+        _dense_copy(first, layout) if plan.copy_first else first,
+        _dense_copy(second, layout) if plan.copy_second else second,
+    )
+
+
+def _run(plan: _Plan, tensors: ConvTensors) -> torch.Tensor:
+    problem, solver = plan.problem, plan.solver
     if not torch.is_autocast_enabled(problem.device_type):
-        return solver.run(problem, tensors)
-    # Autocast would re-cast the GEMMs inside a solver (and undo their fp32
-    # accumulation); the operands were already cast before the op, as for F.conv*.
-    with torch.autocast(problem.device_type, enabled=False):
-        return solver.run(problem, tensors)
+        result = solver.run(problem, tensors)
+    else:
+        # Autocast would re-cast the GEMMs inside a solver (and undo their fp32
+        # accumulation); the operands were already cast before the op, as for F.conv*.
+        with torch.autocast(problem.device_type, enabled=False):
+            result = solver.run(problem, tensors)
+    return _as_promised(result, plan.result_layout, plan.result_strides)
 
 
 # ---- forward ----------------------------------------------------------------
@@ -120,12 +188,29 @@ def conv_forward(
     dilation: Sequence[int],
     groups: int,
 ) -> torch.Tensor:
-    problem = ConvProblem.from_tensors(input, weight, bias, stride, padding, dilation, groups)
-    x, w = dense(input, problem.layout), dense(weight, problem.layout)
-    y = _run(problem, ConvTensors(input=x, weight=w, bias=bias))
-    return _as_promised(
-        y, output_layout(problem.layout, problem.dims, problem.dtype, problem.device_type)
+    key = (
+        input.shape,
+        input.stride(),
+        weight.shape,
+        weight.stride(),
+        bias is None,
+        input.dtype,
+        input.device.type,
+        tuple(stride),
+        tuple(padding),
+        tuple(dilation),
+        groups,
+        dispatch.selection_state(),
     )
+
+    def build() -> tuple[ConvProblem, Layout, Sequence[int]]:
+        problem = ConvProblem.from_tensors(input, weight, bias, stride, padding, dilation, groups)
+        layout = output_layout(problem.layout, problem.dims, problem.dtype, problem.device_type)
+        return problem, layout, problem.output_shape
+
+    plan = _plan(key, input, weight, build)
+    x, w = _operands(plan, input, weight)
+    return _run(plan, ConvTensors(input=x, weight=w, bias=bias))
 
 
 @conv_forward.register_fake
@@ -152,13 +237,34 @@ def conv_backward_data(
     groups: int,
     channels_last: bool,
 ) -> torch.Tensor:
-    layout = _layout(channels_last)
-    problem = _backward_problem(
-        grad_output, input_size, weight.shape, stride, padding, dilation, groups, layout
-    ).with_direction(Direction.BACKWARD_DATA)
-    dy, w = dense(grad_output, layout), dense(weight, layout)
-    dx = _run(problem, ConvTensors(grad_output=dy, weight=w))
-    return _as_promised(dx, output_layout(layout, problem.dims, problem.dtype, problem.device_type))
+    key = (
+        Direction.BACKWARD_DATA,
+        grad_output.shape,
+        grad_output.stride(),
+        weight.shape,
+        weight.stride(),
+        grad_output.dtype,
+        grad_output.device.type,
+        tuple(input_size),
+        tuple(stride),
+        tuple(padding),
+        tuple(dilation),
+        groups,
+        channels_last,
+        dispatch.selection_state(),
+    )
+
+    def build() -> tuple[ConvProblem, Layout, Sequence[int]]:
+        layout = _layout(channels_last)
+        problem = _backward_problem(
+            grad_output, input_size, weight.shape, stride, padding, dilation, groups, layout
+        ).with_direction(Direction.BACKWARD_DATA)
+        dims, dtype, device_type = problem.dims, problem.dtype, problem.device_type
+        return problem, output_layout(layout, dims, dtype, device_type), input_size
+
+    plan = _plan(key, grad_output, weight, build)
+    dy, w = _operands(plan, grad_output, weight)
+    return _run(plan, ConvTensors(grad_output=dy, weight=w))
 
 
 @conv_backward_data.register_fake
@@ -185,13 +291,33 @@ def conv_backward_weights(
     groups: int,
     channels_last: bool,
 ) -> torch.Tensor:
-    layout = _layout(channels_last)
-    problem = _backward_problem(
-        grad_output, input.shape, weight_size, stride, padding, dilation, groups, layout
-    ).with_direction(Direction.BACKWARD_WEIGHTS)
-    dy, x = dense(grad_output, layout), dense(input, layout)
-    dw = _run(problem, ConvTensors(grad_output=dy, input=x))
-    return _as_promised(dw, layout)
+    key = (
+        Direction.BACKWARD_WEIGHTS,
+        grad_output.shape,
+        grad_output.stride(),
+        input.shape,
+        input.stride(),
+        grad_output.dtype,
+        grad_output.device.type,
+        tuple(weight_size),
+        tuple(stride),
+        tuple(padding),
+        tuple(dilation),
+        groups,
+        channels_last,
+        dispatch.selection_state(),
+    )
+
+    def build() -> tuple[ConvProblem, Layout, Sequence[int]]:
+        layout = _layout(channels_last)
+        problem = _backward_problem(
+            grad_output, input.shape, weight_size, stride, padding, dilation, groups, layout
+        ).with_direction(Direction.BACKWARD_WEIGHTS)
+        return problem, layout, weight_size
+
+    plan = _plan(key, grad_output, input, build)
+    dy, x = _operands(plan, grad_output, input)
+    return _run(plan, ConvTensors(grad_output=dy, input=x))
 
 
 @conv_backward_weights.register_fake

@@ -9,7 +9,6 @@ matmul flag, so a converted convolution computes in the same math mode as before
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import torch
 
@@ -20,57 +19,64 @@ def convolutions_allow_tf32() -> bool:
     return bool(torch.backends.cudnn.allow_tf32)
 
 
-@contextlib.contextmanager
-def _fp32_matmul_mode(allow_tf32: bool) -> Iterator[None]:
+# The context managers below write a flag only when it differs from the value needed:
+# on the steady-state path the flags already hold it, and skipping the writes keeps
+# the per-call host cost of a small convolution down (and other threads undisturbed).
+
+_NOTHING_TO_CHANGE = contextlib.nullcontext()
+
+
+class _MatmulFlags:
+    """Sets attributes of torch.backends.cuda.matmul for a block, then restores them."""
+
+    def __init__(self, wanted: dict[str, object]) -> None:
+        self._wanted = wanted
+        self._saved: dict[str, object] = {}
+
+    def __enter__(self) -> None:
+        self._saved = {name: getattr(_matmul, name) for name in self._wanted}
+        for name, value in self._wanted.items():
+            setattr(_matmul, name, value)
+
+    def __exit__(self, *exc_info: object) -> None:
+        for name, value in self._saved.items():
+            setattr(_matmul, name, value)
+
+
+def _set_matmul_flags(wanted: dict[str, object]) -> contextlib.AbstractContextManager[None]:
+    changes = {name: value for name, value in wanted.items() if getattr(_matmul, name) != value}
+    return _MatmulFlags(changes) if changes else _NOTHING_TO_CHANGE
+
+
+def _fp32_matmul_mode(allow_tf32: bool) -> contextlib.AbstractContextManager[None]:
     # torch >= 2.9 has per-backend precision strings and refuses a mix of the new and
     # the legacy API in one process, so use the new one where it exists.
     if hasattr(_matmul, "fp32_precision"):
-        saved = _matmul.fp32_precision
-        _matmul.fp32_precision = "tf32" if allow_tf32 else "ieee"
-        try:
-            yield
-        finally:
-            _matmul.fp32_precision = saved
-    else:
-        saved = _matmul.allow_tf32
-        _matmul.allow_tf32 = allow_tf32
-        try:
-            yield
-        finally:
-            _matmul.allow_tf32 = saved
+        return _set_matmul_flags({"fp32_precision": "tf32" if allow_tf32 else "ieee"})
+    return _set_matmul_flags({"allow_tf32": allow_tf32})
 
 
-@contextlib.contextmanager
-def _full_precision_reductions() -> Iterator[None]:
-    saved = (
-        _matmul.allow_fp16_reduced_precision_reduction,
-        _matmul.allow_bf16_reduced_precision_reduction,
+def _full_precision_reductions() -> contextlib.AbstractContextManager[None]:
+    return _set_matmul_flags(
+        {
+            "allow_fp16_reduced_precision_reduction": False,
+            "allow_bf16_reduced_precision_reduction": False,
+        }
     )
-    _matmul.allow_fp16_reduced_precision_reduction = False
-    _matmul.allow_bf16_reduced_precision_reduction = False
-    try:
-        yield
-    finally:
-        (
-            _matmul.allow_fp16_reduced_precision_reduction,
-            _matmul.allow_bf16_reduced_precision_reduction,
-        ) = saved
 
 
-@contextlib.contextmanager
-def conv_gemm_precision(dtype: torch.dtype, device_type: str) -> Iterator[None]:
+def conv_gemm_precision(
+    dtype: torch.dtype, device_type: str
+) -> contextlib.AbstractContextManager[None]:
     """Run the GEMMs inside with a convolution's accumulation rules (CUDA only; CPU GEMMs
     already accumulate half-precision products in fp32 and never use TF32)."""
     if device_type != "cuda":
-        yield
-    elif dtype == torch.float32:
-        with _fp32_matmul_mode(convolutions_allow_tf32()):
-            yield
-    elif dtype in (torch.float16, torch.bfloat16):
-        with _full_precision_reductions():
-            yield
-    else:
-        yield
+        return _NOTHING_TO_CHANGE
+    if dtype == torch.float32:
+        return _fp32_matmul_mode(convolutions_allow_tf32())
+    if dtype in (torch.float16, torch.bfloat16):
+        return _full_precision_reductions()
+    return _NOTHING_TO_CHANGE
 
 
 def reduce_batched_products(a: torch.Tensor, b: torch.Tensor, workspace_cap: int) -> torch.Tensor:

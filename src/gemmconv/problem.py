@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from collections.abc import Sequence
 
@@ -152,8 +153,11 @@ class ConvProblem:
     def dims(self) -> int:
         return len(self.spatial)
 
-    @property
+    @functools.cached_property
     def output_spatial(self) -> tuple[int, ...]:
+        # Computed once per problem (solvers read it many times per call); the value
+        # lives in the instance __dict__, outside the fields, so equality, hashing and
+        # dataclasses.replace are unaffected.
         return tuple(
             (s + 2 * p - d * (r - 1) - 1) // u + 1
             for s, r, u, p, d in zip(

@@ -16,10 +16,53 @@ from gemmconv.problem import ConvProblem, Direction
 
 
 def try_view(t: torch.Tensor, *shape: int) -> torch.Tensor | None:
+    # A failed view costs tens of microseconds (a C++ exception); most refusals are
+    # decided first, in Python, from the sizes and strides.
+    if view_is_possible(tuple(t.shape), t.stride(), shape) is False:
+        return None
     try:
         return t.view(*shape)
     except RuntimeError:
         return None
+
+
+def view_is_possible(
+    shape: tuple[int, ...], strides: tuple[int, ...], new_shape: tuple[int, ...]
+) -> bool | None:
+    """Whether ``view(new_shape)`` of a tensor with these sizes and strides succeeds;
+    None where this does not decide (empty tensors, 0-D, sizes that do not match).
+
+    The rule is torch's own: the old dimensions split into runs that are contiguous
+    among themselves, and each run must be covered exactly by consecutive new ones."""
+    numel = math.prod(shape)
+    if numel == 0 or not shape:
+        return None
+    new = list(new_shape)
+    if -1 in new:
+        known = -math.prod(new)  # the product of the other sizes
+        if new.count(-1) != 1 or known <= 0 or numel % known:
+            return None
+        new[new.index(-1)] = numel // known
+    if not new or math.prod(new) != numel:
+        return None
+    view_d = len(new) - 1
+    chunk_base_stride = strides[-1]
+    tensor_numel = view_numel = 1
+    for tensor_d in range(len(shape) - 1, -1, -1):
+        tensor_numel *= shape[tensor_d]
+        run_ends = tensor_d == 0 or (
+            shape[tensor_d - 1] != 1 and strides[tensor_d - 1] != tensor_numel * chunk_base_stride
+        )
+        if run_ends:
+            while view_d >= 0 and (view_numel < tensor_numel or new[view_d] == 1):
+                view_numel *= new[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return False
+            if tensor_d > 0:
+                chunk_base_stride = strides[tensor_d - 1]
+                tensor_numel = view_numel = 1
+    return view_d == -1
 
 
 def rows_view(t: torch.Tensor) -> torch.Tensor | None:
