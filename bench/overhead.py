@@ -1,10 +1,11 @@
 """Per-call host overhead of gemmconv against torch, on problems too small to hide it.
 
-Times (time.perf_counter, median of many calls after a warm-up) the forward and the
-forward + backward of tiny convolutions through torch.nn.functional.conv*,
+Times (time.perf_counter, the median and the minimum of many calls after a warm-up)
+the forward and the forward + backward of tiny convolutions through torch.nn.functional.conv*,
 gemmconv.functional.conv* and gemmconv.nn.Conv*, and prints a Markdown table. The
 problems are so small that the arithmetic costs almost nothing: what is measured is
-the Python and dispatcher work around it.
+the Python and dispatcher work around it. On a shared machine the minimum is the
+steadier figure: other processes only ever add time.
 
     PYTHONPATH=src python bench/overhead.py [--iters 2000] [--device cpu]
 """
@@ -44,7 +45,10 @@ CASES = (
 )
 
 
-def _median_us(fn: Callable[[], object], iters: int, sync: Callable[[], None]) -> float:
+def _times_us(
+    fn: Callable[[], object], iters: int, sync: Callable[[], None]
+) -> tuple[float, float]:
+    """(median, minimum) microseconds per call."""
     for _ in range(max(10, iters // 10)):  # warm-up: dispatch caches, allocator
         fn()
     sync()
@@ -54,7 +58,7 @@ def _median_us(fn: Callable[[], object], iters: int, sync: Callable[[], None]) -
         fn()
         sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return statistics.median(times) * 1e6, min(times) * 1e6
 
 
 def _callers(case: Case, device: str) -> dict[str, tuple[Callable, Callable]]:
@@ -115,15 +119,16 @@ def main() -> None:
     torch.set_num_threads(1)  # the overhead, not the thread pool's wake-up, is measured
     print(f"# Per-call overhead, {args.device}{', ' + args.label if args.label else ''}")
     print()
-    print(f"torch {torch.__version__}; median of {args.iters} calls; microseconds per call.")
+    print(f"torch {torch.__version__}; median (min) of {args.iters} calls; microseconds per call.")
     print()
     print("| problem | implementation | forward (us) | forward+backward (us) |")
     print("|---|---|---:|---:|")
     for case in CASES:
         for impl, (forward, forward_backward) in _callers(case, args.device).items():
-            fwd = _median_us(forward, args.iters, sync)
-            fwd_bwd = _median_us(forward_backward, args.iters // 2, sync)
-            print(f"| {case.name} | {impl} | {fwd:.1f} | {fwd_bwd:.1f} |")
+            fwd, fwd_min = _times_us(forward, args.iters, sync)
+            both, both_min = _times_us(forward_backward, args.iters // 2, sync)
+            cells = f"{fwd:.1f} ({fwd_min:.1f}) | {both:.1f} ({both_min:.1f})"
+            print(f"| {case.name} | {impl} | {cells} |")
 
 
 if __name__ == "__main__":
