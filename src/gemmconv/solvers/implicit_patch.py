@@ -20,10 +20,22 @@ from gemmconv.solvers.base import ConvTensors, Solver, _math_mode
 from gemmconv.solvers.patch import patch_class_reasons
 from gemmconv.solvers.views import result_buffer, store_weight_rows, weight_rows, zero_outside
 
-# Fraction of cuBLAS's matrix rate a Triton GEMM with gathered A loads is expected to
-# reach (its loads cannot be proven contiguous, so they are not 16 bytes wide). A
-# guess until the suite measures it; find decides in the meantime.
-IMPLICIT_GEMM_EFFICIENCY = 0.6
+# Fraction of cuBLAS's matrix rate the Triton GEMM with gathered A loads reaches on
+# long contiguous runs and a 16-byte-aligned reduction: 0.47-0.54 on an H200
+# (bench/results/h200.json, torch 2.11: ViT-B/16, SAM ViT-H and VideoMAE channels-last
+# forward, 0.14-0.18 ms for 0.08 ms of cuBLAS-rate flops); fitted to those rows. An
+# unaligned reduction costs the device's unaligned_slowdown as for cuBLAS (masked
+# tails, no 16-byte loads: CLIP-L/14 and point 2D, C*R = 588, ran 0.13-0.16).
+IMPLICIT_GEMM_EFFICIENCY = 0.5
+# The split weight-gradient kernel reached 3-4% of the bf16 matrix rate on an H200
+# (same file: ViT-B/16 1.73 ms, CLIP-L/14 3.83 ms, point 3D 1.22 ms for 0.04-0.11 ms
+# of cuBLAS-rate flops); fitted to those rows.
+IMPLICIT_WGRAD_EFFICIENCY = 0.035
+# Gathered loads reached the rate above only on contiguous runs of this many bytes;
+# shorter runs waste the rest of each memory transaction. Fitted to the same file:
+# channels-first rows (runs of R bytes) ran at 0.3-0.6x of their channels-last twins
+# (runs of R*C), ViT-B/16 (32-byte runs) at 0.6x, DiT-XL/2 (4-byte runs) at 0.5x.
+FULL_RATE_RUN_BYTES = 64
 # Programs per multiprocessor the split weight-gradient reduction aims for.
 WGRAD_PROGRAMS_PER_SM = 2
 
@@ -65,12 +77,24 @@ class ImplicitPatchSolver(Solver):
         # The fp32 partials are written once and read once by their sum.
         return 2 * self.workspace_bytes(p)
 
-    def gemm_is_aligned(self, p: ConvProblem) -> bool:
-        return True  # the tail is masked, not run on a slower kernel
+    def efficiency(self, p: ConvProblem) -> float:
+        """Fraction of the device's matrix rate the Triton kernel reaches."""
+        if p.direction is Direction.BACKWARD_WEIGHTS:
+            base = IMPLICIT_WGRAD_EFFICIENCY
+        else:
+            base = IMPLICIT_GEMM_EFFICIENCY
+        # The contiguous run of one gathered patch row: a kernel row in channels-first,
+        # a kernel row of all channels in channels-last.
+        run = p.kernel[-1] * p.element_size
+        if p.layout is Layout.CHANNELS_LAST:
+            run *= p.c
+        return base * min(1.0, run / FULL_RATE_RUN_BYTES)
 
     def estimate_ms(self, p: ConvProblem, rates=None) -> float:
         rates = rates or rates_for(p.device_type)
-        flop_ms = p.flops() / rates.matrix_rate(_math_mode(p)) / IMPLICIT_GEMM_EFFICIENCY
+        flop_ms = p.flops() / rates.matrix_rate(_math_mode(p)) / self.efficiency(p)
+        if not self.gemm_is_aligned(p):
+            flop_ms *= rates.unaligned_slowdown
         byte_ms = p.min_bytes() / rates.bytes_per_ms()
         extra_ms = self.copied_bytes(p) / rates.bytes_per_ms()
         launches = 2 if p.direction is Direction.BACKWARD_WEIGHTS else 1

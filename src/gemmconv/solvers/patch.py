@@ -97,9 +97,19 @@ class PatchSolver(Solver):
     def _col_bytes(self, p: ConvProblem) -> int:
         return 0 if patches_are_views(p) else p.gemm_m * p.gemm_k * p.element_size
 
+    def _dy_rows_copied(self, p: ConvProblem) -> bool:
+        # rows() copies a channels-first dY only when a sample has several output
+        # pixels; with one, [N, K, 1...] is already [N, K] rows (point 3D channels-first
+        # weight gradient ran 0.044 ms on an H200, as fast as its forward).
+        return (
+            p.direction is Direction.BACKWARD_WEIGHTS
+            and p.layout is Layout.CHANNELS_FIRST
+            and math.prod(p.output_spatial) > 1
+        )
+
     def workspace_bytes(self, p: ConvProblem) -> int:
         extra = 0
-        if p.direction is Direction.BACKWARD_WEIGHTS and p.layout is Layout.CHANNELS_FIRST:
+        if self._dy_rows_copied(p):
             extra = p.gemm_m * p.k * p.element_size  # dY to rows order
         return self._col_bytes(p) + extra
 
@@ -111,7 +121,7 @@ class PatchSolver(Solver):
         if p.direction is Direction.BACKWARD_DATA:
             covered = math.prod(o * r for o, r in zip(p.output_spatial, p.kernel))
             moved += (math.prod(p.spatial) - covered) * p.n * p.c * p.element_size
-        if p.direction is Direction.BACKWARD_WEIGHTS and p.layout is Layout.CHANNELS_FIRST:
+        if self._dy_rows_copied(p):
             moved += 2 * p.gemm_m * p.k * p.element_size * slowdown
         return int(moved)
 

@@ -15,13 +15,19 @@ import torch
 
 from gemmconv.kernels import triton_available
 from gemmconv.memory_format import Layout
-from gemmconv.problem import ConvProblem
+from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.padded_patch import PaddedPatchSolver
 from gemmconv.solvers.patch import patch_class_reasons
 
 # Cost of the kernel's pass relative to a plain device copy of the same bytes: the
 # strided side is read in short runs (R elements), so allow a quarter more time.
 TRITON_PERMUTE_SLOWDOWN = 1.25
+# Its channels-first scatter (backward-data), when a kernel row is not a whole number of
+# 16-byte vectors, stores element by element: it moved about 280 GB/s on an H200, 15x
+# behind a plain copy (bench/results/h200.json, torch 2.11: point 2D/3D and ConvNeXt
+# downsample channels-first backward-data rows); fitted to those rows.
+TRITON_UNALIGNED_SCATTER_SLOWDOWN = 15.0
+VECTOR_BYTES = 16
 
 
 class TritonPatchSolver(PaddedPatchSolver):
@@ -35,6 +41,12 @@ class TritonPatchSolver(PaddedPatchSolver):
         return reasons
 
     def permute_slowdown(self, p: ConvProblem) -> float:
+        if (
+            p.direction is Direction.BACKWARD_DATA
+            and p.layout is Layout.CHANNELS_FIRST
+            and (p.kernel[-1] * p.element_size) % VECTOR_BYTES
+        ):
+            return TRITON_UNALIGNED_SCATTER_SLOWDOWN
         return TRITON_PERMUTE_SLOWDOWN
 
     def gather(self, x: torch.Tensor, p: ConvProblem, ld: int) -> torch.Tensor:
