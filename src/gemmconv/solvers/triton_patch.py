@@ -22,11 +22,13 @@ from gemmconv.solvers.patch import patch_class_reasons
 # Cost of the kernel's pass relative to a plain device copy of the same bytes: the
 # strided side is read in short runs (R elements), so allow a quarter more time.
 TRITON_PERMUTE_SLOWDOWN = 1.25
-# Its channels-first scatter (backward-data), when a kernel row is not a whole number of
-# 16-byte vectors, stores element by element: it moved about 280 GB/s on an H200, 15x
-# behind a plain copy (bench/results/h200.json, torch 2.11: point 2D/3D and ConvNeXt
-# downsample channels-first backward-data rows); fitted to those rows.
-TRITON_UNALIGNED_SCATTER_SLOWDOWN = 15.0
+# Its scatter (backward-data), when the contiguous run of a patch row (R elements
+# channels-first, R*C channels-last) is not a whole number of 16-byte vectors, stores
+# element by element. On an H200 (bench/results/h200.json, torch 2.11) it moved about
+# 280 GB/s channels-first, 15x behind a plain copy (point 2D/3D and ConvNeXt downsample
+# backward-data rows), and about 1 TB/s channels-last, 4x (point 2D, 84-byte runs);
+# fitted to those rows.
+TRITON_UNALIGNED_SCATTER_SLOWDOWN = {Layout.CHANNELS_FIRST: 15.0, Layout.CHANNELS_LAST: 4.0}
 VECTOR_BYTES = 16
 
 
@@ -41,12 +43,12 @@ class TritonPatchSolver(PaddedPatchSolver):
         return reasons
 
     def permute_slowdown(self, p: ConvProblem) -> float:
-        if (
-            p.direction is Direction.BACKWARD_DATA
-            and p.layout is Layout.CHANNELS_FIRST
-            and (p.kernel[-1] * p.element_size) % VECTOR_BYTES
-        ):
-            return TRITON_UNALIGNED_SCATTER_SLOWDOWN
+        if p.direction is Direction.BACKWARD_DATA:
+            run = p.kernel[-1] * p.element_size
+            if p.layout is Layout.CHANNELS_LAST:
+                run *= p.c
+            if run % VECTOR_BYTES:
+                return TRITON_UNALIGNED_SCATTER_SLOWDOWN[p.layout]
         return TRITON_PERMUTE_SLOWDOWN
 
     def gather(self, x: torch.Tensor, p: ConvProblem, ld: int) -> torch.Tensor:
