@@ -9,6 +9,8 @@ partials.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from gemmconv.device_rates import rates_for
@@ -36,6 +38,10 @@ IMPLICIT_WGRAD_EFFICIENCY = 0.035
 # channels-first rows (runs of R bytes) ran at 0.3-0.6x of their channels-last twins
 # (runs of R*C), ViT-B/16 (32-byte runs) at 0.6x, DiT-XL/2 (4-byte runs) at 0.5x.
 FULL_RATE_RUN_BYTES = 64
+# Its forward stores the output tile by tile at about 1.4 TB/s on an H200, 3x slower
+# than a plain copy (bench/results/h200.json, torch 2.11: DiT-XL/2 channels-last forward
+# wrote its 151 MB output in 0.105 ms); fitted to that row.
+IMPLICIT_OUTPUT_STORE_SLOWDOWN = 3.0
 # Programs per multiprocessor the split weight-gradient reduction aims for.
 WGRAD_PROGRAMS_PER_SM = 2
 
@@ -95,7 +101,11 @@ class ImplicitPatchSolver(Solver):
         flop_ms = p.flops() / rates.matrix_rate(_math_mode(p)) / self.efficiency(p)
         if not self.gemm_is_aligned(p):
             flop_ms *= rates.unaligned_slowdown
-        byte_ms = p.min_bytes() / rates.bytes_per_ms()
+        moved = p.min_bytes()
+        if p.direction is Direction.FORWARD:
+            output_bytes = math.prod(p.output_shape) * p.element_size
+            moved += (IMPLICIT_OUTPUT_STORE_SLOWDOWN - 1.0) * output_bytes
+        byte_ms = moved / rates.bytes_per_ms()
         extra_ms = self.copied_bytes(p) / rates.bytes_per_ms()
         launches = 2 if p.direction is Direction.BACKWARD_WEIGHTS else 1
         return max(flop_ms, byte_ms) + extra_ms + launches * rates.launch_us / 1000.0
