@@ -21,6 +21,8 @@ from gemmconv.solvers.im2col import Im2colSolver
 from gemmconv.solvers.patch import PatchSolver
 from gemmconv.solvers.vendor import VendorSolver
 
+from h200_measurements import vendor_measured_competitive
+
 ENV = ("GEMMCONV_FIND_MODE", "GEMMCONV_SOLVER", "GEMMCONV_DISABLE", "GEMMCONV_FIND_VERIFY")
 
 
@@ -436,12 +438,24 @@ def suite_problems(device_type: str):
 @pytest.mark.parametrize(("device_type", "rates"), [("cuda", H200), ("cpu", CPU)])
 def test_immediate_picks_a_gemm_solver_for_every_suite_problem(device_type, rates):
     not_gemm = {"vendor", "im2col"}
-    picks = {}
+    picks, problems = {}, {}
     for label, problem in suite_problems(device_type):
+        problems[label] = problem
         applicable = [s for s in SOLVERS if s.is_applicable(problem)]
         assert set(s.id for s in applicable) - not_gemm, f"{label}: no GEMM solver applies"
         picks[label] = dispatch.decide(problem, applicable, rates=rates).solver
-    wrong = {label: solver for label, solver in picks.items() if solver in not_gemm}
+    # The vendor may win only where the H200 measured it within 10% of every GEMM
+    # solver (DiT-XL/2 and ConvNeXt channels-first weight gradients, bench/results).
+    wrong = {
+        label: solver
+        for label, solver in picks.items()
+        if solver in not_gemm
+        and not (
+            solver == "vendor"
+            and device_type == "cuda"
+            and vendor_measured_competitive(problems[label], tolerance=0.10)
+        )
+    }
     assert not wrong, wrong
     assert len(picks) == len(SUITE) * 2 * 3
 

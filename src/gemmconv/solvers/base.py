@@ -47,7 +47,6 @@ def determinism_state() -> tuple[bool, bool]:
     return torch.are_deterministic_algorithms_enabled(), cublas_is_reproducible()
 
 
-
 @dataclasses.dataclass
 class ConvTensors:
     """The operands of one direction. Which are needed depends on the direction:

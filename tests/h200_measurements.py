@@ -1,0 +1,51 @@
+"""The committed H200 benchmark rows, rebuilt as ConvProblems, for tests of the cost model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gemmconv.bench import DIRECTION_NAMES, DTYPES, LAYOUT_NAMES
+from gemmconv.problem import ConvProblem
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results" / "h200.json"
+
+
+def rows() -> list[dict]:
+    return json.loads(RESULTS.read_text())["rows"]
+
+
+def problem_of(row: dict) -> ConvProblem:
+    shape = row["shape"]
+    return ConvProblem.from_sizes(
+        n=shape["n"],
+        c=shape["c"],
+        k=shape["k"],
+        spatial=tuple(shape["spatial"]),
+        kernel=tuple(shape["kernel"]),
+        stride=tuple(shape["kernel"]),  # every suite case is stride == kernel (bench.Shape)
+        layout=LAYOUT_NAMES[row["layout"]],
+        dtype=DTYPES[row["dtype"]],
+        device_type="cuda",
+        direction=DIRECTION_NAMES[row["direction"]],
+    )
+
+
+def measured(row: dict) -> dict[str, float]:
+    return {
+        sid: cand["ms"]
+        for sid, cand in row["candidates"].items()
+        if cand["ok"] and cand["ms"] is not None
+    }
+
+
+def vendor_measured_competitive(problem: ConvProblem, tolerance: float) -> bool:
+    """Whether the H200 measured the vendor within ``tolerance`` of every GEMM solver
+    on this problem (False when the problem was not measured)."""
+    for row in rows():
+        if problem_of(row) != problem:
+            continue
+        times = measured(row)
+        gemm = [ms for sid, ms in times.items() if sid not in ("vendor", "im2col")]
+        return "vendor" in times and times["vendor"] <= (1 + tolerance) * min(gemm)
+    return False
