@@ -497,6 +497,11 @@ def _rank_main(rank: int, world: int, init_file: str, db_path: str, results) -> 
         results.put((rank, choice.solver, choice.source, local))
     finally:
         torch.distributed.destroy_process_group()
+    # gloo's threads can abort the interpreter's teardown (SIGABRT, seen in CI) after the
+    # work is done: flush the queue, then leave without that teardown.
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 def test_rank_zero_decides_for_every_rank(tmp_path):
