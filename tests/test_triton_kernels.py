@@ -9,6 +9,7 @@ and the patch_triton solver is checked against the float64 reference.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import zlib
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from gemmconv import ConvProblem, Direction, Layout
+from gemmconv.kernels import strided_copy as strided_copy_module
 from gemmconv.kernels.patch_gemm import patch_gemm_forward, patch_gemm_weight_grad
 from gemmconv.kernels.patch_permute import (
     PatchGeometry,
@@ -23,8 +25,9 @@ from gemmconv.kernels.patch_permute import (
     gather_patches,
     scatter_patches,
 )
+from gemmconv.kernels.strided_copy import pad_rows, strided_copy
 from gemmconv.memory_format import empty_in
-from gemmconv.solvers import get_solver
+from gemmconv.solvers import get_solver, triton_patch
 from gemmconv.solvers.padded_patch import padded_reduction
 from gemmconv.solvers.patch import patches
 
@@ -109,6 +112,30 @@ def test_gather_reads_through_arbitrary_strides_interpreted():
     assert torch.equal(col, patches(x, p).reshape(p.gemm_m, p.gemm_k))
 
 
+@pytest.mark.parametrize(
+    ("c", "spatial", "kernel", "memory"),
+    [
+        (1, (12,), (1,), Layout.CHANNELS_FIRST),  # the H200 property-test failure
+        (1, (9, 6), (3, 1), Layout.CHANNELS_FIRST),
+        (3, (8, 6), (2, 1), Layout.CHANNELS_FIRST),
+    ],
+)
+def test_channels_last_columns_with_unit_last_kernel_interpreted(c, spatial, kernel, memory):
+    # R3 = 1 in the channels-last column order with x's strides not nested (s3 != C*sc:
+    # a C = 1 contiguous x has sc = S, not 1): o3 must step by s3. The kernels once
+    # stepped by C*sc here and read and wrote the wrong elements.
+    p = _problem(spatial, kernel, Layout.CHANNELS_LAST, torch.float32, "cpu", c=c)
+    x = _random(p.input_shape, memory, torch.float32, torch.device("cpu"), 23)
+    g = PatchGeometry.of(x, p.output_spatial, p.kernel, True)
+    assert g.strides[4] != g.c * g.strides[1]
+    col = torch.full((p.gemm_m, p.gemm_k), float("nan"))
+    gather_patches(x, p.output_spatial, p.kernel, True, out=col)
+    assert torch.equal(col, patches(x, p).reshape(p.gemm_m, p.gemm_k))
+    dx = torch.full_like(x, float("nan"))
+    scatter_patches(col, p.output_spatial, p.kernel, True, dx)
+    assert torch.equal(dx, x)
+
+
 @pytest.mark.parametrize("memory", list(Layout))
 @pytest.mark.parametrize("columns", list(Layout))
 def test_column_order_independent_of_memory_order_interpreted(memory, columns):
@@ -136,6 +163,56 @@ def test_bad_buffers_are_refused_with_their_shapes():
         gather_patches(x, (3, 2), (4, 3), False, out=torch.empty(12, 36))
     with pytest.raises(ValueError, match="expected torch.float32"):
         gather_patches(x, (2, 2), (4, 3), False, out=torch.empty(8, 36, dtype=torch.float16))
+
+
+# ---- the transpose kernel ------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape", [(3, 70, 130), (1, 196, 12), (5, 1, 9)])
+def test_strided_copy_transposes_interpreted(shape, dtype):
+    # Sizes that are not tile multiples (the 64 x 64 tile's masked edges) and a unit dim.
+    src = _random(shape, Layout.CHANNELS_FIRST, dtype, torch.device("cpu"), 31)
+    b, i, j = shape
+    dst = torch.full((b, j, i), float("nan"), dtype=dtype).transpose(1, 2)
+    assert strided_copy(dst, src) is dst
+    assert torch.equal(dst, src)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "width", "padded", "words"),
+    [
+        (torch.float16, 588, 592, torch.int64),  # point 2D: 1176-byte rows, 147 words
+        (torch.float16, 42, 48, torch.int32),  # 84-byte rows: 4-byte words
+        (torch.float16, 21, 24, None),  # 42-byte rows: element by element
+        (torch.float32, 3, 4, torch.int32),  # fp32 elements are 4-byte words already
+    ],
+)
+def test_pad_rows_copies_and_zero_fills_interpreted(dtype, width, padded, words):
+    src = _random((37, width), Layout.CHANNELS_FIRST, dtype, torch.device("cpu"), 41)
+    dst = torch.full((37, padded), float("nan"), dtype=dtype)
+    assert strided_copy_module._word_dtype(dst, src) == words
+    assert pad_rows(dst, src) is dst
+    assert torch.equal(dst[:, :width], src)
+    assert torch.equal(dst[:, width:], torch.zeros(37, padded - width, dtype=dtype))
+    # A slice of a wider buffer as the source: its row stride differs from its width.
+    wide = torch.full((37, padded), float("nan"), dtype=dtype)
+    pad_rows(wide, dst[:, :width])
+    assert torch.equal(wide, dst)
+
+
+def test_strided_copy_refuses_mismatches_with_their_values():
+    a = torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError, match=r"dst \(2, 4, 3\) and src \(2, 3, 4\)"):
+        strided_copy(torch.zeros(2, 4, 3), a)
+    with pytest.raises(ValueError, match="torch.float16 on cpu, src torch.float32"):
+        strided_copy(torch.zeros(2, 3, 4, dtype=torch.float16), a)
+    with pytest.raises(ValueError, match="one 2-D or 3-D shape"):
+        strided_copy(torch.zeros(4), torch.zeros(4))
+    with pytest.raises(ValueError, match=r"dst \(3, 4\) .* src \(3, 5\).*at least as wide"):
+        pad_rows(torch.zeros(3, 4), torch.zeros(3, 5))
+    with pytest.raises(ValueError, match="same rows"):
+        pad_rows(torch.zeros(3, 4), torch.zeros(2, 4))
 
 
 # ---- the solver built on the kernels -----------------------------------------
@@ -174,6 +251,50 @@ def test_triton_solvers_match_float64_interpreted(case, monkeypatch):
     solver = case[0]
     monkeypatch.setattr(type(solver), "devices", frozenset({"cpu", "cuda"}))
     check_case(case, "cpu", seed=zlib.crc32(case_id(case).encode()))
+
+
+ROWS_PATH_CASES = [
+    # (spatial, kernel): 3 x 2 and 3 x 3 pixels per sample, a row of them not a multiple
+    # of 16 bytes in fp32 or fp16 (an unaligned bmm), so all three directions take it.
+    ((12, 6), (4, 3)),
+    ((13, 9), (4, 3)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("direction", list(Direction), ids=lambda d: d.value)
+@pytest.mark.parametrize(("spatial", "kernel"), ROWS_PATH_CASES)
+@pytest.mark.parametrize("chunk", [1, 2, None], ids=["chunk1", "chunk2", "whole"])
+def test_channels_first_rows_path_in_chunks_interpreted(
+    spatial, kernel, direction, dtype, chunk, monkeypatch
+):
+    # One sample per chunk, two (the last chunk short: N = 3), or all at once: every
+    # chunk's slice of x, dY, y and dx lands where it belongs, bias included.
+    solver = get_solver("patch_triton")
+    monkeypatch.setattr(type(solver), "devices", frozenset({"cpu", "cuda"}))
+    if chunk is not None:
+        monkeypatch.setattr(triton_patch, "chunk_samples", lambda p: chunk)
+    g = Geometry("rows", spatial=spatial, kernel=kernel, stride=kernel, c=3, n=3, k=5)
+    p = problem_for(g, 2, Layout.CHANNELS_FIRST, dtype, "cpu", direction)
+    assert triton_patch.uses_rows_path(p)
+    case = (solver, g, 2, Layout.CHANNELS_FIRST, dtype, direction)
+    check_case(case, "cpu", seed=zlib.crc32(repr((spatial, direction, dtype)).encode()))
+
+
+def test_rows_path_chunks_fit_one_operand():
+    # ViT-B/16 channels-first: column rows + y rows of all 256 samples are two copies of
+    # x; two chunks of 128 keep them within one.
+    p = ConvProblem.from_sizes(256, 3, 768, (224, 224), (16, 16), (16, 16),
+                               dtype=torch.bfloat16, device_type="cuda")  # fmt: skip
+    assert triton_patch.uses_rows_path(p)  # 196 pixels x 2 bytes: unaligned
+    assert triton_patch.chunk_samples(p) == 128
+    solver = get_solver("patch_triton")
+    assert solver.workspace_bytes(p) <= triton_patch.largest_operand_bytes(p)
+    aligned = ConvProblem.from_sizes(8, 3, 1280, (1024, 1024), (16, 16), (16, 16),
+                                     dtype=torch.bfloat16, device_type="cuda")  # fmt: skip
+    assert not triton_patch.uses_rows_path(aligned)  # SAM: 4096 pixels, the bmm is aligned
+    wgrad = dataclasses.replace(aligned, direction=Direction.BACKWARD_WEIGHTS)
+    assert triton_patch.uses_rows_path(wgrad)  # dY is copied to rows either way
 
 
 def test_triton_patch_solver_declares_cuda_only():
@@ -259,3 +380,18 @@ GPU_SOLVER_CASES = [
 @pytest.mark.parametrize("case", GPU_SOLVER_CASES, ids=[case_id(c) for c in GPU_SOLVER_CASES])
 def test_patch_solvers_match_float64_on_cuda(case):
     check_case(case, "cuda", seed=zlib.crc32(case_id(case).encode()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("direction", list(Direction), ids=lambda d: d.value)
+@pytest.mark.parametrize(("spatial", "kernel"), ROWS_PATH_CASES)
+@pytest.mark.parametrize("chunk", [1, None], ids=["chunk1", "whole"])
+def test_channels_first_rows_path_on_cuda(spatial, kernel, direction, dtype, chunk, monkeypatch):
+    if chunk is not None:
+        monkeypatch.setattr(triton_patch, "chunk_samples", lambda p: chunk)
+    g = Geometry("rows", spatial=spatial, kernel=kernel, stride=kernel, c=3, n=3, k=5)
+    p = problem_for(g, 2, Layout.CHANNELS_FIRST, dtype, "cuda", direction)
+    assert triton_patch.uses_rows_path(p)
+    case = (get_solver("patch_triton"), g, 2, Layout.CHANNELS_FIRST, dtype, direction)
+    check_case(case, "cuda", seed=zlib.crc32(repr((spatial, direction, dtype)).encode()))

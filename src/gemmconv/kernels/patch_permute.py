@@ -175,11 +175,16 @@ def contiguous_run(g: PatchGeometry) -> int:
     """How many consecutive columns are consecutive in memory, when that can be used:
     r3 for the channels-first column order (always valid; contiguous when x's last
     stride is 1), (r3, c) for the channels-last order when x's strides nest that way
-    (a channels-last dense x). 0: no such run, use the general index map."""
+    (s3 == C * sc, a channels-last dense x). 0: no such run, use the general index map.
+
+    The kernels step o3 by run * sc in the channels-last order, so the nesting is
+    required even when R3 = 1: a C = 1 tensor whose sc is not 1 (torch leaves the
+    stride of a size-1 dim free), or a channels-first x read in the channels-last
+    column order, would otherwise be read at the wrong offsets."""
     _, sc, _, _, s3 = g.strides
     if not g.channels_last_columns:
         return g.kernel[2]
-    if g.kernel[2] == 1 or s3 == g.c * sc:
+    if s3 == g.c * sc:
         return g.kernel[2] * g.c
     return 0
 
