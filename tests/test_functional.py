@@ -232,3 +232,19 @@ def test_with_every_gemm_solver_disabled_the_vendor_gives_torchs_answer(monkeypa
     choice = gemmconv.explain(x, w, b, stride=2, padding=1)
     assert {c.solver for c in choice.values()} == {"vendor"}
     _compare(2, x, w, b, stride=2, padding=1)
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_meta_tensors_give_torchs_shapes_forward_and_backward(dims):
+    # Shape inference with no data (e.g. building a model on the meta device): the
+    # autocast check once raised for the meta device, which has no autocast.
+    fn = {1: gemmconv.conv1d, 2: gemmconv.conv2d, 3: gemmconv.conv3d}[dims]
+    ref = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
+    x = torch.empty(2, 3, *([8] * dims), device="meta", requires_grad=True)
+    w = torch.empty(5, 3, *([4] * dims), device="meta", requires_grad=True)
+    b = torch.empty(5, device="meta", requires_grad=True)
+    y = fn(x, w, b, stride=4)
+    assert y.device.type == "meta"
+    assert y.shape == ref(x, w, b, stride=4).shape
+    y.sum().backward()
+    assert (x.grad.shape, w.grad.shape, b.grad.shape) == (x.shape, w.shape, b.shape)

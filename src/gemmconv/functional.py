@@ -55,6 +55,9 @@ def _resolve_padding(
 def _autocast(*tensors: torch.Tensor | None, device_type: str) -> list[torch.Tensor | None]:
     """Cast to the autocast dtype as torch's convolutions are, when autocast is on:
     autocast casts floating-point operands except float64 ones (torch's is_eligible)."""
+    # Devices without autocast (meta) raise from is_autocast_enabled: ask first.
+    if not torch.amp.is_autocast_available(device_type):
+        return list(tensors)
     if not torch.is_autocast_enabled(device_type):
         return list(tensors)
     dtype = torch.get_autocast_dtype(device_type)
