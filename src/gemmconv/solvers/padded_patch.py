@@ -26,7 +26,12 @@ from gemmconv.memory_format import Layout
 from gemmconv.precision import reduction_mm
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors, Solver
-from gemmconv.solvers.patch import patch_class_reasons, patches, permute_slowdown
+from gemmconv.solvers.patch import (
+    batched_gemm_is_unaligned,
+    patch_class_reasons,
+    patches,
+    permute_slowdown,
+)
 from gemmconv.solvers.views import (
     batched_view,
     result_buffer,
@@ -111,7 +116,7 @@ class PaddedPatchSolver(Solver):
         return 2  # the gather or scatter, and the GEMM
 
     def gemm_is_aligned(self, p: ConvProblem) -> bool:
-        return True
+        return not batched_gemm_is_unaligned(p)  # the reduction is padded
 
     def estimate_ms(self, p: ConvProblem, rates=None) -> float:
         estimate = super().estimate_ms(p, rates)

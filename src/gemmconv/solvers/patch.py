@@ -80,6 +80,20 @@ def patches(t: torch.Tensor, p: ConvProblem) -> torch.Tensor:
     return view.permute(order)
 
 
+def batched_gemm_is_unaligned(p: ConvProblem) -> bool:
+    """Whether the channels-first per-sample bmm (Y^T = W @ col^T into y, or dcol =
+    dY^T @ W) has a leading dimension of P pixels that is not a multiple of 16 bytes:
+    cuBLAS then runs its slow kernels (ViT-B/16, P = 196: 0.35 ms against 0.09 ms for
+    the aligned GEMM on an H200, bench/results/h200_levers_layouts_run1.json)."""
+    pixels = math.prod(p.output_spatial)
+    return (
+        p.layout is Layout.CHANNELS_FIRST
+        and pixels > 1
+        and p.direction in (Direction.FORWARD, Direction.BACKWARD_DATA)
+        and (pixels * p.element_size) % 16 != 0
+    )
+
+
 def patches_are_views(p: ConvProblem) -> bool:
     """Whether the column matrix is x's own memory (no gather): one patch per sample
     and nothing cropped, in either layout."""
@@ -124,6 +138,9 @@ class PatchSolver(Solver):
         if self._dy_rows_copied(p):
             moved += 2 * p.gemm_m * p.k * p.element_size * slowdown
         return int(moved)
+
+    def gemm_is_aligned(self, p: ConvProblem) -> bool:
+        return super().gemm_is_aligned(p) and not batched_gemm_is_unaligned(p)
 
     # ---- the three directions ----------------------------------------------
 

@@ -108,8 +108,12 @@ def uses_rows_path(p: ConvProblem) -> bool:
 def chunk_samples(p: ConvProblem) -> int:
     """Samples per chunk of the rows path: its two buffers (column rows and dY or y
     rows) together hold at most one copy of the largest operand."""
-    per_sample = transposed_pixels(p) * (padded_reduction(p) + p.k) * p.element_size
-    fit = max(1, largest_operand_bytes(p) // max(per_sample, 1))
+    ld = padded_reduction(p)
+    per_sample = transposed_pixels(p) * (ld + p.k) * p.element_size
+    # What else the direction holds meanwhile: the padded weight, and for the weight
+    # gradient an fp32 running sum and one fp32 chunk product.
+    fixed = p.k * ld * (p.element_size + 8)
+    fit = max(1, (largest_operand_bytes(p) - fixed) // max(per_sample, 1))
     half = p.dtype in (torch.float16, torch.bfloat16)
     if p.direction is Direction.BACKWARD_WEIGHTS and half and not _has_mm_out_dtype():
         fit = p.n  # chunk sums would round to the dtype in between: keep one GEMM
@@ -153,6 +157,9 @@ class TritonPatchSolver(PaddedPatchSolver):
             # y or dY crosses between rows and channels-first once, read and written.
             moved += int(2 * p.gemm_m * p.k * p.element_size * TRANSPOSE_SLOWDOWN)
         return moved
+
+    def gemm_is_aligned(self, p: ConvProblem) -> bool:
+        return True  # padded reduction; an unaligned bmm is replaced by the rows path
 
     def gemm_launches(self, p: ConvProblem) -> int:
         if not uses_rows_path(p):

@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from gemmconv.memory_format import Layout
 from gemmconv.problem import ConvProblem
 from gemmconv.solvers.base import ConvTensors, Solver
 
@@ -19,6 +20,9 @@ from gemmconv.solvers.base import ConvTensors, Solver
 VENDOR_EFFICIENCY = 0.5
 VENDOR_EFFICIENCY_POINTWISE = 0.8
 VENDOR_EFFICIENCY_SMALL_PATCH = 0.33
+# Small patches channels-first: DiT-XL/2 and ConvNeXt downsample (2x2) reached 0.12-0.25
+# of the floor on an H200 in every direction (bench/results/h200.json).
+VENDOR_EFFICIENCY_SMALL_PATCH_CHANNELS_FIRST = 0.2
 VENDOR_EFFICIENCY_LARGE_PATCH = 0.1
 LARGE_PATCH_TAPS = 16
 
@@ -27,12 +31,11 @@ def vendor_efficiency(p: ConvProblem) -> float:
     if all(r == 1 for r in p.kernel):
         return VENDOR_EFFICIENCY_POINTWISE
     if p.stride == p.kernel and not any(p.padding) and all(d == 1 for d in p.dilation):
-        taps = math.prod(p.kernel)
-        return (
-            VENDOR_EFFICIENCY_LARGE_PATCH
-            if taps >= LARGE_PATCH_TAPS
-            else VENDOR_EFFICIENCY_SMALL_PATCH
-        )
+        if math.prod(p.kernel) >= LARGE_PATCH_TAPS:
+            return VENDOR_EFFICIENCY_LARGE_PATCH
+        if p.layout is Layout.CHANNELS_FIRST:
+            return VENDOR_EFFICIENCY_SMALL_PATCH_CHANNELS_FIRST
+        return VENDOR_EFFICIENCY_SMALL_PATCH
     return VENDOR_EFFICIENCY
 
 
