@@ -54,6 +54,9 @@ TRITON_PERMUTE_SLOWDOWN = 1.25
 # fitted to those rows.
 TRITON_UNALIGNED_SCATTER_SLOWDOWN = {Layout.CHANNELS_FIRST: 15.0, Layout.CHANNELS_LAST: 4.0}
 VECTOR_BYTES = 16
+# Point-output rows copied as 8-byte words (pad_rows): 22.4 MB in 11 us on an H200,
+# about 2 TB/s against 4.2 for a plain copy (bench/results/h200_levers_layouts_run1.json).
+WORD_COPY_SLOWDOWN = 2.0
 # The transpose kernel's cost relative to a plain copy of the same bytes.
 TRANSPOSE_SLOWDOWN = 1.25
 # The batch (grid axis 1) of one transpose launch is a sample count.
@@ -134,6 +137,8 @@ class TritonPatchSolver(PaddedPatchSolver):
         return reasons
 
     def permute_slowdown(self, p: ConvProblem) -> float:
+        if patches_are_views(p):
+            return WORD_COPY_SLOWDOWN
         if p.direction is Direction.BACKWARD_DATA:
             run = p.kernel[-1] * p.element_size
             if p.layout is Layout.CHANNELS_LAST:
