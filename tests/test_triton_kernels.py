@@ -112,6 +112,16 @@ def test_gather_reads_through_arbitrary_strides_interpreted():
     assert torch.equal(col, patches(x, p).reshape(p.gemm_m, p.gemm_k))
 
 
+def _assert_round_trip(x: torch.Tensor, p: ConvProblem, channels_last: bool) -> None:
+    """x (covered entirely by patches) gathers to torch's patch rows and scatters back."""
+    col = torch.full((p.gemm_m, p.gemm_k), float("nan"))
+    gather_patches(x, p.output_spatial, p.kernel, channels_last, out=col)
+    assert torch.equal(col, patches(x, p).reshape(p.gemm_m, p.gemm_k))
+    dx = torch.full_like(x, float("nan"))
+    scatter_patches(col, p.output_spatial, p.kernel, channels_last, dx)
+    assert torch.equal(dx, x)
+
+
 @pytest.mark.parametrize(
     ("c", "spatial", "kernel", "memory"),
     [
@@ -128,12 +138,7 @@ def test_channels_last_columns_with_unit_last_kernel_interpreted(c, spatial, ker
     x = _random(p.input_shape, memory, torch.float32, torch.device("cpu"), 23)
     g = PatchGeometry.of(x, p.output_spatial, p.kernel, True)
     assert g.strides[4] != g.c * g.strides[1]
-    col = torch.full((p.gemm_m, p.gemm_k), float("nan"))
-    gather_patches(x, p.output_spatial, p.kernel, True, out=col)
-    assert torch.equal(col, patches(x, p).reshape(p.gemm_m, p.gemm_k))
-    dx = torch.full_like(x, float("nan"))
-    scatter_patches(col, p.output_spatial, p.kernel, True, dx)
-    assert torch.equal(dx, x)
+    _assert_round_trip(x, p, True)
 
 
 @pytest.mark.parametrize("memory", list(Layout))
@@ -145,12 +150,7 @@ def test_column_order_independent_of_memory_order_interpreted(memory, columns):
     channels_last = columns is Layout.CHANNELS_LAST
     g = PatchGeometry.of(x, p.output_spatial, p.kernel, channels_last)
     assert (contiguous_run(g) == 0) == (channels_last and memory is Layout.CHANNELS_FIRST)
-    col = torch.full((p.gemm_m, p.gemm_k), float("nan"))
-    gather_patches(x, p.output_spatial, p.kernel, channels_last, out=col)
-    assert torch.equal(col, patches(x, p).reshape(p.gemm_m, p.gemm_k))
-    dx = torch.full_like(x, float("nan"))
-    scatter_patches(col, p.output_spatial, p.kernel, channels_last, dx)
-    assert torch.equal(dx, x)
+    _assert_round_trip(x, p, channels_last)
 
 
 def test_bad_buffers_are_refused_with_their_shapes():
@@ -293,7 +293,7 @@ def test_rows_path_chunks_fit_one_operand():
     )
     solver = get_solver("patch_triton")
     fixed = 768 * 768 * 10
-    assert solver.workspace_bytes(p) + fixed <= triton_patch.largest_operand_bytes(p)
+    assert solver.workspace_bytes(p) + fixed <= p.largest_operand_bytes()
     aligned = ConvProblem.from_sizes(8, 3, 1280, (1024, 1024), (16, 16), (16, 16),
                                      dtype=torch.bfloat16, device_type="cuda")  # fmt: skip
     assert not triton_patch.uses_rows_path(aligned)  # SAM: 4096 pixels, the bmm is aligned

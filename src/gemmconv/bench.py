@@ -203,8 +203,7 @@ def make_operands(p: ConvProblem, device: torch.device, seed: int) -> ConvTensor
 
 def operand_bytes(p: ConvProblem) -> int:
     """The largest operand or result of the direction, in bytes."""
-    sizes = [math.prod(p.input_shape), math.prod(p.weight_shape), math.prod(p.output_shape)]
-    return max(sizes) * p.element_size
+    return p.largest_operand_bytes()
 
 
 # ---- the reshape + F.linear rewrite ------------------------------------------

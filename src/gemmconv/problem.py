@@ -202,6 +202,13 @@ class ConvProblem:
         """Multiply-adds of the GEMM, counted as two flops, equal in every direction."""
         return 2 * self.gemm_m * self.gemm_k * self.gemm_n * self.groups
 
+    def largest_operand_bytes(self) -> int:
+        """Bytes of the largest of input, weight and output: the memory bound for a
+        direction's extra buffers."""
+        sizes = (math.prod(self.input_shape), math.prod(self.weight_shape),
+                 math.prod(self.output_shape))  # fmt: skip
+        return max(sizes) * self.element_size
+
     def min_bytes(self) -> int:
         """The fewest bytes the direction must move: operands read once, the result written once.
 

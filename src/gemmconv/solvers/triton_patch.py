@@ -33,7 +33,12 @@ from gemmconv.solvers.padded_patch import (
     padded_reduction,
     padded_weight_rows,
 )
-from gemmconv.solvers.patch import patch_class_reasons, patches, patches_are_views
+from gemmconv.solvers.patch import (
+    batched_gemm_is_unaligned,
+    patch_class_reasons,
+    patches,
+    patches_are_views,
+)
 from gemmconv.solvers.views import (
     batched_view,
     result_buffer,
@@ -84,9 +89,15 @@ def _patch_rows_view(t: torch.Tensor, p: ConvProblem) -> torch.Tensor | None:
     return try_view(patches(t, p), t.shape[0], p.gemm_k)
 
 
-def largest_operand_bytes(p: ConvProblem) -> int:
-    sizes = (math.prod(p.input_shape), math.prod(p.weight_shape), math.prod(p.output_shape))
-    return max(sizes) * p.element_size
+def _dy_rows(dy3: torch.Tensor, start: int, count: int, buf: torch.Tensor) -> torch.Tensor:
+    """Samples start..start+count of channels-first dY [N, K, P] as rows [count*P, K],
+    written into the front of ``buf`` by the transpose kernel."""
+    from gemmconv.kernels.strided_copy import strided_copy
+
+    _, k, pixels = dy3.shape
+    rows = buf[: count * pixels]
+    strided_copy(rows.view(count, pixels, k), dy3[start : start + count].transpose(1, 2))
+    return rows
 
 
 def transposed_pixels(p: ConvProblem) -> int:
@@ -100,12 +111,9 @@ def uses_rows_path(p: ConvProblem) -> bool:
     the channels-first weight gradient always (it copies dY to rows either way), the
     forward and backward-data only when the per-sample bmm would have an unaligned
     leading dimension (P x element size not a multiple of 16 bytes)."""
-    pixels = transposed_pixels(p)
-    if not pixels:
-        return False
     if p.direction is Direction.BACKWARD_WEIGHTS:
-        return True
-    return (pixels * p.element_size) % VECTOR_BYTES != 0
+        return transposed_pixels(p) > 0
+    return batched_gemm_is_unaligned(p)
 
 
 def chunk_samples(p: ConvProblem) -> int:
@@ -116,7 +124,7 @@ def chunk_samples(p: ConvProblem) -> int:
     # What else the direction holds meanwhile: the padded weight, and for the weight
     # gradient an fp32 running sum and one fp32 chunk product.
     fixed = p.k * ld * (p.element_size + 8)
-    fit = max(1, (largest_operand_bytes(p) - fixed) // max(per_sample, 1))
+    fit = max(1, (p.largest_operand_bytes() - fixed) // max(per_sample, 1))
     half = p.dtype in (torch.float16, torch.bfloat16)
     if p.direction is Direction.BACKWARD_WEIGHTS and half and not _has_mm_out_dtype():
         fit = p.n  # chunk sums would round to the dtype in between: keep one GEMM
@@ -230,8 +238,6 @@ class TritonPatchSolver(PaddedPatchSolver):
         dy3 = batched_view(t.grad_output)
         if not uses_rows_path(p) or dy3 is None or rows_view(t.grad_output) is not None:
             return super().backward_data(p, t, out)
-        from gemmconv.kernels.strided_copy import strided_copy
-
         dx = result_buffer(p, t.grad_output, out)
         zero_outside(dx, covered_extent(p))
         ld, pixels, step = padded_reduction(p), transposed_pixels(p), chunk_samples(p)
@@ -240,10 +246,7 @@ class TritonPatchSolver(PaddedPatchSolver):
         dcol_buf = t.grad_output.new_empty(step * pixels, ld)
         for start in range(0, p.n, step):
             count = min(step, p.n - start)
-            dy_rows = dy_buf[: count * pixels]
-            strided_copy(
-                dy_rows.view(count, pixels, p.k), dy3[start : start + count].transpose(1, 2)
-            )
+            dy_rows = _dy_rows(dy3, start, count, dy_buf)
             dcol = torch.mm(dy_rows, wp, out=dcol_buf[: count * pixels])
             self.scatter(dcol, p, dx[start : start + count])
         return dx
@@ -254,8 +257,6 @@ class TritonPatchSolver(PaddedPatchSolver):
         dy3 = batched_view(t.grad_output)
         if not uses_rows_path(p) or dy3 is None or rows_view(t.grad_output) is not None:
             return super().backward_weights(p, t, out)
-        from gemmconv.kernels.strided_copy import strided_copy
-
         dw = result_buffer(p, t.input, out)
         ld, pixels, step = padded_reduction(p), transposed_pixels(p), chunk_samples(p)
         col_buf = t.input.new_empty(step * pixels, ld)
@@ -267,10 +268,7 @@ class TritonPatchSolver(PaddedPatchSolver):
         for start in range(0, p.n, step):
             count = min(step, p.n - start)
             col = self.gather(t.input[start : start + count], p, ld, out=col_buf[: count * pixels])
-            dy_rows = dy_buf[: count * pixels]
-            strided_copy(
-                dy_rows.view(count, pixels, p.k), dy3[start : start + count].transpose(1, 2)
-            )
+            dy_rows = _dy_rows(dy3, start, count, dy_buf)
             if step >= p.n or not half:
                 part = torch.mm(dy_rows.t(), col)
             else:
