@@ -68,16 +68,18 @@ def test_opcheck_each_op(label, x_shape, w_shape, stride, padding, layout):
     opcheck(torch.ops.gemmconv.conv_forward.default, (x, w, None, stride, padding, dilation, 1))
     y_shape = CONV[dims][1](x, w, b, stride, padding).shape
     g = torch.Generator().manual_seed(1)
-    dy = random_in(y_shape, layout, torch.float32, "cpu", g)
+    # dy and the operands require grad, so opcheck also checks the backward ops' own
+    # autograd formulas (double backward).
+    dy = random_in(y_shape, layout, torch.float32, "cpu", g).requires_grad_(True)
     channels_last = layout is Layout.CHANNELS_LAST
     args = (stride, padding, dilation, 1, channels_last)
     opcheck(
         torch.ops.gemmconv.conv_backward_data.default,
-        (dy, w.detach(), list(x_shape), *args),
+        (dy, w, list(x_shape), *args),
     )
     opcheck(
         torch.ops.gemmconv.conv_backward_weights.default,
-        (dy, x.detach(), list(w_shape), *args),
+        (dy, x, list(w_shape), *args),
     )
 
 

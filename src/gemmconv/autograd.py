@@ -1,18 +1,29 @@
-"""The autograd formula of ``gemmconv::conv_forward``: its backward runs the
-backward-data and backward-weights ops, each only when its gradient is needed, and
-sums dy for the bias gradient. Registering it on the op (rather than wrapping the op
-in an autograd.Function) lets torch.compile trace forward and backward as a whole."""
+"""The autograd formulas of the three ops, registered on the ops themselves (rather
+than wrapping them in autograd.Functions) so torch.compile traces forward and backward
+as a whole.
+
+The forward's backward runs backward-data and backward-weights, each only when its
+gradient is needed, and sums dy for the bias gradient. The two backward ops are linear
+in each of their operands, so their own gradients are the other two directions of the
+same convolution, which makes double backward (``create_graph=True``, e.g. gradient
+penalties) run on gemmconv too. With y = conv(x, w):
+
+- dx = backward_data(dy, w): a gradient g of dx gives dy the gradient conv(g, w) and
+  w the gradient backward_weights(dy, g), since <g, dx> = <conv(g, w), dy>.
+- dw = backward_weights(dy, x): a gradient G of dw gives dy the gradient conv(x, G)
+  and x the gradient backward_data(dy, G), since <G, dw> = <conv(x, G), dy>.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from gemmconv.memory_format import Layout, layout_of
-from gemmconv.ops import conv_forward
+from gemmconv.ops import conv_backward_data, conv_backward_weights, conv_forward
 from gemmconv.solvers.views import bias_grad
 
 
-def _setup_context(ctx, inputs, output) -> None:
+def _forward_setup_context(ctx, inputs, output) -> None:
     input, weight, bias, stride, padding, dilation, groups = inputs
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     # Keep only what the backward pass will read: the input for dW, the weight for dx.
@@ -23,7 +34,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.channels_last = layout_of(input, weight) is Layout.CHANNELS_LAST
 
 
-def _backward(ctx, grad_output: torch.Tensor):
+def _forward_backward(ctx, grad_output: torch.Tensor):
     input, weight = ctx.saved_tensors
     dx = dw = db = None
     if ctx.needs_input_grad[0]:
@@ -39,4 +50,47 @@ def _backward(ctx, grad_output: torch.Tensor):
     return dx, dw, db, None, None, None, None
 
 
-conv_forward.register_autograd(_backward, setup_context=_setup_context)
+def _backward_setup_context(ctx, inputs, output) -> None:
+    """Shared by both backward ops: inputs are (dy, the other operand, the size of the
+    result, stride, padding, dilation, groups, channels_last)."""
+    grad_output, operand, result_size, stride, padding, dilation, groups, channels_last = inputs
+    need_ddy, need_doperand = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    # The operand's gradient reads dy; dy's gradient reads the operand.
+    ctx.save_for_backward(grad_output if need_doperand else None, operand if need_ddy else None)
+    ctx.operand_size = list(operand.shape)
+    ctx.conv_args = (list(stride), list(padding), list(dilation), groups)
+    ctx.channels_last = channels_last
+
+
+_NO_GRAD_FOR_ARGUMENTS = (None,) * 6
+
+
+def _backward_data_backward(ctx, grad_dx: torch.Tensor):
+    grad_output, weight = ctx.saved_tensors
+    ddy = dw = None
+    if ctx.needs_input_grad[0]:
+        ddy = torch.ops.gemmconv.conv_forward(grad_dx, weight, None, *ctx.conv_args)
+    if ctx.needs_input_grad[1]:
+        dw = torch.ops.gemmconv.conv_backward_weights(
+            grad_output, grad_dx, ctx.operand_size, *ctx.conv_args, ctx.channels_last
+        )
+    return ddy, dw, *_NO_GRAD_FOR_ARGUMENTS
+
+
+def _backward_weights_backward(ctx, grad_dw: torch.Tensor):
+    grad_output, input = ctx.saved_tensors
+    ddy = dx = None
+    if ctx.needs_input_grad[0]:
+        ddy = torch.ops.gemmconv.conv_forward(input, grad_dw, None, *ctx.conv_args)
+    if ctx.needs_input_grad[1]:
+        dx = torch.ops.gemmconv.conv_backward_data(
+            grad_output, grad_dw, ctx.operand_size, *ctx.conv_args, ctx.channels_last
+        )
+    return ddy, dx, *_NO_GRAD_FOR_ARGUMENTS
+
+
+conv_forward.register_autograd(_forward_backward, setup_context=_forward_setup_context)
+conv_backward_data.register_autograd(_backward_data_backward, setup_context=_backward_setup_context)
+conv_backward_weights.register_autograd(
+    _backward_weights_backward, setup_context=_backward_setup_context
+)
