@@ -10,9 +10,26 @@ from gemmconv.problem import ConvProblem
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results" / "h200.json"
 
+# Rows the fitted cost model still misses by more than 10% (bench/NOTES.md, "Cost model
+# fit"): the issue 5 target is not met there. The offline fit test marks them strict
+# xfail, so the list cannot outlive the miss.
+STILL_OFF = {
+    "convnext_down-cl-fwd-bf16",
+    "convnext_down-cl-bwd_weights-bf16",
+}
+
 
 def rows() -> list[dict]:
     return json.loads(RESULTS.read_text())["rows"]
+
+
+def row_id(row: dict) -> str:
+    return f"{row['case']}-{row['layout']}-{row['direction']}-{row['dtype']}"
+
+
+def still_off_problem_keys() -> set[str]:
+    """The ConvProblem keys (no bias, CUDA) of the STILL_OFF rows."""
+    return {problem_of(r).key() for r in rows() if row_id(r) in STILL_OFF}
 
 
 def problem_of(row: dict) -> ConvProblem:

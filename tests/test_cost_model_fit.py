@@ -14,21 +14,9 @@ from gemmconv import dispatch
 from gemmconv.device_rates import H200
 from gemmconv.solvers import get_solver
 
-from h200_measurements import RESULTS, measured, problem_of, rows
+from h200_measurements import RESULTS, STILL_OFF, measured, problem_of, row_id, rows
 
 TOLERANCE = 0.10
-
-# Rows the fitted cost model still misses by more than 10% (bench/NOTES.md, "Cost model
-# fit"): the issue 5 target is not met there. strict=True fails the run once they pass,
-# so the list cannot outlive the miss.
-STILL_OFF = {
-    "convnext_down-cl-fwd-bf16",
-    "convnext_down-cl-bwd_weights-bf16",
-}
-
-
-def _row_id(row: dict) -> str:
-    return f"{row['case']}-{row['layout']}-{row['direction']}-{row['dtype']}"
 
 
 def test_benchmark_has_rows() -> None:
@@ -39,9 +27,9 @@ def test_benchmark_has_rows() -> None:
 
 def _param(row: dict):
     marks = ()
-    if _row_id(row) in STILL_OFF:
+    if row_id(row) in STILL_OFF:
         marks = pytest.mark.xfail(strict=True, reason="cost model still >10% off find here")
-    return pytest.param(row, id=_row_id(row), marks=marks)
+    return pytest.param(row, id=row_id(row), marks=marks)
 
 
 @pytest.mark.parametrize("row", [_param(r) for r in rows()])
@@ -53,7 +41,7 @@ def test_immediate_within_tolerance_of_find(row: dict) -> None:
     best = min(times.values())
     gap = times[choice.solver] / best - 1.0
     assert gap <= TOLERANCE, (
-        f"{_row_id(row)}: immediate picks {choice.solver} ({times[choice.solver]:.4g} ms), "
+        f"{row_id(row)}: immediate picks {choice.solver} ({times[choice.solver]:.4g} ms), "
         f"{gap:.0%} behind the fastest measured {min(times, key=times.get)} "
         f"({best:.4g} ms); estimates {choice.estimates_ms}"
     )
