@@ -53,7 +53,7 @@ def _forward_backward(ctx, grad_output: torch.Tensor):
 def _backward_setup_context(ctx, inputs, output) -> None:
     """Shared by both backward ops: inputs are (dy, the other operand, the size of the
     result, stride, padding, dilation, groups, channels_last)."""
-    grad_output, operand, result_size, stride, padding, dilation, groups, channels_last = inputs
+    grad_output, operand, _result_size, stride, padding, dilation, groups, channels_last = inputs
     need_ddy, need_doperand = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     # The operand's gradient reads dy; dy's gradient reads the operand.
     ctx.save_for_backward(grad_output if need_doperand else None, operand if need_ddy else None)
