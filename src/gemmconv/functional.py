@@ -52,13 +52,16 @@ def _resolve_padding(
     return input, tuple(total // 2 for total in totals)
 
 
+# Devices whose is_autocast_enabled raises. A fixed set rather than asking
+# torch.amp.is_autocast_available, which torch 2.11's dynamo cannot trace (fullgraph
+# compiles of converted models broke on it).
+_DEVICES_WITHOUT_AUTOCAST = frozenset({"meta"})
+
+
 def _autocast(*tensors: torch.Tensor | None, device_type: str) -> list[torch.Tensor | None]:
     """Cast to the autocast dtype as torch's convolutions are, when autocast is on:
     autocast casts floating-point operands except float64 ones (torch's is_eligible)."""
-    # Devices without autocast (meta) raise from is_autocast_enabled: ask first.
-    if not torch.amp.is_autocast_available(device_type):
-        return list(tensors)
-    if not torch.is_autocast_enabled(device_type):
+    if device_type in _DEVICES_WITHOUT_AUTOCAST or not torch.is_autocast_enabled(device_type):
         return list(tensors)
     dtype = torch.get_autocast_dtype(device_type)
     return [
