@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from gemmconv.timing import Timing, time_ms
+from gemmconv.timing import Timing, head_start_cycles, time_ms
 
 
 def _spin(ms: float):
@@ -70,6 +70,14 @@ def test_bad_arguments_are_named(kwargs, match):
     args = {"device": "cpu", **kwargs}
     with pytest.raises(ValueError, match=match):
         time_ms(lambda: None, **args)
+
+
+def test_head_start_covers_twice_the_host_time_within_bounds():
+    # 1 ms of host time needs 2 ms of spin: 4M cycles at the 2 GHz bound.
+    assert head_start_cycles(1e-3) == 4_000_000
+    assert head_start_cycles(0.0) == 1_000_000  # never below the 0.5 ms floor
+    assert head_start_cycles(10.0) == 40_000_000  # a compiling first call is capped
+    assert head_start_cycles(2e-3) > head_start_cycles(1e-3)
 
 
 def test_timing_from_no_samples_is_an_error():

@@ -7,6 +7,11 @@ writing a buffer larger than it, so every repetition reads its operands from mem
 a real step of a model would. On the CPU each repetition is timed with
 ``time.perf_counter`` and nothing is flushed.
 
+On CUDA a spin kernel is queued ahead of each timed repetition, long enough to cover
+twice the host time of one call (measured once after the warm-up), so the events see
+the device's time and not Python's launch overhead; host time is measured apart
+(bench/overhead.py).
+
 ``setup`` runs before every repetition (and warm-up call), outside the timed region:
 use it to reset an output or rotate inputs.
 """
@@ -112,6 +117,7 @@ def _time_cuda(
                 setup()
             fn()
         torch.cuda.synchronize()
+        spin_cycles = head_start_cycles(_host_seconds(fn, setup))
         events = [
             (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             for _ in range(reps)
@@ -124,7 +130,7 @@ def _time_cuda(
             # A spin kernel ahead of the timed region lets the host queue fn's launches
             # before the device reaches them, so the events measure device time, not
             # Python launch overhead (which a busy training step hides the same way).
-            torch.cuda._sleep(_HEAD_START_CYCLES)
+            torch.cuda._sleep(spin_cycles)
             start.record()
             fn()
             end.record()
@@ -132,7 +138,35 @@ def _time_cuda(
         return Timing.from_samples(tuple(start.elapsed_time(end) for start, end in events))
 
 
-_HEAD_START_CYCLES = 1_000_000  # about 0.5 ms at the H200's 1.98 GHz
+_MIN_HEAD_START_CYCLES = 1_000_000  # about 0.5 ms at the H200's 1.98 GHz
+# A bound for a first call that compiles (warmup=0): its host time says nothing.
+_MAX_HEAD_START_CYCLES = 40_000_000
+# No current GPU clocks its SMs above 2 GHz, so this many cycles last at least as long
+# as the host time they are meant to cover.
+_CYCLES_PER_SECOND_BOUND = 2.0e9
+
+
+def head_start_cycles(host_seconds: float) -> int:
+    """Spin cycles that cover twice ``host_seconds`` of launching, within bounds.
+
+    A fixed 0.5 ms head start was not enough: patch_triton's channels-first rows path
+    takes 0.5-0.95 ms of host time per call on the H200's host against 0.2 ms on the
+    device, so its timings read up to 0.6 ms, and varied from process to process with
+    the host's speed (bench/results/h200_find_gap_*.json)."""
+    cycles = int(2.0 * host_seconds * _CYCLES_PER_SECOND_BOUND)
+    return min(max(cycles, _MIN_HEAD_START_CYCLES), _MAX_HEAD_START_CYCLES)
+
+
+def _host_seconds(fn: Callable[[], object], setup: Callable[[], object] | None) -> float:
+    """The host time of one call of ``fn`` with nothing queued before it."""
+    if setup is not None:
+        setup()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed
 
 
 def _flush_buffer(index: int) -> torch.Tensor:
