@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gemmconv.memory_format import Layout, empty_in
 
@@ -37,3 +38,16 @@ def random_in(shape, layout: Layout, dtype, device, generator) -> torch.Tensor:
 def nan_in(shape, layout: Layout, dtype, device) -> torch.Tensor:
     t = empty_in(shape, layout, dtype, device)
     return t.fill_(float("nan"))
+
+
+class GemmconvOpLog(TorchDispatchMode):
+    """Records which gemmconv ops run while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "gemmconv":
+            self.calls.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))

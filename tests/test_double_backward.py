@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import gemmconv
 from gemmconv.memory_format import Layout
 
-from conftest import random_in
+from conftest import GemmconvOpLog, random_in
 
 CONV = {
     1: (gemmconv.conv1d, F.conv1d),
@@ -92,19 +91,6 @@ def test_gradgradcheck(label, x_shape, w_shape, kwargs, solver, layout):
     )
 
 
-class _OpLog(TorchDispatchMode):
-    """Records which gemmconv ops run."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "gemmconv":
-            self.calls.append(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
-
-
 def test_second_order_pass_runs_gemmconv_ops():
     x, w, b = _leaves((2, 3, 8, 8), (6, 3, 4, 4), Layout.CHANNELS_FIRST, seed=5)
     gx, gw = torch.autograd.grad(
@@ -113,12 +99,12 @@ def test_second_order_pass_runs_gemmconv_ops():
     # dy here is tanh'(y), itself a function of w, so d|gx|^2/dw runs the backward of
     # backward-data in its weight (backward-weights) and in dy (a forward op, whose
     # own backward then reaches w through y).
-    with _OpLog() as log:
+    with GemmconvOpLog() as log:
         (gw_of_gx,) = torch.autograd.grad(gx.square().sum(), (w,), retain_graph=True)
     assert {"conv_backward_weights", "conv_forward"} <= set(log.calls)
     assert gw_of_gx.shape == w.shape
     # d|gw|^2/dx: the backward of backward-weights in its input is backward-data.
-    with _OpLog() as log:
+    with GemmconvOpLog() as log:
         (gx_of_gw,) = torch.autograd.grad(gw.square().sum(), (x,))
     assert "conv_backward_data" in log.calls
     assert gx_of_gw.shape == x.shape

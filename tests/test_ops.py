@@ -9,13 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.library import opcheck
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import gemmconv
 from gemmconv.memory_format import Layout
 from gemmconv.verify import rms_range, tolerance
 
-from conftest import random_in
+from conftest import GemmconvOpLog, random_in
 
 CONV = {
     1: (gemmconv.conv1d, F.conv1d),
@@ -219,19 +218,6 @@ def test_gradient_checkpointing_matches_plain_backward():
         assert torch.equal(a.grad, p.grad)
 
 
-class _OpLog(TorchDispatchMode):
-    """Records which gemmconv ops run."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "gemmconv":
-            self.calls.append(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize(
     "x_grad,w_grad,expected",
     [
@@ -245,7 +231,7 @@ def test_only_needed_backward_ops_run(x_grad, w_grad, expected):
     x.requires_grad_(x_grad)
     w.requires_grad_(w_grad)
     b.requires_grad_(True)
-    with _OpLog() as log:
+    with GemmconvOpLog() as log:
         gemmconv.conv2d(x, w, b, stride=4).sum().backward()
     assert sorted(log.calls) == sorted(expected)
     assert b.grad is not None
