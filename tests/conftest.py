@@ -1,4 +1,5 @@
-"""Shared test fixtures: seeded random operands, NaN-filled outputs, the gpu marker."""
+"""Shared test fixtures: seeded random operands, NaN-filled outputs, the gpu marker, a
+log of the gemmconv ops that run."""
 
 from __future__ import annotations
 
