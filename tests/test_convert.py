@@ -9,10 +9,11 @@ import copy
 import pytest
 import torch
 from torch.nn.utils import parametrize
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import gemmconv
 from gemmconv.verify import rms_range, tolerance
+
+from conftest import GemmconvOpLog
 
 TOL = tolerance(torch.float32, "cpu")
 
@@ -225,19 +226,6 @@ def test_root_module_itself_can_be_converted():
     assert type(conv) is gemmconv.nn.Conv1d
 
 
-class _GemmconvOpLog(TorchDispatchMode):
-    """Counts the gemmconv ops that run."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "gemmconv":
-            self.calls.append(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
-
-
 def test_patch_embed_of_pixels_skips_backward_data_and_frozen_weights_skip_wgrad():
     torch.manual_seed(9)
     model = torch.nn.Sequential(
@@ -248,7 +236,7 @@ def test_patch_embed_of_pixels_skips_backward_data_and_frozen_weights_skip_wgrad
     gemmconv.convert(model)
     model[1].weight.requires_grad_(False)
     pixels = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(10))
-    with _GemmconvOpLog() as log:
+    with GemmconvOpLog() as log:
         model(pixels).sum().backward()
     assert log.calls.count("conv_forward") == 3
     assert log.calls.count("conv_backward_data") == 2  # into layers 1 and 2, not the pixels

@@ -201,11 +201,6 @@ def make_operands(p: ConvProblem, device: torch.device, seed: int) -> ConvTensor
     return ConvTensors(grad_output=dy, input=rand(p.input_shape))
 
 
-def operand_bytes(p: ConvProblem) -> int:
-    """The largest operand or result of the direction, in bytes."""
-    return p.largest_operand_bytes()
-
-
 # ---- the reshape + F.linear rewrite ------------------------------------------
 
 
@@ -350,6 +345,7 @@ def run_row(
     imm = by_id[immediate]
     flop_ms, byte_ms = rates.floor_ms(p)
     floor_ms = max(flop_ms, byte_ms)
+    largest_operand = p.largest_operand_bytes()
     return {
         "case": case.name,
         "title": case.title,
@@ -378,8 +374,8 @@ def run_row(
         "immediate_gap": (imm.ms / best.ms - 1.0) if imm.ms is not None else None,
         "estimate_ms": {c.solver: _estimate(c.solver, p) for c in candidates},
         "extra_bytes": best.extra_bytes,
-        "largest_operand_bytes": operand_bytes(p),
-        "memory_ok": None if best.extra_bytes is None else best.extra_bytes <= operand_bytes(p),
+        "largest_operand_bytes": largest_operand,
+        "memory_ok": None if best.extra_bytes is None else best.extra_bytes <= largest_operand,
         "candidates": {c.solver: dataclasses.asdict(c) for c in candidates},
         "gather": gathers,
     }
