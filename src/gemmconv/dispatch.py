@@ -370,25 +370,39 @@ def solver_for(problem: ConvProblem, solver: str | None = None) -> Solver:
     return get_solver(choose(problem, solver).solver)
 
 
-def selection_state() -> tuple:
-    """Everything besides the problem that ``choose(problem)`` decides from, read raw:
-    the block and process modes, ``$GEMMCONV_FIND_MODE``, the cudnn benchmark flag,
-    ``$GEMMCONV_SOLVER``, ``$GEMMCONV_DISABLE`` and the determinism state.
+# CPython keeps the environment as a dict of encoded names; reading it directly costs
+# a tenth of os.environ.get, which matters on a path taken by every eager call.
+_ENVIRON = getattr(os.environ, "_data", None)
+_ENCODE = getattr(os.environ, "encodekey", None)
 
-    Equal states give equal choices for a problem until ``clear_cache()``, so a caller
-    may memoise per (problem metadata, state) what it derives from a choice (see
+
+def _raw_environ(name: str) -> object:
+    if _ENVIRON is None or _ENCODE is None:
+        return os.environ.get(name)
+    return _ENVIRON.get(_ENCODE(name))
+
+
+_SETTINGS = ("GEMMCONV_FIND_MODE", "GEMMCONV_SOLVER", "GEMMCONV_DISABLE", "CUBLAS_WORKSPACE_CONFIG")
+
+
+def selection_key() -> tuple:
+    """Everything besides the problem that ``choose(problem)`` and the solvers decide
+    from, read raw: the block and process modes, the cudnn benchmark and TF32 flags,
+    the determinism flag and the environment settings (``$GEMMCONV_FIND_MODE``,
+    ``$GEMMCONV_SOLVER``, ``$GEMMCONV_DISABLE``, ``$CUBLAS_WORKSPACE_CONFIG``).
+
+    Equal keys give equal choices for a problem until ``clear_cache()``, so a caller
+    may memoise per (problem metadata, key) what it derives from a choice (see
     ``dependent_cache``). Nothing is parsed or validated here, which keeps it cheap:
     a bad setting is reported by ``choose`` on the first call that sees it, and a
-    state that made ``choose`` raise is never memoised."""
-    environ = os.environ
+    key that made ``choose`` raise is never memoised."""
     return (
         _block_mode,
         _process_mode,
-        environ.get("GEMMCONV_FIND_MODE"),
-        torch.backends.cudnn.benchmark,
-        environ.get("GEMMCONV_SOLVER"),
-        environ.get("GEMMCONV_DISABLE"),
-        determinism_state(),
+        torch._C._get_cudnn_benchmark(),
+        torch._C._get_cudnn_allow_tf32(),
+        torch._C._get_deterministic_algorithms(),
+        *map(_raw_environ, _SETTINGS),
     )
 
 
@@ -429,7 +443,7 @@ __all__ = [
     "dependent_cache",
     "explain_problem",
     "find_mode",
-    "selection_state",
+    "selection_key",
     "set_find_mode",
     "solver_for",
 ]

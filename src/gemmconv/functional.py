@@ -8,11 +8,13 @@ whose autograd formula (gemmconv.autograd) runs the two backward ops.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 import gemmconv.autograd  # noqa: F401  (registers the forward op's backward)
+from gemmconv import eager
 from gemmconv.dispatch import Choice, explain_problem
 from gemmconv.problem import ConvProblem
 from gemmconv.validate import check_conv_args
@@ -28,28 +30,40 @@ def _tuple(value: IntOrTuple, dims: int) -> tuple[int, ...]:
     return value * dims if len(value) == 1 else value
 
 
-def _resolve_padding(
-    input: torch.Tensor, weight: torch.Tensor, padding: Padding, stride, dilation, dims: int
-) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """Integer padding per dimension; 'same' with an odd total pads the input's far
-    side by one first, exactly as torch does."""
+class ResolvedArguments(NamedTuple):
+    """F.conv* arguments as per-dimension integers; ``input_padding`` is the F.pad
+    argument the input needs first ('same' with an odd total pads the far side by
+    one, exactly as torch does), empty when it needs none."""
+
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    input_padding: tuple[int, ...]
+
+
+def resolve_arguments(
+    dims: int,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: IntOrTuple,
+    padding: Padding,
+    dilation: IntOrTuple,
+    groups: int,
+) -> ResolvedArguments:
+    """Check a call as F.conv{dims}d would (raising its errors) and resolve its arguments."""
+    check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
+    strides, dilations = _tuple(stride, dims), _tuple(dilation, dims)
     if not isinstance(padding, str):
-        return input, _tuple(padding, dims)
+        return ResolvedArguments(strides, _tuple(padding, dims), dilations, ())
     if padding == "valid":
-        return input, (0,) * dims
-    if padding != "same":
-        raise ValueError(
-            f"Invalid padding string {padding!r}, should be one of {{'valid', 'same'}}"
-        )
-    if any(u != 1 for u in _tuple(stride, dims)):
-        raise ValueError("padding='same' is not supported for strided convolutions")
-    totals = [d * (r - 1) for d, r in zip(_tuple(dilation, dims), weight.shape[2:])]
+        return ResolvedArguments(strides, (0,) * dims, dilations, ())
+    totals = [d * (r - 1) for d, r in zip(dilations, weight.shape[2:])]
     extra = []
     for total in reversed(totals):
         extra += [0, total % 2]
-    if any(extra):
-        input = F.pad(input, extra)
-    return input, tuple(total // 2 for total in totals)
+    pads = tuple(total // 2 for total in totals)
+    return ResolvedArguments(strides, pads, dilations, tuple(extra) if any(extra) else ())
 
 
 # Devices whose is_autocast_enabled raises. A fixed set rather than asking
@@ -71,19 +85,30 @@ def _autocast(*tensors: torch.Tensor | None, device_type: str) -> list[torch.Ten
 
 
 def _conv(dims, input, weight, bias, stride, padding, dilation, groups) -> torch.Tensor:
-    check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
-    input, weight, bias = _autocast(input, weight, bias, device_type=input.device.type)
+    tensors = isinstance(input, torch.Tensor) and isinstance(weight, torch.Tensor)
+    if tensors and (bias is None or isinstance(bias, torch.Tensor)):
+        device_type = "cuda" if input.is_cuda else input.device.type
+        if device_type not in _DEVICES_WITHOUT_AUTOCAST and torch.is_autocast_enabled(device_type):
+            # Checked before the cast: under autocast, operands of mixed dtypes are fine.
+            check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
+            input, weight, bias = _autocast(input, weight, bias, device_type=device_type)
+        if eager.road_is_open(input, weight, bias):
+            y = eager.convolve(dims, input, weight, bias, stride, padding, dilation, groups)
+            if y is not None:
+                return y
+    resolved = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)
     unbatched = input.dim() == dims + 1
     if unbatched:
         input = input.unsqueeze(0)
-    input, pad = _resolve_padding(input, weight, padding, stride, dilation, dims)
+    if resolved.input_padding:
+        input = F.pad(input, resolved.input_padding)
     y = torch.ops.gemmconv.conv_forward(
         input,
         weight,
         bias,
-        list(_tuple(stride, dims)),
-        list(pad),
-        list(_tuple(dilation, dims)),
+        list(resolved.stride),
+        list(resolved.padding),
+        list(resolved.dilation),
         groups,
     )
     return y.squeeze(0) if unbatched else y
@@ -155,9 +180,12 @@ def problem_of(
     dims = weight.dim() - 2
     check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
     input, weight, bias = _autocast(input, weight, bias, device_type=input.device.type)
+    resolved = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)
     if input.dim() == dims + 1:
         input = input.unsqueeze(0)
-    input, pad = _resolve_padding(input, weight, padding, stride, dilation, dims)
+    if resolved.input_padding:
+        input = F.pad(input, resolved.input_padding)
+    pad = resolved.padding
     return ConvProblem.from_tensors(
-        input, weight, bias, _tuple(stride, dims), pad, _tuple(dilation, dims), groups
+        input, weight, bias, resolved.stride, pad, resolved.dilation, groups
     )
