@@ -26,6 +26,12 @@ class DeviceRates:
     # How much slower a GEMM runs when its reduction rows are not 16-byte aligned
     # (measured on an H200: bf16 [9500 x 588] x [588 x 1280] 88 us, padded to 592 31 us).
     unaligned_slowdown: float = 1.0
+    # Host time per kernel launch (torch op or prepared Triton launch, allocation
+    # included) on the eager road, and whether the host runs ahead of the device (a
+    # GPU) or does the work itself (a CPU): a call costs the larger of host and
+    # device time in the first case, their sum in the second.
+    host_launch_us: float = 10.0
+    host_overlaps_device: bool = True
 
     def matrix_rate(self, dtype_key: str) -> float:
         """Flops per millisecond for this dtype/math mode."""
@@ -47,6 +53,9 @@ H200 = DeviceRates(
     bandwidth_gbs=4300.0,
     launch_us=4.0,
     unaligned_slowdown=2.8,
+    # A torch op cost about 10 us of Python and dispatch on the H200's host
+    # (bench/results/overhead_h200.md: a tiny F.conv2d forward, 29 us, is about three).
+    host_launch_us=10.0,
 )
 _H200 = H200  # the name this table had first
 
@@ -60,6 +69,8 @@ CPU = DeviceRates(
     matrix_tflops={"bf16": 0.05, "fp16": 0.02, "tf32": 0.1, "fp32": 0.1, "fp64": 0.05},
     bandwidth_gbs=10.0,
     launch_us=5.0,
+    host_launch_us=4.0,
+    host_overlaps_device=False,
 )
 _CPU = CPU
 

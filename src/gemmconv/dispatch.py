@@ -165,7 +165,8 @@ def decide(
     rates: DeviceRates | None = None,
     rejected: dict[str, list[str]] | None = None,
 ) -> Choice:
-    """Immediate selection: the applicable solver with the lowest estimate."""
+    """Immediate selection: the applicable solver with the lowest estimate of what a
+    call costs (``Solver.call_ms``: device time, and host time where it shows)."""
     rejected = dict(rejected or {})
     estimates: dict[str, float] = {}
     for solver in solvers:
@@ -173,7 +174,7 @@ def decide(
         if reasons:
             rejected[solver.id] = reasons
         else:
-            estimates[solver.id] = solver.estimate_ms(problem, rates)
+            estimates[solver.id] = solver.call_ms(problem, rates)
     if not estimates:
         raise RuntimeError(f"no solver applies to {problem.key()}: {_listing(rejected)}")
     best = min(estimates, key=estimates.__getitem__)  # min keeps the first of equals
