@@ -20,8 +20,27 @@ class Layout(str, enum.Enum):
     CHANNELS_LAST = "channels_last"
 
 
+def _strides_like_channels_last(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """torch's Tensor.suggest_memory_format() rule for 4-D/5-D tensors of concrete sizes:
+    the strides grow in the order C, W, H(, D), N."""
+    order = {4: (1, 3, 2, 0), 5: (1, 4, 3, 2, 0)}.get(len(shape))
+    if order is None or strides[1] == 0:
+        return False
+    smallest = 0
+    for d in order:
+        if shape[d] == 0 or strides[d] < smallest or (d == 0 and smallest == strides[1]):
+            return False
+        smallest = strides[d] * shape[d]
+    return True
+
+
 def _is_channels_last(t: torch.Tensor) -> bool:
     if t.dim() in (4, 5):
+        shape, strides = t.shape, t.stride()
+        if all(type(v) is int for v in (*shape, *strides)):
+            # torch's own Python version imports sympy on first use (1.7 s on the CPU
+            # machine, most of a first call's time); this is the same rule.
+            return _strides_like_channels_last(shape, strides)
         return suggest_memory_format(t) in (torch.channels_last, torch.channels_last_3d)
     if t.dim() == 3:
         return t.shape[1] > 1 and not t.is_contiguous() and t.transpose(1, 2).is_contiguous()
