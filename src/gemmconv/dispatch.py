@@ -225,10 +225,23 @@ def _decide_in_mode(
             )
         if mode is FindMode.DATABASE:
             return estimated
+    if _capturing(problem):
+        # Timing synchronises the device, which a CUDA graph capture forbids; the
+        # estimate decides, and the graph replays what it captured.
+        log.info("%s: inside a CUDA graph capture, no find; the estimate decides", problem.key())
+        return dataclasses.replace(estimated, reason=f"{estimated.reason}; no find while capturing")
     # A find restricted by GEMMCONV_DISABLE, or by the determinism rules (a solver
     # refused for that reason alone), is not the true best: it is not stored.
     restricted = disabled or any(_refused_only_for_determinism(s, problem) for s in SOLVERS)
     return _decide_by_find(problem, estimated, store=not restricted)
+
+
+def _capturing(problem: ConvProblem) -> bool:
+    return (
+        problem.device_type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.is_current_stream_capturing()
+    )
 
 
 def _refused_only_for_determinism(solver: Solver, problem: ConvProblem) -> bool:

@@ -18,12 +18,13 @@ the custom-op road, which checks and computes everything afresh.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
 
 import torch
 
 from gemmconv import dispatch, ops
 from gemmconv.memory_format import Layout
+from gemmconv.problem import Direction
 from gemmconv.solvers.views import bias_grad
 
 
@@ -45,15 +46,38 @@ def road_is_open(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     )
 
 
-class _Call(NamedTuple):
+class _Call:
     """What one distinct eager call needs besides its tensors."""
 
-    plan: ops.Plan
-    unbatched: bool
-    conv_args: tuple[list[int], list[int], list[int], int]  # stride, padding, dilation, groups
-    input_size: list[int]
-    weight_size: list[int]
-    channels_last: bool
+    __slots__ = ("plan", "unbatched", "conv_args", "input_size", "weight_size",
+                 "channels_last", "vendor_forward", "_vendor_gradients")  # fmt: skip
+
+    def __init__(self, plan: ops.Plan, unbatched: bool, conv_args: tuple, input: torch.Tensor,
+                 weight: torch.Tensor) -> None:  # fmt: skip
+        self.plan = plan
+        self.unbatched = unbatched
+        self.conv_args = conv_args  # stride, padding, dilation (lists), groups
+        self.input_size = list(input.shape)
+        self.weight_size = list(weight.shape)
+        self.channels_last = plan.problem.layout is Layout.CHANNELS_LAST
+        self.vendor_forward = plan.solver.id == "vendor"
+        self._vendor_gradients: bool | None = None
+
+    def vendor_gradients(self) -> bool:
+        """Whether both backward directions also go to the vendor. Asked only when a
+        call needs gradients, so inference never decides (or benchmarks) them."""
+        if self._vendor_gradients is None:
+            problem = dataclasses.replace(self.plan.problem, has_bias=False)
+            self._vendor_gradients = all(
+                dispatch.choose(problem.with_direction(d)).solver == "vendor"
+                for d in (Direction.BACKWARD_DATA, Direction.BACKWARD_WEIGHTS)
+            )
+        return self._vendor_gradients
+
+    def vendor_arguments(self) -> tuple:
+        """aten.convolution's arguments after input, weight and bias."""
+        stride, padding, dilation, groups = self.conv_args
+        return stride, padding, dilation, False, [0] * len(stride), groups
 
 
 # Bounded like the ops' plans; emptied by dispatch.clear_cache() with the choices.
@@ -104,9 +128,15 @@ def convolve(
         return None
     if call.unbatched:
         input = input.unsqueeze(0)
-    if torch.is_grad_enabled() and (
+    needs_grad = torch.is_grad_enabled() and (
         input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    ):
+    )
+    if call.vendor_forward and (not needs_grad or call.vendor_gradients()):
+        # Where every direction goes to the vendor (tiny problems, where one launch
+        # beats any GEMM path on host time), torch's own convolution with its own
+        # fused backward is the cheapest road to the same kernels.
+        y = torch.convolution(input, weight, bias, *call.vendor_arguments())
+    elif needs_grad:
         y = _EagerConvolution.apply(input, weight, bias, call)
     else:
         y = ops.run_forward(call.plan, input, weight, bias)
@@ -126,14 +156,7 @@ def _new_call(dims, input, weight, bias, stride, padding, dilation, groups) -> _
         input = input.unsqueeze(0)
     conv_args = (list(resolved.stride), list(resolved.padding), list(resolved.dilation), groups)
     plan = ops.forward_plan(input, weight, bias, *conv_args)
-    return _Call(
-        plan=plan,
-        unbatched=unbatched,
-        conv_args=conv_args,
-        input_size=list(input.shape),
-        weight_size=list(weight.shape),
-        channels_last=plan.problem.layout is Layout.CHANNELS_LAST,
-    )
+    return _Call(plan, unbatched, conv_args, input, weight)
 
 
 class _EagerConvolution(torch.autograd.Function):
