@@ -42,7 +42,6 @@ import datetime
 import gc
 import hashlib
 import inspect
-import json
 import logging
 import os
 import shutil
@@ -57,6 +56,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from linear_patch_embed import use_linear_patch_embed
 from multi_gpu_checks import find_not_blocking, loss_curves, params_equal, same_solvers
+from multi_gpu_report import add_ratios, verdict, write_results
 
 import gemmconv
 from gemmconv import dispatch
@@ -66,11 +66,10 @@ from gemmconv.bench_report import default_stem
 VARIANTS = ("torch", "linear", "converted", "converted_channels_last")
 CONVERTED = ["converted", "converted_channels_last"]
 WRAPPERS = ("ddp", "fsdp2")
-WRAPPER_TITLES = {"ddp": "DDP", "fsdp2": "FSDP2"}
 LEARNING_RATE = 3e-4
 DATA_BATCHES = 4  # a small pool the model can start to fit, so the loss curve moves
-# NVLink multicast stays off: nothing here needs it, and the two-GPU machines this runs
-# on do not provide it. A value already in the environment is kept.
+# NVLink multicast stays off: nothing here needs it, and NCCL or torch creating a
+# multicast object fails on machines that do not allow one. A value already set is kept.
 NO_MULTICAST_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -98,6 +97,7 @@ class World:
         return gathered
 
     def from_rank0(self, value: object) -> object:
+        """Rank 0's ``value``, on every rank."""
         message = [value]
         dist.broadcast_object_list(message, src=0)
         return message[0]
@@ -148,18 +148,26 @@ def use_empty_database(world: World) -> str:
 
 class DecisionLog(logging.Handler):
     """The solver decisions gemmconv.dispatch logs, one per problem the first time it
-    is seen: the record's arguments are the problem key, the mode and the Choice."""
+    is seen: the record's arguments are the problem key, the mode and the Choice.
+    ``during`` names the part of the run they belong to."""
 
     def __init__(self):
         super().__init__(logging.DEBUG)
         self.decisions: list[dict] = []
+        self.during = ""
 
     def emit(self, record: logging.LogRecord) -> None:
         args = record.args
         if isinstance(args, tuple) and len(args) == 3 and isinstance(args[2], gemmconv.Choice):
             key, mode, choice = args
             self.decisions.append(
-                {"problem": key, "mode": mode, "solver": choice.solver, "source": choice.source}
+                {
+                    "problem": key,
+                    "mode": mode,
+                    "solver": choice.solver,
+                    "source": choice.source,
+                    "during": self.during,
+                }
             )
 
     def since(self, start: int) -> list[dict]:
@@ -364,6 +372,7 @@ def measure_first_steps(initial, data, decisions: DecisionLog, world: World) -> 
         if phase != "steady":
             dispatch.clear_cache()
         start = len(decisions.decisions)
+        decisions.during = f"first step check: {phase}"
         took, _ = train_step(model, optimizer, data[step % len(data)], world)
         phases[phase] = {
             "seconds": took,
@@ -375,67 +384,6 @@ def measure_first_steps(initial, data, decisions: DecisionLog, world: World) -> 
     if world.rank == 0:
         shutil.rmtree(db_dir, ignore_errors=True)
     return phases
-
-
-# ---- the report -----------------------------------------------------------------------
-
-
-def add_ratios(rows: list[dict]) -> None:
-    timed = {(r["wrapper"], r["variant"]): r["ms"] for r in rows if r["ms"] is not None}
-    for r in rows:
-        for base in ("torch", "linear"):
-            base_ms = timed.get((r["wrapper"], base))
-            ok = r["ms"] is not None and base_ms is not None
-            r[f"speedup_vs_{base}"] = base_ms / r["ms"] if ok else None
-
-
-def markdown(results: dict) -> str:
-    env, cfg = results["environment"], results["config"]
-    wrappers = " and ".join(WRAPPER_TITLES[w] for w in cfg["wrappers"])
-    lines = [
-        f"# {cfg['model']} training step under {wrappers}, {cfg['world_size']} x {env['device']}",
-        "",
-        f"torch {env['torch']}, gemmconv {env['gemmconv']}, backend {cfg['backend']}, "
-        f"batch {cfg['batch_per_rank']} per rank, image {cfg['image_size']}, bf16 autocast, "
-        f"fused AdamW (lr {cfg['lr']:g}), find mode {cfg['find_mode']}. Step time: the "
-        f"slowest rank's wall clock of zero_grad + forward + backward + optimizer step, "
-        f"median of the last {cfg['timed']} of {cfg['steps']} steps, all rows in one run.",
-        "",
-        "| wrapper | variant | step ms | torch / this | linear / this | first step s "
-        "(per rank) | peak GiB (per rank) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in results["rows"]:
-        if r["status"] != "ok":
-            why = f"{r['status']}: {r['note']}"
-            lines.append(f"| {r['wrapper']} | {r['variant']} | {why} | | | | |")
-            continue
-        lines.append(
-            f"| {r['wrapper']} | {r['variant']} | {r['ms']:.2f} | {_ratio(r['speedup_vs_torch'])} "
-            f"| {_ratio(r['speedup_vs_linear'])} | {_list(r['first_step_s'], '.2f')} "
-            f"| {_list(r['peak_memory_gib'], '.2f')} |"
-        )
-    lines += ["", "## Checks", ""]
-    for name, check in results["checks"].items():
-        lines.append(f"- **{name}**: {verdict(check)}: {check['summary']}")
-    lines.append("")
-    return "\n".join(lines)
-
-
-def _ratio(value: float | None) -> str:
-    return "" if value is None else f"{value:.3f}"
-
-
-def _list(values: list, spec: str) -> str:
-    return " / ".join("n/a" if v is None else format(v, spec) for v in values)
-
-
-def write_results(results: dict, out: Path, name: str) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out / f"{name}.json", out / f"{name}.md"
-    json_path.write_text(json.dumps(results, indent=1) + "\n")
-    md_path.write_text(markdown(results))
-    return [json_path, md_path]
 
 
 # ---- the run --------------------------------------------------------------------------
@@ -515,6 +463,7 @@ def run(args: argparse.Namespace, world: World) -> int:
 
     for wrapper in args.wrappers:
         for variant in VARIANTS:
+            decisions.during = f"{wrapper}/{variant}"
             row = run_row(args, wrapper, variant, initial, data, world)
             results["rows"].append(row)
             if world.rank == 0:
@@ -530,7 +479,7 @@ def run(args: argparse.Namespace, world: World) -> int:
         for d in checks["same_solvers"]["decisions"]:
             each = zip(d["solvers"], d["sources"])
             ranks = ", ".join(f"rank {r}: {s} ({src})" for r, (s, src) in enumerate(each))
-            print(f"{d['problem']} [{d['mode']}] {ranks}")
+            print(f"{d['during']}: {d['problem']} [{d['mode']}] {ranks}")
         for check_name, check in checks.items():
             print(f"{check_name}: {verdict(check)}: {check['summary']}")
         for path in paths:
@@ -576,10 +525,6 @@ def run_checks(args, rows: list[dict], initial, data, decisions: DecisionLog, wo
             checks[check_name] = {"pass": None, "summary": "it needs --wrappers ddp"}
     checks["same_solvers"] = same_solvers(world.gather(decisions.decisions))
     return checks
-
-
-def verdict(check: dict) -> str:
-    return {True: "PASS", False: "FAIL", None: "NOT RUN"}[check["pass"]]
 
 
 if __name__ == "__main__":

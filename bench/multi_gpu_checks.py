@@ -28,7 +28,7 @@ def same_solvers(decisions_per_rank: list[list[dict]]) -> dict:
     """Every rank made the same decisions in the same order: problem and solver.
 
     ``decisions_per_rank[r]`` lists rank r's decisions as logged by gemmconv.dispatch,
-    each ``{"problem", "mode", "solver", "source"}``."""
+    each ``{"problem", "mode", "solver", "source", "during"}``."""
     sequences = [[(d["problem"], d["solver"]) for d in ranks] for ranks in decisions_per_rank]
     reference = sequences[0]
     differing = [r for r, seq in enumerate(sequences) if seq != reference]
@@ -40,6 +40,7 @@ def same_solvers(decisions_per_rank: list[list[dict]]) -> dict:
             {
                 "problem": first["problem"],
                 "mode": first["mode"],
+                "during": first["during"],
                 "solvers": [None if d is None else d["solver"] for d in per_rank],
                 "sources": [None if d is None else d["source"] for d in per_rank],
             }

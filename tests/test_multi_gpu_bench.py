@@ -128,7 +128,13 @@ def test_two_gpus_run_the_ddp_part(tmp_path):
 
 
 def _decision(solver: str, source: str, problem: str = "p-forward") -> dict:
-    return {"problem": problem, "mode": "hybrid", "solver": solver, "source": source}
+    return {
+        "problem": problem,
+        "mode": "hybrid",
+        "solver": solver,
+        "source": source,
+        "during": "ddp/converted",
+    }
 
 
 def test_same_solvers_fails_when_a_rank_differs_or_nothing_was_decided():
