@@ -299,7 +299,7 @@ def test_help_shows_the_defaults(capsys, argv, shown):
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for text in shown:
         assert " ".join(text.split()) in out, text
-    assert "(default: None)" not in out
+    assert "(default: None)" not in out and "(default: )" not in out
 
 
 def test_bad_environment_variable_is_a_usage_error(capsys, monkeypatch):

@@ -25,10 +25,12 @@ class UsageError(Exception):
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """argparse's formatter that shows each flag's default, leaving out the defaults
-    that say nothing (None, and False for on/off switches)."""
+    that say nothing (None, an empty string, False for on/off switches) and those the
+    help text already explains."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
+        default = action.default
+        if default is None or default is False or default == "" or "default" in action.help:
             return action.help
         return super()._get_help_string(action)
 
