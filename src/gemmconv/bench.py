@@ -597,10 +597,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions")
-    ap.add_argument(
-        "--cases", default="", help=f"comma list from {','.join(c.name for c in SUITE)} "
-        "(default: all)"
-    )  # fmt: skip
+    case_names = ",".join(c.name for c in SUITE)
+    ap.add_argument("--cases", default="", help=f"comma list from {case_names} (default: all)")
     ap.add_argument("--layouts", default="cf,cl", help="comma list of cf, cl")
     ap.add_argument(
         "--directions", default="fwd,bwd_data,bwd_weights", help="comma list of directions"
@@ -624,8 +622,10 @@ def _pick(text: str, table: dict, what: str) -> list:
     names = [v for v in text.split(",") if v]
     bad = [v for v in names if v not in table]
     if bad:
-        raise UsageError(f"--{what} {text}: unknown {', '.join(bad)}; expected a comma list "
-                         f"of {', '.join(table)}")  # fmt: skip
+        raise UsageError(
+            f"--{what} {text}: unknown {', '.join(bad)}; expected a comma list of "
+            + ", ".join(table)
+        )
     return [table[v] for v in names]
 
 
@@ -701,8 +701,8 @@ def _main(argv: list[str] | None) -> int:
     plan = suite_plan(cases, layouts, directions, dtypes)
     notes = _dtype_notes(cases, dtypes)
     if not plan:
-        raise UsageError("no rows to run: " + ("; ".join(notes) or "--layouts or --directions "
-                         "selects nothing"))  # fmt: skip
+        why = "; ".join(notes) or "--layouts or --directions selects nothing"
+        raise UsageError(f"no rows to run: {why}")
     for note in notes:
         print(f"note: {note}")
     timing = {
