@@ -173,6 +173,24 @@ def test_include_and_exclude_filters():
         gemmconv.convert(_mixed_model(), include=[3])
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"include": 3}, "include=3: expected a glob pattern (str), a list of them, or a "
+                         "callable (name, module) -> bool; got int"),
+        ({"exclude": 2.5}, "exclude=2.5: expected a glob pattern"),
+        ({"include": b"0"}, "include=b'0': expected a glob pattern (str)"),
+        ({"exclude": ["0", None]}, "got None (NoneType) among the patterns"),
+    ],
+)  # fmt: skip
+def test_a_filter_of_the_wrong_kind_is_refused_before_any_swap(kwargs, message):
+    model = _mixed_model()
+    with pytest.raises(TypeError) as error:
+        gemmconv.convert(model, **kwargs)
+    assert message in str(error.value)
+    assert type(model[0]) is torch.nn.Conv2d
+
+
 def test_revert_restores_torch_classes_and_convert_is_idempotent():
     model = _mixed_model()
     gemmconv.convert(model)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch.nn.modules.conv import _ConvNd
@@ -188,11 +188,18 @@ def _matcher(spec: ModuleFilter, argument: str) -> Callable[[str, torch.nn.Modul
         return lambda name, module: True
     if callable(spec):
         return spec
-    patterns = [spec] if isinstance(spec, str) else list(spec)
-    if not all(isinstance(p, str) for p in patterns):
+    expected = "expected a glob pattern (str), a list of them, or a callable (name, module) -> bool"
+    if isinstance(spec, str):
+        patterns = [spec]
+    elif isinstance(spec, Iterable) and not isinstance(spec, bytes):
+        patterns = list(spec)
+    else:
+        raise TypeError(f"{argument}={spec!r}: {expected}; got {type(spec).__name__}")
+    not_str = [p for p in patterns if not isinstance(p, str)]
+    if not_str:
         raise TypeError(
-            f"{argument}={spec!r}: expected a glob pattern, a list of them, or a "
-            "callable (name, module) -> bool"
+            f"{argument}={spec!r}: {expected}; got {not_str[0]!r} "
+            f"({type(not_str[0]).__name__}) among the patterns"
         )
     return lambda name, module: any(fnmatch.fnmatchcase(name, p) for p in patterns)
 

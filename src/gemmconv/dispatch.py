@@ -39,6 +39,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from gemmconv.device_rates import DeviceRates
+from gemmconv.explanation import Explanation, choice_text, slower_than
 from gemmconv.problem import DIRECTIONS, ConvProblem
 from gemmconv.solvers import SOLVERS, Solver, get_solver
 from gemmconv.solvers.base import determinism_state
@@ -55,6 +56,8 @@ class SolverNotApplicable(RuntimeError):
 
 
 class FindMode(str, enum.Enum):
+    """How a solver is selected: immediate, database, find or hybrid (module docstring)."""
+
     IMMEDIATE = "immediate"
     DATABASE = "database"
     FIND = "find"
@@ -78,6 +81,9 @@ class Choice:
 
     def __str__(self) -> str:
         return f"{self.solver} ({self.reason})"
+
+    def __repr__(self) -> str:
+        return choice_text(self)
 
 
 # ---- the mode -----------------------------------------------------------------
@@ -104,15 +110,18 @@ def _parse_mode(mode: FindMode | str, source: str) -> FindMode:
 
 
 def set_find_mode(mode: FindMode | str | None) -> None:
-    """Set the process's find mode; None returns to the environment / cudnn default."""
+    """Set the process's find mode: "immediate", "database", "find", "hybrid" (or a
+    FindMode); None returns to $GEMMCONV_FIND_MODE, else the cudnn.benchmark default.
+    ValueError for any other name."""
     global _process_mode
     _process_mode = None if mode is None else _parse_mode(mode, "mode")
 
 
 @contextlib.contextmanager
 def find_mode(mode: FindMode | str) -> Iterator[FindMode]:
-    """Use ``mode`` inside the block, process-wide (as ``torch.backends.cudnn.flags``
-    does), backward passes run by the autograd engine's threads included."""
+    """Use ``mode`` ("immediate", "database", "find", "hybrid") inside the block,
+    process-wide (as ``torch.backends.cudnn.flags`` does), backward passes run by the
+    autograd engine's threads included: ``with gemmconv.find_mode("find"): ...``."""
     global _block_mode
     saved, _block_mode = _block_mode, _parse_mode(mode, "mode")
     try:
@@ -179,7 +188,7 @@ def decide(
     best = min(estimates, key=estimates.__getitem__)  # min keeps the first of equals
     for sid, est in estimates.items():
         if sid != best:
-            rejected[sid] = [f"estimate {est:.4g} ms > {estimates[best]:.4g} ms of {best}"]
+            rejected[sid] = [slower_than("estimate", est, estimates[best], best)]
     return Choice(
         solver=best,
         rejected=rejected,
@@ -271,7 +280,9 @@ def _decide_by_find(problem: ConvProblem, estimated: Choice, store: bool) -> Cho
         if cand.time_ms is None:
             rejected[cand.solver] = [f"skipped in find: {cand.skipped}"]
         else:
-            rejected[cand.solver] = [f"measured {cand.time_ms:.4g} ms > {result.best_ms:.4g} ms"]
+            rejected[cand.solver] = [
+                slower_than("measured", cand.time_ms, result.best_ms, result.best)
+            ]
     if store:
         # A find restricted by GEMMCONV_DISABLE is not stored: it is not the true best.
         record = finddb.Record(
@@ -410,12 +421,13 @@ def clear_cache() -> None:
             memo.clear()
 
 
-def explain_problem(problem: ConvProblem) -> dict[str, Choice]:
-    """The choice in every direction, keyed by direction name.
+def explain_problem(problem: ConvProblem) -> Explanation:
+    """The choice in every direction, keyed by direction name (a dict whose repr is a
+    table).
 
     Runs nothing in immediate and database modes; in find and hybrid modes a problem
     not yet decided is benchmarked, as the convolution itself would be."""
-    return {d.value: choose(problem.with_direction(d)) for d in DIRECTIONS}
+    return Explanation({d.value: choose(problem.with_direction(d)) for d in DIRECTIONS})
 
 
 __all__ = [

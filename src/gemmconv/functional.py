@@ -98,6 +98,16 @@ def conv1d(
     dilation: IntOrTuple = 1,
     groups: int = 1,
 ) -> torch.Tensor:
+    """1-D convolution with the arguments, defaults and result of
+    ``torch.nn.functional.conv1d``, computed by gemmconv.
+
+    ``input`` is [N, C, W] (or [C, W] unbatched), ``weight`` [K, C / groups, R];
+    ``padding`` takes ints or ``'same'``/``'valid'``. A problem that is a matrix
+    product (a patch embedding with stride == kernel and no padding, a 1x1, a strided
+    1x1) runs as one GEMM in each direction; any other goes to torch's convolution.
+    Differentiable in every input; ``gemmconv.explain`` with the same arguments says
+    which solver runs each direction and why.
+    """
     return _conv(1, input, weight, bias, stride, padding, dilation, groups)
 
 
@@ -110,6 +120,20 @@ def conv2d(
     dilation: IntOrTuple = 1,
     groups: int = 1,
 ) -> torch.Tensor:
+    """2-D convolution with the arguments, defaults and result of
+    ``torch.nn.functional.conv2d``, computed by gemmconv.
+
+    ``input`` is [N, C, H, W] (or [C, H, W] unbatched), in either memory format;
+    ``weight`` is [K, C / groups, R, S]; ``padding`` takes ints or
+    ``'same'``/``'valid'``. A problem that is a matrix product (a patch embedding with
+    stride == kernel and no padding, a 1x1, a strided 1x1) runs as one GEMM in each
+    direction; any other goes to torch's convolution. The result has the memory
+    format torch would give. Differentiable in every input; ``gemmconv.explain`` with
+    the same arguments says which solver runs each direction and why.
+
+    Example: ``gemmconv.conv2d(images, weight, stride=16)`` for a ViT-B/16 patch
+    embedding with ``weight`` of shape [768, 3, 16, 16].
+    """
     return _conv(2, input, weight, bias, stride, padding, dilation, groups)
 
 
@@ -122,6 +146,17 @@ def conv3d(
     dilation: IntOrTuple = 1,
     groups: int = 1,
 ) -> torch.Tensor:
+    """3-D convolution with the arguments, defaults and result of
+    ``torch.nn.functional.conv3d``, computed by gemmconv.
+
+    ``input`` is [N, C, D, H, W] (or [C, D, H, W] unbatched), in either memory
+    format; ``weight`` is [K, C / groups, T, R, S]; ``padding`` takes ints or
+    ``'same'``/``'valid'``. A problem that is a matrix product (a video or Qwen-VL
+    patch embedding with stride == kernel and no padding, a 1x1x1, a strided 1x1x1)
+    runs as one GEMM in each direction; any other goes to torch's convolution.
+    Differentiable in every input; ``gemmconv.explain`` with the same arguments says
+    which solver runs each direction and why.
+    """
     return _conv(3, input, weight, bias, stride, padding, dilation, groups)
 
 
@@ -134,10 +169,16 @@ def explain(
     dilation: IntOrTuple = 1,
     groups: int = 1,
 ) -> dict[str, Choice]:
-    """Which solver would run each direction, and why the others would not; runs nothing.
+    """Which solver would run each direction for these ``conv1d/2d/3d`` arguments, and
+    why each other solver would not. Runs nothing in the immediate and database find
+    modes (in find and hybrid modes an undecided problem is benchmarked, as the
+    convolution itself would be).
 
-    Keys are "forward", "backward_data" and "backward_weights"; each value has
-    ``.solver`` (an id) and ``.rejected`` (id -> list of reasons).
+    Returns a dict keyed by "forward", "backward_data" and "backward_weights" whose
+    repr is a table; each value is a ``gemmconv.Choice`` with ``.solver`` (an id),
+    ``.source`` (estimate, database, find, forced), ``.reason``, ``.estimates_ms``
+    and ``.rejected`` (id -> list of reasons). The dimensionality comes from the
+    weight. Example: ``gemmconv.explain(x, w, stride=16)["forward"].solver``.
     """
     return explain_problem(problem_of(input, weight, bias, stride, padding, dilation, groups))
 

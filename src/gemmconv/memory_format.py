@@ -16,6 +16,9 @@ from torch._prims_common import suggest_memory_format
 
 
 class Layout(str, enum.Enum):
+    """Memory order of a problem's tensors: channels-first (NCHW) or channels-last
+    (NHWC, torch.channels_last)."""
+
     CHANNELS_FIRST = "channels_first"
     CHANNELS_LAST = "channels_last"
 

@@ -51,7 +51,9 @@ class _GemmConvMixin:
 
     def solvers(self, input: torch.Tensor | None = None) -> dict[str, Choice]:
         """The solver choice per direction ("forward", "backward_data",
-        "backward_weights") for ``input``, or for the last input of an eager forward.
+        "backward_weights") for ``input``, or for the last input of an eager forward:
+        a dict of ``gemmconv.Choice`` whose repr is a table, as ``gemmconv.explain``
+        returns (``module.solvers(x)["forward"].solver`` is the forward's solver id).
 
         Runs nothing; raises when there is neither an input nor a past forward."""
         if input is not None:
@@ -101,19 +103,43 @@ class _SeenInput(NamedTuple):
 
 
 class Conv1d(_GemmConvMixin, torch.nn.Conv1d):
-    __doc__ = "torch.nn.Conv1d computed by gemmconv.\n\n" + (torch.nn.Conv1d.__doc__ or "")
+    __doc__ = (
+        "torch.nn.Conv1d computed by gemmconv: a drop-in subclass with torch's constructor, "
+        "parameters, initialisation, state_dict keys and repr, whose convolution runs as "
+        "one GEMM per direction when it is a matrix product (patch, 1x1, strided 1x1) and "
+        "through torch otherwise. ``module.solvers(x)`` says which solver runs each "
+        "direction; ``gemmconv.convert(model)`` swaps torch's modules for these in place "
+        "and ``gemmconv.revert(model)`` swaps them back.\n\ntorch's documentation:\n\n"
+        + (torch.nn.Conv1d.__doc__ or "")
+    )
     _gemmconv_fn = staticmethod(functional.conv1d)
     _gemmconv_zero_padding = (0,)
 
 
 class Conv2d(_GemmConvMixin, torch.nn.Conv2d):
-    __doc__ = "torch.nn.Conv2d computed by gemmconv.\n\n" + (torch.nn.Conv2d.__doc__ or "")
+    __doc__ = (
+        "torch.nn.Conv2d computed by gemmconv: a drop-in subclass with torch's constructor, "
+        "parameters, initialisation, state_dict keys and repr, whose convolution runs as "
+        "one GEMM per direction when it is a matrix product (patch, 1x1, strided 1x1) and "
+        "through torch otherwise. ``module.solvers(x)`` says which solver runs each "
+        "direction; ``gemmconv.convert(model)`` swaps torch's modules for these in place "
+        "and ``gemmconv.revert(model)`` swaps them back.\n\ntorch's documentation:\n\n"
+        + (torch.nn.Conv2d.__doc__ or "")
+    )
     _gemmconv_fn = staticmethod(functional.conv2d)
     _gemmconv_zero_padding = (0, 0)
 
 
 class Conv3d(_GemmConvMixin, torch.nn.Conv3d):
-    __doc__ = "torch.nn.Conv3d computed by gemmconv.\n\n" + (torch.nn.Conv3d.__doc__ or "")
+    __doc__ = (
+        "torch.nn.Conv3d computed by gemmconv: a drop-in subclass with torch's constructor, "
+        "parameters, initialisation, state_dict keys and repr, whose convolution runs as "
+        "one GEMM per direction when it is a matrix product (patch, 1x1, strided 1x1) and "
+        "through torch otherwise. ``module.solvers(x)`` says which solver runs each "
+        "direction; ``gemmconv.convert(model)`` swaps torch's modules for these in place "
+        "and ``gemmconv.revert(model)`` swaps them back.\n\ntorch's documentation:\n\n"
+        + (torch.nn.Conv3d.__doc__ or "")
+    )
     _gemmconv_fn = staticmethod(functional.conv3d)
     _gemmconv_zero_padding = (0, 0, 0)
 

@@ -19,6 +19,9 @@ from gemmconv.memory_format import Layout, layout_of
 
 
 class Direction(str, enum.Enum):
+    """The three directions of a convolution: forward (y from x and w), backward-data
+    (dx from dy and w) and backward-weights (dw from dy and x)."""
+
     FORWARD = "forward"
     BACKWARD_DATA = "backward_data"
     BACKWARD_WEIGHTS = "backward_weights"
