@@ -2,7 +2,9 @@
 
 Argument checks, string padding, unbatched inputs and autocast are handled here, in
 traceable Python; the convolution itself is the ``gemmconv::conv_forward`` custom op,
-whose autograd formula (gemmconv.autograd) runs the two backward ops.
+whose autograd formula (gemmconv.autograd) runs the two backward ops. While a
+torch.func transform or a forward-AD level is active, the same op runs through
+gemmconv.func_transforms, which has the rules those need.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import torch
 import torch.nn.functional as F
 
 import gemmconv.autograd  # noqa: F401  (registers the forward op's backward)
+from gemmconv import func_transforms
 from gemmconv.dispatch import Choice, explain_problem
 from gemmconv.problem import ConvProblem
+from gemmconv.transform_state import transforms_active
 from gemmconv.validate import ConvArgs, check_conv_args
 
 IntOrTuple = int | Sequence[int]
@@ -62,7 +66,10 @@ def _conv(dims, input, weight, bias, stride, padding, dilation, groups) -> torch
     if unbatched:
         input = input.unsqueeze(0)
     input, pad = _resolve_padding(input, weight, args)
-    y = torch.ops.gemmconv.conv_forward(
+    convolve = (
+        func_transforms.conv_forward if transforms_active() else torch.ops.gemmconv.conv_forward
+    )
+    y = convolve(
         input, weight, bias, list(args.stride), list(pad), list(args.dilation), args.groups
     )
     return y.squeeze(0) if unbatched else y
