@@ -202,6 +202,29 @@ def test_vmap_with_groups_and_a_moved_batch_dimension(batched: str, groups: int)
     _assert_matches(conv(gemmconv.conv1d), conv(F.conv1d), "vmap with groups")
 
 
+@pytest.mark.parametrize("groups", (1, 2))
+def test_hessian_and_per_sample_gradients_with_groups(groups: int):
+    """The full hessian over (input, weight) batches every vmap rule of every direction
+    over one operand at a time (jacfwd of jvps of the backward directions); per-sample
+    gradients batch both operands of the backward directions."""
+    gen = torch.Generator().manual_seed(16)
+    x = torch.rand(2, 4, 6, dtype=F64, generator=gen) - 0.5
+    w = torch.rand(6, 4 // groups, 2, dtype=F64, generator=gen) - 0.5
+    probe = torch.rand(2, 6, 3, dtype=F64, generator=gen) - 0.5
+
+    def loss(conv):
+        return lambda x, w: ((conv(x, w, stride=2, groups=groups) ** 2) * probe).sum()
+
+    def both(conv):
+        full = jacfwd(jacrev(loss(conv), argnums=(0, 1)), argnums=(0, 1))(x, w)
+        per_sample = vmap(
+            grad(lambda x, w: loss(conv)(x.unsqueeze(0), w), argnums=(0, 1)), in_dims=(0, None)
+        )(x, w)
+        return full, per_sample
+
+    _assert_matches(both(gemmconv.conv1d), both(F.conv1d), "hessian, per-sample gradients")
+
+
 def test_vmap_over_both_operands_is_one_grouped_call_logged_at_debug(caplog):
     case = Case(2, Layout.CHANNELS_FIRST, bias=True)
     x, w, b = case.operands(11, batch=3)

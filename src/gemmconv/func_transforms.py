@@ -83,7 +83,9 @@ def _log_grouped(direction: str, groups: int) -> None:
 
 # ---- the three directions -----------------------------------------------------------
 
-_NO_GRAD_FOR_ARGUMENTS = (None,) * 4
+# No gradient for the non-tensor arguments: the forward's four, the backwards' six.
+_NO_GRAD_FORWARD_ARGUMENTS = (None,) * 4
+_NO_GRAD_BACKWARD_ARGUMENTS = (None,) * 6
 
 
 class _Forward(torch.autograd.Function):
@@ -118,7 +120,7 @@ class _Forward(torch.autograd.Function):
             )
         if ctx.needs_input_grad[2]:
             db = bias_grad(grad_output, out_channels=ctx.weight_size[0])
-        return dx, dw, db, *_NO_GRAD_FOR_ARGUMENTS
+        return dx, dw, db, *_NO_GRAD_FORWARD_ARGUMENTS
 
     @staticmethod
     def jvp(ctx, input_tangent, weight_tangent, bias_tangent, *_):
@@ -194,13 +196,7 @@ class _BackwardData(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        grad_output, weight, input_size, stride, padding, dilation, groups, cl = inputs
-        ctx.save_for_backward(grad_output, weight)
-        ctx.save_for_forward(grad_output, weight)
-        ctx.input_size = input_size
-        ctx.weight_size = list(weight.shape)
-        ctx.conv_args = (stride, padding, dilation, groups)
-        ctx.channels_last = cl
+        _backward_setup_context(ctx, inputs)
 
     @staticmethod
     def backward(ctx, grad_dx):
@@ -211,20 +207,13 @@ class _BackwardData(torch.autograd.Function):
             ddy = _Forward.apply(grad_dx, weight, None, *ctx.conv_args)
         if ctx.needs_input_grad[1]:
             dw = _BackwardWeights.apply(
-                grad_output, grad_dx, ctx.weight_size, *ctx.conv_args, ctx.channels_last
+                grad_output, grad_dx, ctx.operand_size, *ctx.conv_args, ctx.channels_last
             )
-        return ddy, dw, *_NO_GRAD_FOR_ARGUMENTS, None, None
+        return ddy, dw, *_NO_GRAD_BACKWARD_ARGUMENTS
 
     @staticmethod
     def jvp(ctx, grad_output_tangent, weight_tangent, *_):
-        grad_output, weight = ctx.saved_tensors
-        rest = (ctx.input_size, *ctx.conv_args, ctx.channels_last)
-        terms = []
-        if grad_output_tangent is not None:
-            terms.append(_BackwardData.apply(grad_output_tangent, weight, *rest))
-        if weight_tangent is not None:
-            terms.append(_BackwardData.apply(grad_output, weight_tangent, *rest))
-        return _sum(terms)
+        return _backward_tangent(_BackwardData, ctx, grad_output_tangent, weight_tangent)
 
     @staticmethod
     def vmap(info, in_dims, grad_output, weight, input_size, stride, padding, dilation, groups, cl):
@@ -265,13 +254,7 @@ class _BackwardWeights(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        grad_output, input, weight_size, stride, padding, dilation, groups, cl = inputs
-        ctx.save_for_backward(grad_output, input)
-        ctx.save_for_forward(grad_output, input)
-        ctx.input_size = list(input.shape)
-        ctx.weight_size = weight_size
-        ctx.conv_args = (stride, padding, dilation, groups)
-        ctx.channels_last = cl
+        _backward_setup_context(ctx, inputs)
 
     @staticmethod
     def backward(ctx, grad_dw):
@@ -282,20 +265,13 @@ class _BackwardWeights(torch.autograd.Function):
             ddy = _Forward.apply(input, grad_dw, None, *ctx.conv_args)
         if ctx.needs_input_grad[1]:
             dx = _BackwardData.apply(
-                grad_output, grad_dw, ctx.input_size, *ctx.conv_args, ctx.channels_last
+                grad_output, grad_dw, ctx.operand_size, *ctx.conv_args, ctx.channels_last
             )
-        return ddy, dx, *_NO_GRAD_FOR_ARGUMENTS, None, None
+        return ddy, dx, *_NO_GRAD_BACKWARD_ARGUMENTS
 
     @staticmethod
     def jvp(ctx, grad_output_tangent, input_tangent, *_):
-        grad_output, input = ctx.saved_tensors
-        rest = (ctx.weight_size, *ctx.conv_args, ctx.channels_last)
-        terms = []
-        if grad_output_tangent is not None:
-            terms.append(_BackwardWeights.apply(grad_output_tangent, input, *rest))
-        if input_tangent is not None:
-            terms.append(_BackwardWeights.apply(grad_output, input_tangent, *rest))
-        return _sum(terms)
+        return _backward_tangent(_BackwardWeights, ctx, grad_output_tangent, input_tangent)
 
     @staticmethod
     def vmap(info, in_dims, grad_output, input, weight_size, stride, padding, dilation, groups, cl):
@@ -324,10 +300,27 @@ class _BackwardWeights(torch.autograd.Function):
         return dw.unflatten(0, (batch, k)), 0
 
 
-def _sum(terms: list[torch.Tensor]) -> torch.Tensor | None:
-    if not terms:
-        return None
-    total = terms[0]
-    for term in terms[1:]:
-        total = total + term
-    return total
+def _backward_setup_context(ctx, inputs) -> None:
+    """Shared by both backward directions: inputs are (dy, the other operand, the size
+    of the result, stride, padding, dilation, groups, channels_last)."""
+    grad_output, operand, result_size, stride, padding, dilation, groups, cl = inputs
+    ctx.save_for_backward(grad_output, operand)
+    ctx.save_for_forward(grad_output, operand)
+    ctx.result_size = result_size
+    ctx.operand_size = list(operand.shape)
+    ctx.conv_args = (stride, padding, dilation, groups)
+    ctx.channels_last = cl
+
+
+def _backward_tangent(direction, ctx, grad_output_tangent, operand_tangent):
+    """The tangent of a backward direction f(dy, operand), which is bilinear:
+    f(t_dy, operand) + f(dy, t_operand)."""
+    grad_output, operand = ctx.saved_tensors
+    rest = (ctx.result_size, *ctx.conv_args, ctx.channels_last)
+    tangent = None
+    if grad_output_tangent is not None:
+        tangent = direction.apply(grad_output_tangent, operand, *rest)
+    if operand_tangent is not None:
+        term = direction.apply(grad_output, operand_tangent, *rest)
+        tangent = term if tangent is None else tangent + term
+    return tangent
