@@ -29,7 +29,8 @@ def _windows(x_padded: torch.Tensor, p: ConvProblem) -> torch.Tensor:
         zip(p.kernel, p.view_steps, p.dilation, p.output_spatial)
     ):
         span = dil * (r - 1) + 1
-        # Only the part the windows cover, so a unit step (one window) gives one window.
+        # Narrowed to what the windows cover, so that the unit step of a dimension with
+        # one output position gives exactly one window.
         win = win.narrow(2 + i, 0, span + step * (o - 1)).unfold(2 + i, span, step)
     taps = (slice(None),) * (2 + p.dims) + tuple(slice(None, None, dil) for dil in p.dilation)
     win = win[taps]
