@@ -124,7 +124,10 @@ def revert(model: torch.nn.Module) -> list[str]:
         base = _unparametrized_class(module)
         if base in TORCH_CLASS:
             _set_base_class(module, TORCH_CLASS[base])
-            module.__dict__.pop("_gemmconv_last_problem", None)
+            # Runtime state the gemmconv class kept on the instance (the last input's
+            # metadata, of a gemmconv type): a reverted model must pickle without gemmconv.
+            for key in [k for k in vars(module) if k.startswith("_gemmconv_")]:
+                del module.__dict__[key]
             reverted.append(name)
     return reverted
 

@@ -2,7 +2,9 @@
 
 Argument checks, string padding, unbatched inputs and autocast are handled here, in
 traceable Python; the convolution itself is the ``gemmconv::conv_forward`` custom op,
-whose autograd formula (gemmconv.autograd) runs the two backward ops.
+whose autograd formula (gemmconv.autograd) runs the two backward ops. While a
+torch.func transform or a forward-AD level is active, the same op runs through
+gemmconv.func_transforms, which has the rules those need.
 """
 
 from __future__ import annotations
@@ -13,37 +15,24 @@ import torch
 import torch.nn.functional as F
 
 import gemmconv.autograd  # noqa: F401  (registers the forward op's backward)
+from gemmconv import func_transforms
 from gemmconv.dispatch import Choice, explain_problem
 from gemmconv.problem import ConvProblem
-from gemmconv.validate import check_conv_args
+from gemmconv.transform_state import transforms_active
+from gemmconv.validate import ConvArgs, check_conv_args
 
 IntOrTuple = int | Sequence[int]
 Padding = IntOrTuple | str
 
 
-def _tuple(value: IntOrTuple, dims: int) -> tuple[int, ...]:
-    if isinstance(value, int):
-        return (value,) * dims
-    value = tuple(int(v) for v in value)
-    return value * dims if len(value) == 1 else value
-
-
 def _resolve_padding(
-    input: torch.Tensor, weight: torch.Tensor, padding: Padding, stride, dilation, dims: int
+    input: torch.Tensor, weight: torch.Tensor, args: ConvArgs
 ) -> tuple[torch.Tensor, tuple[int, ...]]:
     """Integer padding per dimension; 'same' with an odd total pads the input's far
     side by one first, exactly as torch does."""
-    if not isinstance(padding, str):
-        return input, _tuple(padding, dims)
-    if padding == "valid":
-        return input, (0,) * dims
-    if padding != "same":
-        raise ValueError(
-            f"Invalid padding string {padding!r}, should be one of {{'valid', 'same'}}"
-        )
-    if any(u != 1 for u in _tuple(stride, dims)):
-        raise ValueError("padding='same' is not supported for strided convolutions")
-    totals = [d * (r - 1) for d, r in zip(_tuple(dilation, dims), weight.shape[2:])]
+    if args.padding is not None:
+        return input, args.padding
+    totals = [d * (r - 1) for d, r in zip(args.dilation, weight.shape[2:])]
     extra = []
     for total in reversed(totals):
         extra += [0, total % 2]
@@ -71,20 +60,17 @@ def _autocast(*tensors: torch.Tensor | None, device_type: str) -> list[torch.Ten
 
 
 def _conv(dims, input, weight, bias, stride, padding, dilation, groups) -> torch.Tensor:
-    check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
+    args = check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
     input, weight, bias = _autocast(input, weight, bias, device_type=input.device.type)
     unbatched = input.dim() == dims + 1
     if unbatched:
         input = input.unsqueeze(0)
-    input, pad = _resolve_padding(input, weight, padding, stride, dilation, dims)
-    y = torch.ops.gemmconv.conv_forward(
-        input,
-        weight,
-        bias,
-        list(_tuple(stride, dims)),
-        list(pad),
-        list(_tuple(dilation, dims)),
-        groups,
+    input, pad = _resolve_padding(input, weight, args)
+    convolve = (
+        func_transforms.conv_forward if transforms_active() else torch.ops.gemmconv.conv_forward
+    )
+    y = convolve(
+        input, weight, bias, list(args.stride), list(pad), list(args.dilation), args.groups
     )
     return y.squeeze(0) if unbatched else y
 
@@ -194,11 +180,11 @@ def problem_of(
 ) -> ConvProblem:
     """The forward ConvProblem the custom op would build for these F.conv* arguments."""
     dims = weight.dim() - 2
-    check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
+    args = check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
     input, weight, bias = _autocast(input, weight, bias, device_type=input.device.type)
     if input.dim() == dims + 1:
         input = input.unsqueeze(0)
-    input, pad = _resolve_padding(input, weight, padding, stride, dilation, dims)
+    input, pad = _resolve_padding(input, weight, args)
     return ConvProblem.from_tensors(
-        input, weight, bias, _tuple(stride, dims), pad, _tuple(dilation, dims), groups
+        input, weight, bias, args.stride, pad, args.dilation, args.groups
     )

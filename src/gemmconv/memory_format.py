@@ -83,6 +83,48 @@ def output_layout(layout: Layout, dims: int, dtype: torch.dtype, device_type: st
     return layout
 
 
+def forward_output_layout(
+    input: torch.Tensor, weight: torch.Tensor, output_shape: Sequence[int]
+) -> Layout:
+    """The layout F.conv* gives the forward output of these operands."""
+    if input.shape[0] == 0:
+        return _empty_batch_output_layout(input, output_shape)
+    layout = layout_of(input, weight)
+    return output_layout(layout, input.dim() - 2, input.dtype, input.device.type)
+
+
+def _empty_batch_output_layout(input: torch.Tensor, output_shape: Sequence[int]) -> Layout:
+    """torch computes an empty batch as the input times one weight element, viewed in
+    the output's shape: the view keeps the input's strides when the two shapes agree
+    (a pointwise convolution as wide as its input) and is contiguous otherwise,
+    whatever the weight's layout, the dimensions or the dtype."""
+    same_shape = tuple(output_shape) == tuple(input.shape)
+    if same_shape and has_strides_of(input, Layout.CHANNELS_LAST):
+        return Layout.CHANNELS_LAST
+    return Layout.CHANNELS_FIRST
+
+
+def dense_strides(shape: Sequence[int], layout: Layout) -> tuple[int, ...]:
+    """The strides of a dense tensor of ``shape`` in ``layout`` (what empty_in gives)."""
+    order = list(range(len(shape)))
+    if layout is Layout.CHANNELS_LAST:
+        order = [0, *range(2, len(shape)), 1]
+    strides = [0] * len(shape)
+    step = 1
+    for dim in reversed(order):
+        strides[dim] = step
+        step *= max(int(shape[dim]), 1)
+    return tuple(strides)
+
+
+def has_strides_of(t: torch.Tensor, layout: Layout) -> bool:
+    """Whether ``t`` has the strides of a dense tensor in ``layout`` (size-1 dimensions
+    aside, whose strides address nothing); unlike is_contiguous, this tells the two
+    layouts apart for an empty tensor too."""
+    want = dense_strides(t.shape, layout)
+    return all(a == b for a, b, n in zip(t.stride(), want, t.shape) if n != 1)
+
+
 def to_layout(t: torch.Tensor, layout: Layout) -> torch.Tensor:
     """``t`` dense in ``layout``; returns ``t`` itself when it already is."""
     if layout is Layout.CHANNELS_FIRST:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from gemmconv import functional
 from gemmconv.dispatch import Choice, explain_problem
+from gemmconv.transform_state import transforms_active
 
 
 class _GemmConvMixin:
@@ -41,9 +42,10 @@ class _GemmConvMixin:
         self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         input, padding = self._padded(input)
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and not transforms_active():
             # Remember the input's metadata for solvers(); skipped while tracing,
-            # where it would be a side effect on a symbolic shape.
+            # where it would be a side effect on a symbolic shape, and under torch.func
+            # transforms, which run other problems (vmap folds its batch in).
             self._gemmconv_last_input = _SeenInput.of(input)
         return self._gemmconv_fn(
             input, weight, bias, self.stride, padding, self.dilation, self.groups

@@ -169,6 +169,13 @@ class ConvProblem:
         )
 
     @property
+    def view_steps(self) -> tuple[int, ...]:
+        """The stride per dimension as the step of a strided view of the input: 1 where
+        there is one output position, since the step is then never taken, and a stride
+        near 2**63 times an element stride would overflow the view's 64-bit strides."""
+        return tuple(u if o > 1 else 1 for u, o in zip(self.stride, self.output_spatial))
+
+    @property
     def input_shape(self) -> tuple[int, ...]:
         return (self.n, self.c, *self.spatial)
 
