@@ -314,7 +314,7 @@ def test_db_show_export_import_clear(capsys, tmp_path):
 
 def _one_line_error(err: str) -> str:
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("gemmconv: error: "), err
+    assert len(lines) == 1 and lines[0].startswith("gemmconv") and ": error: " in lines[0], err
     return lines[0]
 
 

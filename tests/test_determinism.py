@@ -265,7 +265,7 @@ torch.save(results, sys.argv[1])
 TWO_PROCESS_PROBLEMS = [
     (dims, c, k, size, kernel, stride, padding, channels_last)
     for dims, size in ((1, 24), (2, 8), (3, 4))
-    for c, k in ((16, 8), (24, 16))
+    for c, k in ((24, 16),)
     for kernel, stride, padding in ((2, 2, 0), (1, 1, 0), (1, 2, 0), (3, 1, 1))
     for channels_last in (False, True)
     if not (dims == 1 and channels_last)
@@ -274,7 +274,6 @@ TWO_PROCESS_PROBLEMS = [
 
 def test_two_processes_in_find_mode_compute_the_same_bits(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    env.pop("GEMMCONV_FIND_MODE", None)
     code = _CHILD.format(problems=TWO_PROCESS_PROBLEMS)
     children = []
     for name in ("first", "second"):

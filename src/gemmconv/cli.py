@@ -568,14 +568,13 @@ def cmd_db(args) -> int:
 
     if args.action in ("export", "import") and args.file is None:
         raise UsageError(f"db {args.action}: expected a FILE argument")
-    # Strict: a file that is not a usable gemmconv database is an error here, never
-    # an in-memory stand-in the command would report on or import into.
+    # Strict: a file that is not a usable gemmconv database is an error here (one
+    # line, exit status 1), never an in-memory stand-in to report on or import into.
     db = finddb.FindDb(strict=True)
     try:
         return _db_action(db, args)
-    except (finddb.FindDbError, sqlite3.Error, OSError) as e:
-        print(f"gemmconv: error: db {args.action}: {e}", file=sys.stderr)
-        return 1
+    except (sqlite3.Error, OSError) as e:
+        raise finddb.FindDbError(f"{db.path}: {e}") from None
     finally:
         db.close()
 
