@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import sqlite3
 import subprocess
 import sys
 import types
@@ -124,6 +125,16 @@ def test_bias_and_dtype_flags(capsys):
     assert data["directions"][0]["problem"].endswith("-b1") and data["ok"]
     data = run_json(capsys, "conv", *PATCH, "-F", "1", "-b", "1")
     assert data["directions"][0]["problem"].endswith("-b1")
+
+
+@pytest.mark.parametrize("search", ["0", "1"])
+def test_channels_last_with_bias_in_every_direction(capsys, search):
+    """The driver's random operands: the bias is a plain vector whatever the layout."""
+    flags = "-n 2 -c 3 -H 8 -W 8 -k 4 -y 2 -x 2 -u 2 -v 2 -i 1 --warmup 0 --layout NHWC --bias"
+    data = run_json(capsys, "conv", *flags.split(), "-s", search)
+    assert data["ok"] and len(data["directions"]) == 3
+    assert data["directions"][0]["problem"].endswith("-forward-b1")
+    assert {d["source"] for d in data["directions"]} == {"find" if search == "1" else "estimate"}
 
 
 def test_dtype_auto_is_fp32_on_the_cpu(capsys):
@@ -403,6 +414,78 @@ def test_db_clear_asks_on_a_terminal(capsys, monkeypatch, answer, cleared):
     assert code == (0 if cleared else 1)
     assert ("cleared 1 results" in out) == cleared
     assert len(finddb.get_db().records()) == (0 if cleared else 1)
+
+
+def _one_line_error(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gemmconv") and ": error: " in lines[0], err
+    return lines[0]
+
+
+def test_db_show_survives_rows_that_do_not_parse(capsys):
+    identity = finddb.identity_for("cpu")
+    finddb.get_db().store(finddb.Record("2d-good", identity, "patch", {}, 0.5, 0))
+    conn = sqlite3.connect(finddb.default_path())
+    for problem, config, ms in (("2d-bad-time", "{}", "fast"), ("2d-bad-config", "{no", 1.0)):
+        conn.execute(
+            "INSERT INTO find VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (problem, *identity.values(), "patch", config, ms, 0, 0.0),
+        )
+    conn.commit()
+    conn.close()
+    code, out, err = run(capsys, "db", "show")
+    assert code == 0, err
+    flagged = [line for line in out.splitlines() if line.startswith("! ")]
+    assert len(flagged) == 2 and "time_ms='fast'" in out and "not JSON" in out, out
+    assert "2d-good  ->  patch" in out and "!: does not parse" in out
+    shown = run_json(capsys, "db", "show")["records"]
+    assert sorted(bool(r.get("error")) for r in shown) == [False, True, True]
+
+
+def test_db_import_of_a_bad_record_fails_and_leaves_the_database_as_it_was(capsys, tmp_path):
+    identity = finddb.identity_for("cpu")
+    good = [finddb.Record(f"2d-{i}", identity, "patch", {}, 0.5, 0) for i in range(50)]
+    finddb.get_db().store_many(good)
+    records = [r.as_json() for r in good[:3]]
+    records[1]["time_ms"] = float("nan")
+    dump = tmp_path / "dump.json"
+    dump.write_text(json.dumps({"records": records}))
+    code, out, err = run(capsys, "db", "import", str(dump))
+    assert code != 0 and "imported" not in out
+    line = _one_line_error(err)
+    assert "record 1 (problem '2d-1')" in line and "time_ms=nan" in line, line
+    assert len(finddb.FindDb(finddb.default_path()).records()) == 50
+    assert not list(tmp_path.glob("find.sqlite.corrupt-*"))
+
+
+@pytest.mark.parametrize("action", ["show", "clear", "export", "import"])
+def test_db_commands_refuse_another_applications_file(capsys, tmp_path, action):
+    path = finddb.default_path()
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE notes (body TEXT)")
+    conn.commit()
+    conn.close()
+    before = path.read_bytes()
+    dump = tmp_path / "dump.json"
+    dump.write_text(json.dumps({"records": []}))
+    extra = {"export": [str(dump)], "import": [str(dump)], "clear": ["--yes"]}.get(action, [])
+    code, _, err = run(capsys, "db", action, *extra)
+    assert code == 1
+    assert "is not a gemmconv find database" in _one_line_error(err)
+    assert path.read_bytes() == before
+
+
+def test_db_import_into_an_unusable_location_fails(capsys, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("GEMMCONV_DB", str(blocker / "find.sqlite"))
+    identity = finddb.identity_for("cpu")
+    dump = tmp_path / "dump.json"
+    records = [finddb.Record(f"2d-{i}", identity, "patch", {}, 0.5, 0) for i in range(3)]
+    dump.write_text(json.dumps({"records": [r.as_json() for r in records]}))
+    code, out, err = run(capsys, "db", "import", str(dump))
+    assert code == 1 and "imported" not in out
+    assert "cannot open" in _one_line_error(err)
 
 
 # ---- gemmconv tune ----------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import shlex
+import sqlite3
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -652,41 +653,35 @@ def _current_identities():
 def cmd_db(args) -> int:
     from gemmconv import finddb
 
-    db = finddb.get_db()
+    if args.action in ("export", "import") and args.file is None:
+        raise UsageError(f"db {args.action}: expected a FILE argument")
+    # Strict: a file that is not a usable gemmconv database is an error here (one
+    # line, exit status 1), never an in-memory stand-in to report on or import into.
+    db = finddb.FindDb(strict=True)
+    try:
+        return _db_action(db, args)
+    except (sqlite3.Error, OSError) as e:
+        raise finddb.FindDbError(f"{db.path}: {e}") from None
+    finally:
+        db.close()
+
+
+def _db_action(db, args) -> int:
     if args.action == "show":
-        current = _current_identities()
-        records = db.records()
-        if args.json:
-            rows = [{**r.as_json(), "current": r.identity in current} for r in records]
-            print(json.dumps({"path": db.path, "records": rows}, indent=1))
-            return 0
-        print(f"find database: {db.path} ({len(records)} results)")
-        for r in records:
-            mark = " " if r.identity in current else "x"  # x: another device or version
-            print(
-                f"{mark} {r.problem}  ->  {r.solver}  {r.time_ms:.4g} ms  "
-                f"ws {_bytes_text(r.workspace_bytes)}  [{r.identity.device}, "
-                f"torch {r.identity.torch_version}, gemmconv {r.identity.gemmconv_version}]"
-            )
-        if any(r.identity not in current for r in records):
-            print("x: measured on another device or version; ignored here")
-        return 0
-    if args.action == "clear":
+        _db_show(db, args.json)
+    elif args.action == "clear":
         if not (args.yes or _clear_confirmed(db.path)):
             print("nothing cleared")
             return 1
         print(f"cleared {db.clear()} results from {db.path}")
-        return 0
-    if args.file is None:
-        raise UsageError(f"{args.action}: expected a FILE argument")
-    if args.action == "export":
+    elif args.action == "export":
         print(f"exported {db.export_json(args.file)} results to {args.file}")
-        return 0
-    try:
-        count = db.import_json(args.file)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    print(f"imported {count} results into {db.path}")
+    else:
+        try:
+            count = db.import_json(args.file)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        print(f"imported {count} results into {db.path}")
     return 0
 
 
@@ -698,6 +693,36 @@ def _clear_confirmed(path: str) -> bool:
             "(there is no terminal to ask on)"
         )
     return input(f"delete every stored result in {path}? [y/N] ").strip().lower() in ("y", "yes")
+
+
+def _db_show(db, as_json: bool) -> None:
+    current = _current_identities()
+    rows = db.rows()
+    if as_json:
+        shown = [
+            {**r.record.as_json(), "current": r.record.identity in current}
+            if r.record is not None
+            else {**r.values, "error": r.error}
+            for r in rows
+        ]
+        print(json.dumps({"path": db.path, "records": shown}, indent=1, default=repr))
+        return
+    print(f"find database: {db.path} ({len(rows)} results)")
+    for row in rows:
+        r = row.record
+        if r is None:  # !: a row that does not parse
+            print(f"! {row.values}  ({row.error})")
+            continue
+        mark = " " if r.identity in current else "x"  # x: another device or version
+        print(
+            f"{mark} {r.problem}  ->  {r.solver}  {r.time_ms:.4g} ms  "
+            f"ws {_bytes_text(r.workspace_bytes)}  [{r.identity.device}, "
+            f"torch {r.identity.torch_version}, gemmconv {r.identity.gemmconv_version}]"
+        )
+    if any(row.record is not None and row.record.identity not in current for row in rows):
+        print("x: measured on another device or version; ignored here")
+    if any(row.record is None for row in rows):
+        print("!: does not parse; ignored (a miss) by every lookup")
 
 
 # ---- gemmconv bench -----------------------------------------------------------------------

@@ -11,6 +11,10 @@ Modes, after MIOpen's find modes:
 - ``hybrid``: a database hit, else ``find``. The default when no mode is set and
   ``torch.backends.cudnn.benchmark`` is True.
 
+Under ``torch.use_deterministic_algorithms(True)`` nothing is chosen by timing, which
+differs from run to run: ``find`` and ``hybrid`` behave as ``database`` (a hit, else
+the estimate), measure nothing and store nothing, and the choice's reason says so.
+
 The mode comes from, first to last: ``find_mode(...)`` (a context manager),
 ``set_find_mode(...)``, ``$GEMMCONV_FIND_MODE``, the cudnn flag.
 ``$GEMMCONV_SOLVER=<id>`` (or ``solver=`` in ``choose``) forces one solver;
@@ -47,7 +51,7 @@ from gemmconv.solvers.base import determinism_state
 log = logging.getLogger("gemmconv.dispatch")
 
 # What a find-database call may raise that must not stop a convolution: sqlite errors
-# (locked past the busy timeout, disk full, I/O), file errors, malformed rows.
+# (locked past the busy timeout, disk full, I/O), file errors, a record refused.
 DATABASE_ERRORS = (sqlite3.Error, OSError, ValueError)
 
 
@@ -222,26 +226,24 @@ def _decide_in_mode(
     estimated = dataclasses.replace(estimated, mode=mode.value)
     if mode is FindMode.IMMEDIATE:
         return estimated
-    if mode in (FindMode.DATABASE, FindMode.HYBRID):
+    # Under torch.use_deterministic_algorithms timing noise must not pick the solver
+    # (two processes would compute different bits): find and hybrid read the database
+    # and otherwise keep the estimate, measuring and storing nothing.
+    untimed = mode is not FindMode.DATABASE and torch.are_deterministic_algorithms_enabled()
+    note = "; not timed: torch.use_deterministic_algorithms is on" if untimed else ""
+    if mode is not FindMode.FIND or untimed:
         hit = _database_hit(problem, estimated)
         if hit is not None:
             return dataclasses.replace(
                 estimated,
                 solver=hit.solver,
-                reason=f"find database, {hit.time_ms:.4g} ms measured",
+                reason=f"find database, {hit.time_ms:.4g} ms measured{note}",
                 source="database",
             )
-        if mode is FindMode.DATABASE:
-            return estimated
-    # A find restricted by GEMMCONV_DISABLE, or by the determinism rules (a solver
-    # refused for that reason alone), is not the true best: it is not stored.
-    restricted = disabled or any(_refused_only_for_determinism(s, problem) for s in SOLVERS)
-    return _decide_by_find(problem, estimated, store=not restricted)
-
-
-def _refused_only_for_determinism(solver: Solver, problem: ConvProblem) -> bool:
-    reasons = solver.determinism_reasons(problem)
-    return bool(reasons) and solver.not_supported_reasons(problem) == reasons
+        if mode is FindMode.DATABASE or untimed:
+            return dataclasses.replace(estimated, reason=estimated.reason + note)
+    # A find restricted by GEMMCONV_DISABLE is not the true best: it is not stored.
+    return _decide_by_find(problem, estimated, store=not disabled)
 
 
 def _database_hit(problem: ConvProblem, estimated: Choice):
@@ -284,7 +286,6 @@ def _decide_by_find(problem: ConvProblem, estimated: Choice, store: bool) -> Cho
                 slower_than("measured", cand.time_ms, result.best_ms, result.best)
             ]
     if store:
-        # A find restricted by GEMMCONV_DISABLE is not stored: it is not the true best.
         record = finddb.Record(
             problem.key(),
             finddb.identity_for(problem.device_type),
