@@ -6,7 +6,9 @@
 - ``gemmconv solvers``: every solver's verdict on a problem, workspace and estimate.
 - ``gemmconv tune FILE``: find over many problems (one ``conv`` flag line each), stored.
 - ``gemmconv db show|clear|export FILE|import FILE``: the find database.
-- ``gemmconv bench ...``: the benchmark suite (gemmconv.bench), arguments passed on.
+- ``gemmconv bench ...``: the benchmark suite (gemmconv.bench), arguments passed on;
+  ``--api`` the public-call table (gemmconv.bench_api), ``--models`` the end-to-end
+  model benchmark (gemmconv.bench_models).
 
 A bad flag or an inconsistent problem is one line on stderr and exit status 2; a
 failed verification is exit status 1.
@@ -603,14 +605,19 @@ def cmd_db(args) -> int:
 # ---- gemmconv bench -----------------------------------------------------------------------
 
 
+# `gemmconv bench --models` and `--api` run their own benchmarks; the rest is the suite.
+_BENCH_MODULES = {"--models": "gemmconv.bench_models", "--api": "gemmconv.bench_api"}
+
+
 def cmd_bench(argv: list[str]) -> int:
+    name = next((_BENCH_MODULES[a] for a in argv if a in _BENCH_MODULES), "gemmconv.bench")
     try:
-        bench = importlib.import_module("gemmconv.bench")
+        bench = importlib.import_module(name)
     except ModuleNotFoundError as e:
-        if e.name != "gemmconv.bench":
+        if e.name != name:
             raise
         raise UsageError(
-            "bench: the benchmark suite (gemmconv.bench) is not part of this installation"
+            f"bench: the benchmark suite ({name}) is not part of this installation"
         ) from None
     return int(bench.main(argv) or 0)
 
