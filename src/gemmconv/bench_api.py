@@ -103,8 +103,7 @@ def run_row(
     seed: int,
 ) -> dict:
     shape = case.tiny if quick else case.full
-    p = make_problem(shape, LAYOUT_NAMES[layout_name], DTYPES[dtype_key], device,
-                     Direction.FORWARD)  # fmt: skip
+    p = make_problem(shape, LAYOUT_NAMES[layout_name], DTYPES[dtype_key], device, Direction.FORWARD)
     p = dataclasses.replace(p, has_bias=case.bias)
     operands = operand_sets(p, device, seed)
     calls = public_calls(p, kind, operands)
@@ -124,9 +123,10 @@ def run_row(
         "reps": reps,
         "solvers": solvers_of(p, operands[0]),
         "rms_vs_torch": disagreement,
-        "agrees": all(e <= AGREEMENT * tolerance(p.dtype, device.type)
-                      for e in disagreement.values()),
-    }  # fmt: skip
+        "agrees": all(
+            e <= AGREEMENT * tolerance(p.dtype, device.type) for e in disagreement.values()
+        ),
+    }
     row["speedup_vs_torch"] = row["torch_ms"] / row["gemmconv_ms"]
     row["speedup_vs_linear"] = row["linear_ms"] / row["gemmconv_ms"] if linear_applies(p) else None
     return row
@@ -306,11 +306,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--cases", default="", help=f"comma list of {','.join(c.name for c in API_CASES)}"
     )
-    ap.add_argument("--kinds", default=",".join(DEFAULT_KINDS),
-                    help=f"comma list of {','.join(CALL_KINDS)}")  # fmt: skip
+    ap.add_argument(
+        "--kinds", default=",".join(DEFAULT_KINDS), help=f"comma list of {','.join(CALL_KINDS)}"
+    )
     ap.add_argument("--layouts", default="cf", help="comma list of cf, cl")
-    ap.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on CUDA, "
-                    "fp32 on the CPU)")  # fmt: skip
+    ap.add_argument(
+        "--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on the CPU)"
+    )
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 5 on the CPU, 15)")
     ap.add_argument("--out", default="bench/results", help="directory for the result files")
     ap.add_argument("--name", default=None, help="file stem (default: cpu, or <gpu>_api)")
@@ -348,8 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     def save(partial: dict) -> None:
         write(partial, args.out, stem)
 
-    results = run(cases, kinds, layouts, dtype_key, device, args.quick, reps, machine,
-                  on_row=save)  # fmt: skip
+    results = run(cases, kinds, layouts, dtype_key, device, args.quick, reps, machine, on_row=save)
     for path in write(results, args.out, stem):
         print(f"wrote {path}")
     print(markdown(results).split("\n\n")[-1], end="")

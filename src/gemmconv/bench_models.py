@@ -80,8 +80,12 @@ def run_scenario(
             prepared = prepare_variant(workload.model, variant)
             if prepared is None:
                 out["not_applicable"].append(
-                    {"scenario": s.name, "variant": variant,
-                     "reason": "the model has no patch convolution to rewrite"})  # fmt: skip
+                    {
+                        "scenario": s.name,
+                        "variant": variant,
+                        "reason": "the model has no patch convolution to rewrite",
+                    }
+                )
                 continue
             model, changed[variant] = prepared
             runners[variant] = make_step(s, model, workload, device)
@@ -293,22 +297,35 @@ def markdown(results: dict, checks: list[dict]) -> str:
     for check in checks:
         name = check["scenario"]
         cells = " | ".join(_cell(ms.get((name, v))) for v in VARIANTS)
-        torch_target = (f"{check['torch_target']}: {'met' if check['torch_met'] else 'NOT met'}"
-                        if "vs_torch" in check else "—")  # fmt: skip
-        linear_target = (f"{check['linear_target']}: {'met' if check['linear_met'] else 'NOT met'}"
-                         if "vs_linear" in check else "—")  # fmt: skip
+        torch_target = (
+            f"{check['torch_target']}: {'met' if check['torch_met'] else 'NOT met'}"
+            if "vs_torch" in check
+            else "—"
+        )
+        linear_target = (
+            f"{check['linear_target']}: {'met' if check['linear_met'] else 'NOT met'}"
+            if "vs_linear" in check
+            else "—"
+        )
         lines.append(
             f"| {name} | {cells} | {_cell(check.get('vs_torch'))} | {torch_target} "
             f"| {_cell(check.get('vs_linear'))} | {linear_target} |"
         )
-    notes = [f"- {n['scenario']}: no {n['variant']} row: {n['reason']}"
-             for n in results["not_applicable"]]  # fmt: skip
+    notes = [
+        f"- {n['scenario']}: no {n['variant']} row: {n['reason']}"
+        for n in results["not_applicable"]
+    ]
     notes += [f"- {s['scenario']}: not run: {s['reason']}" for s in results["skipped"]]
-    notes += [f"- {r['scenario']}/{r['variant']}: output DISAGREES with torch's (rms_range "
-              f"{r['rms_vs_torch']:.3g} > {AGREEMENT})"
-              for r in results["rows"] if r["agrees_with_torch"] is False]  # fmt: skip
-    notes += [f"- {e['scenario']}/{e['variant']}: FAILED in {e['where']}: {e['error']}"
-              for e in results["errors"]]  # fmt: skip
+    notes += [
+        f"- {r['scenario']}/{r['variant']}: output DISAGREES with torch's (rms_range "
+        f"{r['rms_vs_torch']:.3g} > {AGREEMENT})"
+        for r in results["rows"]
+        if r["agrees_with_torch"] is False
+    ]
+    notes += [
+        f"- {e['scenario']}/{e['variant']}: FAILED in {e['where']}: {e['error']}"
+        for e in results["errors"]
+    ]
     if notes:
         lines += ["", *notes]
     return "\n".join(lines) + "\n"
@@ -328,20 +345,24 @@ def write(results: dict, out_dir: str | Path, stem: str) -> list[Path]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="gemmconv bench --models",
-                                 description=__doc__.split("\n")[0])  # fmt: skip
-    ap.add_argument("--models", action="store_true", help="this benchmark (how `gemmconv "
-                    "bench` routes)")  # fmt: skip
+    ap = argparse.ArgumentParser(prog="gemmconv bench --models", description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--models", action="store_true", help="this benchmark (how `gemmconv bench` routes)"
+    )
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     ap.add_argument("--quick", action="store_true", help="tiny models (the tests run this)")
     ap.add_argument("--scenarios", default="", help="comma list of scenario names (default: all)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of variants")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
-    ap.add_argument("--time-budget", type=float, default=None,
-                    help="seconds after which no scenario starts")  # fmt: skip
-    ap.add_argument("--cudnn-benchmark", action="store_true",
-                    help="set torch.backends.cudnn.benchmark (gemmconv finds too)")  # fmt: skip
+    ap.add_argument(
+        "--time-budget", type=float, default=None, help="seconds after which no scenario starts"
+    )
+    ap.add_argument(
+        "--cudnn-benchmark",
+        action="store_true",
+        help="set torch.backends.cudnn.benchmark (gemmconv finds too)",
+    )
     ap.add_argument("--out", default="bench/results", help="directory for the result files")
     ap.add_argument("--name", default=None, help="file stem (default: <device>_e2e)")
     return ap
@@ -360,8 +381,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--scenarios: {e}") from None
     variants = [v for v in args.variants.split(",") if v]
     if not variants or any(v not in VARIANTS for v in variants):
-        raise SystemExit(f"--variants={args.variants!r}: expected a comma list of "
-                         f"{', '.join(VARIANTS)}")  # fmt: skip
+        raise SystemExit(
+            f"--variants={args.variants!r}: expected a comma list of {', '.join(VARIANTS)}"
+        )
+    missing = [name for name, version in _versions().items() if version is None]
+    if missing:
+        raise SystemExit(
+            f"gemmconv bench --models builds timm and transformers models; "
+            f"{', '.join(missing)} not installed (pip install 'gemmconv[bench]')"
+        )
     if args.cudnn_benchmark:
         torch.backends.cudnn.benchmark = True
     stem = args.name or f"{default_stem(environment(device)['device'])}_e2e"
@@ -369,8 +397,16 @@ def main(argv: list[str] | None = None) -> int:
     def save(partial: dict) -> None:
         write(partial, args.out, stem)
 
-    results = run(chosen, device, args.quick, args.steps, args.warmup, variants,
-                  args.time_budget, on_scenario=save)  # fmt: skip
+    results = run(
+        chosen,
+        device,
+        args.quick,
+        args.steps,
+        args.warmup,
+        variants,
+        args.time_budget,
+        on_scenario=save,
+    )
     paths = write(results, args.out, stem)
     for path in paths:
         print(f"wrote {path}")

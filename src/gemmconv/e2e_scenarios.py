@@ -97,8 +97,15 @@ def _vit_b16(quick: bool) -> torch.nn.Module:
     import timm
 
     if quick:
-        return timm.create_model("vit_base_patch16_224", pretrained=False, img_size=32,
-                                 depth=1, embed_dim=32, num_heads=2, num_classes=10)  # fmt: skip
+        return timm.create_model(
+            "vit_base_patch16_224",
+            pretrained=False,
+            img_size=32,
+            depth=1,
+            embed_dim=32,
+            num_heads=2,
+            num_classes=10,
+        )
     return timm.create_model("vit_base_patch16_224", pretrained=False)
 
 
@@ -106,8 +113,13 @@ def _convnext_tiny(quick: bool) -> torch.nn.Module:
     import timm
 
     if quick:
-        return timm.create_model("convnext_tiny", pretrained=False, depths=(1, 1, 1, 1),
-                                 dims=(8, 16, 32, 64), num_classes=10)  # fmt: skip
+        return timm.create_model(
+            "convnext_tiny",
+            pretrained=False,
+            depths=(1, 1, 1, 1),
+            dims=(8, 16, 32, 64),
+            num_classes=10,
+        )
     return timm.create_model("convnext_tiny", pretrained=False)
 
 
@@ -115,8 +127,9 @@ def _qwen2vl_vision_config(quick: bool):
     from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 
     if quick:
-        config = Qwen2VLVisionConfig(depth=1, embed_dim=32, hidden_size=32, num_heads=2,
-                                     mlp_ratio=2)  # fmt: skip
+        config = Qwen2VLVisionConfig(
+            depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2
+        )
     else:
         config = Qwen2VLVisionConfig()  # the released models' tower: depth 32, width 1280
     config._attn_implementation = "sdpa"
@@ -127,8 +140,9 @@ def _qwen2vl_patch_embed(quick: bool) -> torch.nn.Module:
     from transformers.models.qwen2_vl.modeling_qwen2_vl import PatchEmbed
 
     config = _qwen2vl_vision_config(quick)
-    return PatchEmbed(config.patch_size, config.temporal_patch_size, config.in_channels,
-                      config.embed_dim)  # fmt: skip
+    return PatchEmbed(
+        config.patch_size, config.temporal_patch_size, config.in_channels, config.embed_dim
+    )
 
 
 def _qwen2vl_vision(quick: bool) -> torch.nn.Module:
