@@ -33,7 +33,15 @@ from gemmconv.api_timing import (
     solvers_of,
     time_interleaved,
 )
-from gemmconv.bench import DTYPES, LAYOUT_NAMES, Shape, environment, make_problem
+from gemmconv.bench import (
+    DTYPES,
+    LAYOUT_NAMES,
+    Shape,
+    bench_device,
+    environment,
+    make_problem,
+    select_named,
+)
 from gemmconv.bench_report import default_stem
 from gemmconv.problem import Direction
 from gemmconv.verify import rms_range, tolerance
@@ -83,13 +91,7 @@ API_CASES: tuple[ApiCase, ...] = (
 
 
 def api_cases(names: Sequence[str] | None = None) -> list[ApiCase]:
-    if not names:
-        return list(API_CASES)
-    known = {c.name: c for c in API_CASES}
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ValueError(f"cases={unknown}: unknown; expected names from {', '.join(known)}")
-    return [known[n] for n in names]
+    return select_named(API_CASES, names, "cases")
 
 
 def run_row(
@@ -330,9 +332,7 @@ def _checked_list(text: str, allowed: Sequence[str], flag: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device=cuda: no CUDA device is available")
+    device = bench_device(args.device)
     kinds = _checked_list(args.kinds, CALL_KINDS, "kinds")
     layouts = _checked_list(args.layouts, list(LAYOUT_NAMES), "layouts")
     dtype_key = args.dtype or ("bf16" if device.type == "cuda" else "fp32")

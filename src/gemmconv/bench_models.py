@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from gemmconv import dispatch
-from gemmconv.bench import environment
+from gemmconv.bench import bench_device, environment
 from gemmconv.bench_report import default_stem
 from gemmconv.e2e_scenarios import (
     VARIANTS,
@@ -370,9 +370,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device=cuda: no CUDA device is available")
+    device = bench_device(args.device)
     if args.steps < 1 or args.warmup < 1:
         raise SystemExit(f"--steps={args.steps} --warmup={args.warmup}: expected both >= 1")
     try:

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import gemmconv
+from gemmconv.bench import select_named
 from gemmconv.linear_patch_embed import replace_patch_convs
 
 VARIANTS = ("torch", "converted", "converted_channels_last", "linear")
@@ -81,13 +82,7 @@ SCENARIOS: tuple[Scenario, ...] = (
 
 
 def scenarios(names: list[str] | None = None) -> list[Scenario]:
-    if not names:
-        return list(SCENARIOS)
-    known = {s.name: s for s in SCENARIOS}
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ValueError(f"scenarios={unknown}: unknown; expected names from {', '.join(known)}")
-    return [known[n] for n in names]
+    return select_named(SCENARIOS, names, "scenarios")
 
 
 # ---- models ------------------------------------------------------------------------
