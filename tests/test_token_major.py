@@ -187,38 +187,44 @@ def test_existing_gradient_follows_the_weight_and_a_warning_names_it():
     assert torch.equal(conv.weight.grad, grad)
 
 
-def test_converted_timm_vit_is_token_major_and_matches_the_unconverted_model():
+def _check_converted_timm_vit(device: str, dtype: torch.dtype) -> None:
+    """A converted channels-last timm ViT: token-major patch embed output, and output
+    and every gradient as close to float64 as the unconverted model's (or within the
+    dtype's tolerance)."""
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=2)
     model.train()
-    unconverted = copy.deepcopy(model)
-    reference = copy.deepcopy(model).double()
+    unconverted = copy.deepcopy(model).to(device, dtype)
+    reference = copy.deepcopy(model).to(device, torch.float64)
     report = gemmconv.convert(model, memory_format=torch.channels_last)
+    model.to(device, dtype)
     assert report.swapped_names == ["patch_embed.proj"]
     assert report.swapped[0].weight_format == "channels_last"
+    assert model.patch_embed.proj.weight.is_contiguous(memory_format=torch.channels_last)
 
     seen = []
     model.patch_embed.proj.register_forward_hook(lambda m, args, out: seen.append(out))
-    x = _uniform(2, 3, 32, 32, seed=1)
-    y = model(x)
-    y_unconverted = unconverted(x)
+    x = _uniform(2, 3, 32, 32, seed=1).to(device)
+    y = model(x.to(dtype))
+    y_unconverted = unconverted(x.to(dtype))
     y64 = reference(x.double())
 
+    assert model.patch_embed.proj._gemmconv_last_input is not None  # it ran on gemmconv
     # The GEMM wrote tokens as rows: [N, D, H, W] in channels-last memory, so timm's
     # flatten(2).transpose(1, 2) is a view of it, contiguous as [N, L, D].
-    assert model.patch_embed.proj._gemmconv_last_input is not None  # it ran on gemmconv
     (embedded,) = seen
     assert embedded.shape == (2, 192, 2, 2)
     assert embedded.stride() == (4 * 192, 1, 2 * 192, 192)
     tokens = embedded.flatten(2).transpose(1, 2)
     assert tokens.is_contiguous() and tokens.data_ptr() == embedded.data_ptr()
 
+    tol = tolerance(dtype, device)
     error, unconverted_error = rms_range(y, y64), rms_range(y_unconverted, y64)
-    assert error <= max(TOL, 2 * unconverted_error), (error, unconverted_error)
-    cotangent = _uniform(*y.shape, seed=2)
-    y.backward(cotangent)
-    y_unconverted.backward(cotangent)
+    assert error <= max(tol, 2 * unconverted_error), (error, unconverted_error)
+    cotangent = _uniform(*y.shape, seed=2).to(device)
+    y.backward(cotangent.to(dtype))
+    y_unconverted.backward(cotangent.to(dtype))
     y64.backward(cotangent.double())
     assert model.patch_embed.proj.weight.grad.is_contiguous(memory_format=torch.channels_last)
     for (name, p), p_unconverted, p64 in zip(
@@ -226,4 +232,13 @@ def test_converted_timm_vit_is_token_major_and_matches_the_unconverted_model():
     ):
         error = rms_range(p.grad, p64.grad)
         unconverted_error = rms_range(p_unconverted.grad, p64.grad)
-        assert error <= max(TOL, 2 * unconverted_error), (name, error, unconverted_error)
+        assert error <= max(tol, 2 * unconverted_error), (name, error, unconverted_error)
+
+
+def test_converted_timm_vit_is_token_major_and_matches_the_unconverted_model():
+    _check_converted_timm_vit("cpu", torch.float32)
+
+
+@pytest.mark.gpu
+def test_converted_timm_vit_is_token_major_on_cuda_in_bf16():
+    _check_converted_timm_vit("cuda", torch.bfloat16)
