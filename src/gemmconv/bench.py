@@ -601,7 +601,9 @@ def main(argv: list[str] | None = None) -> int:
     from gemmconv.bench_report import default_stem, write_results
 
     args = _parser().parse_args(argv)
-    device = bench_device(args.device)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device=cuda: no CUDA device is available")
     if device.type == "cuda":
         torch.cuda.set_device(torch.device(device).index or 0)
     cases = suite_cases([c for c in args.cases.split(",") if c])
@@ -635,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if bad or results.get("errors") else 0
 
 
-__all__ = ["SUITE", "BenchCase", "bench_device", "main", "run_suite", "select_named", "suite_cases"]
+__all__ = ["SUITE", "BenchCase", "main", "run_suite", "suite_cases"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -316,7 +316,11 @@ def _parser() -> argparse.ArgumentParser:
         "--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on the CPU)"
     )
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 5 on the CPU, 15)")
-    ap.add_argument("--out", default="bench/results", help="directory for the result files")
+    ap.add_argument(
+        "--out",
+        default="gemmconv-bench",
+        help="directory for the result files (the committed ones: bench/results)",
+    )
     ap.add_argument("--name", default=None, help="file stem (default: cpu, or <gpu>_api)")
     ap.add_argument("--label", default=None, help="machine description for the heading")
     return ap

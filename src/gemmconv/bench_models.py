@@ -364,7 +364,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="set torch.backends.cudnn.benchmark (gemmconv finds too)",
     )
-    ap.add_argument("--out", default="bench/results", help="directory for the result files")
+    ap.add_argument(
+        "--out",
+        default="gemmconv-bench",
+        help="directory for the result files (the committed ones: bench/results)",
+    )
     ap.add_argument("--name", default=None, help="file stem (default: <device>_e2e)")
     return ap
 
@@ -387,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         raise SystemExit(
             f"gemmconv bench --models builds timm and transformers models; "
-            f"{', '.join(missing)} not installed (pip install 'gemmconv[bench]')"
+            f"{', '.join(missing)} not installed (pip install 'gemmconv[models]')"
         )
     if args.cudnn_benchmark:
         torch.backends.cudnn.benchmark = True

@@ -610,14 +610,16 @@ _BENCH_MODULES = {"--models": "gemmconv.bench_models", "--api": "gemmconv.bench_
 
 
 def cmd_bench(argv: list[str]) -> int:
-    name = next((_BENCH_MODULES[a] for a in argv if a in _BENCH_MODULES), "gemmconv.bench")
+    routed = next((_BENCH_MODULES[a] for a in argv if a in _BENCH_MODULES), None)
+    if routed is not None:  # part of the package, unlike the optional suite below
+        return int(importlib.import_module(routed).main(argv) or 0)
     try:
-        bench = importlib.import_module(name)
+        bench = importlib.import_module("gemmconv.bench")
     except ModuleNotFoundError as e:
-        if e.name != name:
+        if e.name != "gemmconv.bench":
             raise
         raise UsageError(
-            f"bench: the benchmark suite ({name}) is not part of this installation"
+            "bench: the benchmark suite (gemmconv.bench) is not part of this installation"
         ) from None
     return int(bench.main(argv) or 0)
 
