@@ -112,13 +112,27 @@ SUITE: tuple[BenchCase, ...] = (
 
 
 def suite_cases(names: Sequence[str] | None = None) -> list[BenchCase]:
+    return select_named(SUITE, names, "cases")
+
+
+def select_named(items: Sequence, names: Sequence[str] | None, argument: str) -> list:
+    """The ``items`` called ``names`` (by their ``.name``), in that order; all of them
+    when ``names`` is empty. An unknown name is a ValueError naming ``argument``."""
     if not names:
-        return list(SUITE)
-    known = {c.name: c for c in SUITE}
+        return list(items)
+    known = {item.name: item for item in items}
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"cases={unknown}: unknown; expected names from {', '.join(known)}")
+        raise ValueError(f"{argument}={unknown}: unknown; expected names from {', '.join(known)}")
     return [known[n] for n in names]
+
+
+def bench_device(requested: str | None) -> torch.device:
+    """The device a benchmark command runs on: ``requested``, else CUDA when available."""
+    device = torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device=cuda: no CUDA device is available")
+    return device
 
 
 # ---- rates measured in the run -----------------------------------------------

@@ -6,7 +6,9 @@
 - ``gemmconv solvers``: every solver's verdict on a problem, workspace and estimate.
 - ``gemmconv tune FILE``: find over many problems (one ``conv`` flag line each), stored.
 - ``gemmconv db show|clear|export FILE|import FILE``: the find database.
-- ``gemmconv bench ...``: the benchmark suite (gemmconv.bench), arguments passed on.
+- ``gemmconv bench ...``: the benchmark suite (gemmconv.bench), arguments passed on;
+  ``--api`` the public-call table (gemmconv.bench_api), ``--models`` the end-to-end
+  model benchmark (gemmconv.bench_models).
 
 A bad flag or an inconsistent problem is one line on stderr, ``gemmconv <command>:
 error: ...``, and exit status 2 (gemmconv.usage); a failed verification is exit status
@@ -728,7 +730,14 @@ def _db_show(db, as_json: bool) -> None:
 # ---- gemmconv bench -----------------------------------------------------------------------
 
 
+# `gemmconv bench --models` and `--api` run their own benchmarks; the rest is the suite.
+_BENCH_MODULES = {"--models": "gemmconv.bench_models", "--api": "gemmconv.bench_api"}
+
+
 def cmd_bench(argv: list[str]) -> int:
+    routed = next((_BENCH_MODULES[a] for a in argv if a in _BENCH_MODULES), None)
+    if routed is not None:  # part of the package, unlike the optional suite below
+        return int(importlib.import_module(routed).main(argv) or 0)
     try:
         bench = importlib.import_module("gemmconv.bench")
     except ModuleNotFoundError as e:

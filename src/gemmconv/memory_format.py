@@ -153,3 +153,55 @@ def empty_in(
 def channels_last_view(t: torch.Tensor) -> torch.Tensor:
     """[N, C, S..] -> [N, S.., C] as a view (dense when ``t`` is channels-last)."""
     return t.movedim(1, -1)
+
+
+# ---- weight memory formats (convert(memory_format=), gemmconv.nn's memory_format=) ----
+
+# torch's channels-last format for a convolution's weight, by spatial dimensions: the
+# weight of a 2-D convolution is a 4-D tensor, of a 3-D one 5-D. torch has no format
+# for the 3-D weight of a 1-D convolution.
+CHANNELS_LAST_FORMATS: dict[int, torch.memory_format] = {
+    2: torch.channels_last,
+    3: torch.channels_last_3d,
+}
+WEIGHT_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+_WEIGHT_FORMAT_CHOICES = (
+    "torch.channels_last, torch.channels_last_3d, torch.contiguous_format or None"
+)
+
+
+def check_weight_format(where: str, memory_format: object) -> torch.memory_format | None:
+    """``memory_format`` when it is one a convolution weight can be given, else the error
+    naming it (TypeError for something that is not a memory format at all); ``where``
+    names the caller in the message."""
+    if memory_format is None:
+        return None
+    if not isinstance(memory_format, torch.memory_format):
+        raise TypeError(
+            f"{where}: memory_format={memory_format!r} of type {type(memory_format).__name__}; "
+            f"expected {_WEIGHT_FORMAT_CHOICES}"
+        )
+    if memory_format not in WEIGHT_FORMATS:
+        raise ValueError(
+            f"{where}: memory_format={memory_format}; expected {_WEIGHT_FORMAT_CHOICES}"
+        )
+    return memory_format
+
+
+def is_channels_last_format(memory_format: torch.memory_format | None) -> bool:
+    return memory_format in (torch.channels_last, torch.channels_last_3d)
+
+
+def set_weight_format(parameter: torch.Tensor, memory_format: torch.memory_format) -> bool:
+    """Re-lay ``parameter`` (and its gradient, if any) out in ``memory_format`` in place:
+    the Parameter object stays, only its ``.data`` changes, so every reference to it
+    (an optimizer's included) stays valid. Returns whether anything moved."""
+    if parameter.is_contiguous(memory_format=memory_format):
+        return False
+    with torch.no_grad():
+        parameter.data = parameter.data.contiguous(memory_format=memory_format)
+        if parameter.grad is not None:
+            # A fused optimizer walks the parameter and its gradient as flat memory;
+            # both must have the same layout.
+            parameter.grad = parameter.grad.contiguous(memory_format=memory_format)
+    return True

@@ -8,6 +8,12 @@ padding modes pad first, exactly as torch does, then convolve with padding 0.
 ``solvers()`` says which solver each direction runs (or would run) for the last
 input seen in eager mode, or for an example input; that is runtime state, never
 part of the state_dict.
+
+One keyword torch's constructors lack: ``memory_format=torch.channels_last``
+(``torch.channels_last_3d`` for Conv3d) lays the weight out channels-last. F.conv*
+returns a channels-last output for a channels-last weight, so a patch embed then
+writes its tokens as rows [N*L, D] and the ``flatten(2).transpose(1, 2)`` after it is
+a view. Conv1d refuses it: torch has no channels-last format for its 3-D weight.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch.nn.functional as F
 
 from gemmconv import functional
 from gemmconv.dispatch import Choice, explain_problem
+from gemmconv.memory_format import CHANNELS_LAST_FORMATS, check_weight_format, set_weight_format
 from gemmconv.transform_state import transforms_active
 
 
@@ -30,6 +37,13 @@ class _GemmConvMixin:
     _gemmconv_last_input: _SeenInput | None = None
     _gemmconv_fn = None  # functional.conv1d / conv2d / conv3d, set per subclass
     _gemmconv_zero_padding: tuple[int, ...] = ()
+
+    def __init__(self, *args, memory_format: torch.memory_format | None = None, **kwargs):
+        dims = len(self._gemmconv_zero_padding)
+        memory_format = _weight_format_of(type(self).__name__, memory_format, dims)
+        super().__init__(*args, **kwargs)
+        if memory_format is not None:
+            set_weight_format(self.weight, memory_format)
 
     def _padded(self, input: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | str]:
         """Non-'zeros' padding modes pad first and convolve unpadded, as torch does."""
@@ -82,6 +96,23 @@ class _GemmConvMixin:
             stand_in, weight, bias, self.stride, padding, self.dilation, self.groups
         )
         return explain_problem(problem)
+
+
+def _weight_format_of(cls: str, memory_format: object, dims: int) -> torch.memory_format | None:
+    """The constructor's ``memory_format``, checked against the weight's rank."""
+    memory_format = check_weight_format(cls, memory_format)
+    if memory_format in (None, torch.contiguous_format):
+        return memory_format
+    expected = CHANNELS_LAST_FORMATS.get(dims)
+    if memory_format != expected:
+        hint = (
+            f"expected {expected}, torch.contiguous_format or None"
+            if expected is not None
+            else "torch has no channels-last format for a 1-D convolution's 3-D weight; "
+            "expected torch.contiguous_format or None"
+        )
+        raise ValueError(f"{cls}: memory_format={memory_format} does not fit its weight: {hint}")
+    return memory_format
 
 
 class _SeenInput(NamedTuple):
