@@ -1,7 +1,9 @@
 """Shared test fixtures: seeded random operands, NaN-filled outputs, the gpu marker, a
-log of the gemmconv ops that run."""
+log of the gemmconv ops that run, a progress bar that records its count."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -52,3 +54,33 @@ class GemmconvOpLog(TorchDispatchMode):
         if func.namespace == "gemmconv":
             self.calls.append(func.__name__.split(".")[0])
         return func(*args, **(kwargs or {}))
+
+
+class RecordingBar:
+    """A stand-in for gemmconv.progress.progress_bar's bar that keeps its count, so a
+    test can check that a bar ends exactly at its total (tqdm draws at intervals)."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.n = total, desc, 0
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+    def write(self, s: str) -> None:
+        print(s)
+
+    @classmethod
+    def patch(cls, monkeypatch, module) -> list[RecordingBar]:
+        """Make ``module.progress_bar`` hand out recording bars; returns them."""
+        made: list[RecordingBar] = []
+
+        @contextlib.contextmanager
+        def recording(total, desc, unit, enabled=True):
+            made.append(cls(total, desc))
+            yield made[-1]
+
+        monkeypatch.setattr(module, "progress_bar", recording)
+        return made

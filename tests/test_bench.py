@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from gemmconv import Direction, Layout
+from gemmconv import Direction, Layout, bench, bench_report, progress
 from gemmconv.bench import (
     SUITE,
     Shape,
@@ -19,9 +19,11 @@ from gemmconv.bench import (
     rewrite_fn,
     suite_cases,
 )
-from gemmconv.bench_report import default_stem
+from gemmconv.bench_report import default_stem, rate_text, speedup_figure
 from gemmconv.solvers.vendor import VendorSolver
 from gemmconv.verify import reference, rms_range
+
+from conftest import RecordingBar
 
 REQUIRED = {
     "case", "layout", "direction", "dtype", "solver", "vendor_ms", "linear_ms",
@@ -90,6 +92,98 @@ def test_markdown_table_and_optional_plot(quick_run):
     assert (out / "cpu.png").exists() == has_matplotlib
 
 
+def test_a_cpu_report_says_what_was_measured(quick_run):
+    """On the CPU: perf_counter timing with no flush, aten's CPU convolution as the
+    vendor, and matrix rates in a unit that shows them."""
+    _, out = quick_run
+    md = (out / "cpu.md").read_text()
+    header = md[: md.index("| case |")]
+    assert "time.perf_counter, no cache flush" in header and "vendor = aten CPU" in header
+    assert "CUDA events" not in header and "cuDNN" not in header
+    assert "0.0 TFLOP/s" not in header and "GFLOP/s" in header
+    assert rate_text(0.0316) == "31.6 GFLOP/s" and rate_text(780.0) == "780.0 TFLOP/s"
+
+
+def test_the_plot_legend_covers_no_bar(quick_run):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    _, out = quick_run
+    fig = speedup_figure(json.loads((out / "cpu.json").read_text()))
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (ax,) = fig.axes
+    legend = fig.legends[0] if fig.legends else ax.get_legend()
+    box = legend.get_window_extent(renderer)
+    for other in (ax, ax.title, ax.xaxis.label):
+        assert not box.overlaps(other.get_window_extent(renderer)), other
+    assert "aten CPU" in ax.get_xlabel()
+    plt.close(fig)
+
+
+def test_results_go_to_a_folder_of_their_own_by_default(tmp_path, monkeypatch, capsys):
+    """Run from a checkout's root, the default never writes over bench/results."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["--device", "cpu", "--quick", "--cases", "dit_xl2", "--name", "here",
+            "--time-budget", "0"]  # fmt: skip
+    assert main(argv) == 0
+    assert (tmp_path / "gemmconv-bench" / "here.json").exists()
+    assert not (tmp_path / "bench").exists()
+
+
+def test_a_missing_matplotlib_is_said(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench_report, "plot", lambda results, path: False)
+    argv = ["--device", "cpu", "--quick", "--cases", "dit_xl2", "--layouts", "cf",
+            "--directions", "fwd", "--warmup", "0", "--reps", "1",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "no png: matplotlib is not installed (pip install 'gemmconv[bench]')" in out
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_cases_without_the_asked_dtype_are_named(tmp_path, capsys):
+    argv = ["--device", "cpu", "--quick", "--cases", "vit_b16,point2d", "--dtypes", "fp32",
+            "--layouts", "cf", "--directions", "fwd", "--warmup", "0", "--reps", "1",
+            "--out", str(tmp_path), "--no-plot"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "note: vit_b16 has no fp32 rows (its dtypes: bf16)" in out
+    rows = json.loads(next(tmp_path.glob("*.json")).read_text())["rows"]
+    assert [(r["case"], r["dtype"]) for r in rows] == [("point2d", "fp32")]
+
+
+def test_the_bench_bar_counts_rows_on_a_terminal(tmp_path, monkeypatch, capsys):
+    argv = ["--device", "cpu", "--quick", "--cases", "dit_xl2", "--layouts", "cf",
+            "--directions", "fwd,bwd_data", "--warmup", "0", "--reps", "1",
+            "--out", str(tmp_path), "--no-plot"]  # fmt: skip
+    assert main(argv) == 0
+    assert capsys.readouterr().err == ""  # not a terminal: no bar
+    monkeypatch.setattr(progress, "stderr_is_terminal", lambda: True)
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "bench:" in captured.err and "/2 " in captured.err
+    assert "dit_xl2 cf fwd" in captured.out  # row lines still reach stdout
+    bars = RecordingBar.patch(monkeypatch, bench)
+    assert main(argv) == 0
+    assert [(b.desc, b.total, b.n) for b in bars] == [("bench", 2, 2)]
+
+
+def test_a_long_cpu_bench_is_announced_before_it_starts(monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # stands for the run itself
+
+    monkeypatch.setattr(bench, "run_suite", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        main(["--device", "cpu", "--cases", "sam_vit_h", "--layouts", "cf"])
+    err = capsys.readouterr().err
+    assert err.startswith("gemmconv bench: warning: this run may take up to ")
+    assert "--quick" in err
+    with pytest.raises(KeyboardInterrupt):
+        main(["--device", "cpu", "--quick", "--cases", "sam_vit_h", "--layouts", "cf"])
+    assert capsys.readouterr().err == ""  # tiny shapes: foreseen as short
+
+
 # The rewrite baseline must compute the convolution too, or its times mean nothing.
 REWRITE_SHAPES = [
     Shape(2, 3, 5, (8, 6), (4, 3)),
@@ -111,11 +205,13 @@ def test_linear_rewrite_computes_the_convolution(shape, layout, direction):
     assert rms_range(result, reference(p, t)) < 1e-6
 
 
-def test_unknown_names_are_refused():
+def test_unknown_names_are_refused(capsys):
     with pytest.raises(ValueError, match="cases=\\['nope'\\]"):
         suite_cases(["nope"])
-    with pytest.raises(SystemExit, match="--layouts"):
-        main(["--device", "cpu", "--quick", "--layouts", "nhwc"])
+    assert main(["--device", "cpu", "--quick", "--layouts", "nhwc"]) == 2
+    assert capsys.readouterr().err == (
+        "gemmconv bench: error: --layouts nhwc: unknown nhwc; expected a comma list of cf, cl\n"
+    )
 
 
 def test_suite_has_the_issue_cases():
@@ -137,7 +233,9 @@ def test_a_spent_time_budget_stops_the_run_and_says_so(tmp_path):
     assert main(argv) == 0
     data = json.loads((tmp_path / "cut.json").read_text())
     assert data["truncated"] and data["rows"] == []
-    assert "TRUNCATED" in (tmp_path / "cut.md").read_text()
+    md = (tmp_path / "cut.md").read_text()
+    assert "TRUNCATED" in md
+    assert "- no rows were run: the time budget was spent before the first row" in md
 
 
 def test_gather_table_appears_when_rows_carry_gather_times(quick_run):

@@ -3,7 +3,9 @@ every selection mode, the database commands, tune, demo and bench."""
 
 from __future__ import annotations
 
+import io
 import json
+import sqlite3
 import subprocess
 import sys
 import types
@@ -12,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gemmconv import cli, dispatch, finddb
+from gemmconv import cli, dispatch, finddb, progress
 from gemmconv.solvers.im2col import Im2colSolver
+
+from conftest import RecordingBar
 
 ENV = ("GEMMCONV_FIND_MODE", "GEMMCONV_SOLVER", "GEMMCONV_DISABLE", "GEMMCONV_FIND_VERIFY")
 # A small patch-class problem: patch, im2col and vendor apply in every direction.
@@ -123,6 +127,16 @@ def test_bias_and_dtype_flags(capsys):
     assert data["directions"][0]["problem"].endswith("-b1")
 
 
+@pytest.mark.parametrize("search", ["0", "1"])
+def test_channels_last_with_bias_in_every_direction(capsys, search):
+    """The driver's random operands: the bias is a plain vector whatever the layout."""
+    flags = "-n 2 -c 3 -H 8 -W 8 -k 4 -y 2 -x 2 -u 2 -v 2 -i 1 --warmup 0 --layout NHWC --bias"
+    data = run_json(capsys, "conv", *flags.split(), "-s", search)
+    assert data["ok"] and len(data["directions"]) == 3
+    assert data["directions"][0]["problem"].endswith("-forward-b1")
+    assert {d["source"] for d in data["directions"]} == {"find" if search == "1" else "estimate"}
+
+
 def test_dtype_auto_is_fp32_on_the_cpu(capsys):
     assert run_json(capsys, "conv", *PATCH, "-F", "1", "--device", "cpu")["dtype"] == "fp32"
 
@@ -200,37 +214,103 @@ def test_every_mode_through_the_environment(capsys, monkeypatch, mode, stored, e
 
 
 @pytest.mark.parametrize(
-    ("argv", "message"),
+    ("argv", "prog", "message"),
     [
-        ("conv -H 4 -W 4 -y 5 -x 5", "filter H=5"),
-        ("conv -c 3 -g 2", "-c/--in-channels 3 is not divisible by -g/--groups 2"),
-        ("conv -k 30 -c 4 -g 4", "-k/--out-channels 30 is not divisible"),
-        ("conv -S winograd", "unknown solver id"),
-        ("conv -n 2 -S pointwise", "kernel (3, 3) is not 1x1"),
-        ("conv --bogus", "unrecognized arguments: --bogus"),
-        ("conv -n x", "invalid int value: 'x'"),
-        ("conv -n 0", "-n/--batch 0"),
-        ("conv -u 0", "stride 0x1"),
-        ("conv -p -1", "padding -1x0"),
-        ("conv -F 8", "-F/--forw 8"),
-        ("conv -t 2", "argument -t/--time"),
-        ("conv -i 0", "-i/--iterations 0"),
-        ("conv --dtype fp64", "argument --dtype"),
-        ("conv --layout NCDHW --spatial-dim 1", "--layout NCDHW is 3-D"),
-        ("conv --layout CHWN", "argument --layout"),
-        ("solvers -y 40", "filter H=40"),
-        ("db import", "expected a FILE"),
-        ("db drop", "argument action"),
-        ("nothing", "invalid choice: 'nothing'"),
-        ("", "required"),
+        ("conv -H 4 -W 4 -y 5 -x 5", "conv", "filter H=5 (-y/--fil-h, dilation 1)"),
+        ("conv -c 3 -g 2", "conv", "-c/--in-channels 3 is not divisible by -g/--groups 2"),
+        ("conv -k 30 -c 4 -g 4", "conv", "-k/--out-channels 30 is not divisible"),
+        ("conv -S winograd", "conv", "-S/--solver winograd: unknown solver id"),
+        ("conv -n 2 -S pointwise", "conv", "-S/--solver pointwise: does not apply"),
+        ("conv --bogus", "conv", "unrecognized arguments: --bogus"),
+        ("conv -n x", "conv", "invalid int value: 'x'"),
+        ("conv -n 0", "conv", "-n/--batch 0: expected a value >= 1"),
+        ("conv -u 0", "conv", "-u/--stride-h 0: expected a value >= 1"),
+        ("conv --spatial-dim 3 --stride-d 0", "conv", "--stride-d 0: expected a value >= 1"),
+        ("conv -p -1", "conv", "-p/--pad-h -1: expected a value >= 0"),
+        ("conv -j 0", "conv", "-j/--dil-w 0"),
+        ("conv -F 8", "conv", "-F/--forw 8"),
+        ("conv -t 2", "conv", "argument -t/--time"),
+        ("conv -i 0", "conv", "-i/--iterations 0"),
+        ("conv --warmup -1", "conv", "--warmup -1: expected a value >= 0"),
+        ("conv --dtype fp64", "conv", "argument --dtype"),
+        ("conv --layout NCDHW --spatial-dim 1", "conv", "--layout NCDHW is 3-D"),
+        ("conv --layout CHWN", "conv", "argument --layout"),
+        ("demo -u 0", "demo", "-u/--stride-h 0"),
+        ("solvers -y 40", "solvers", "filter H=40"),
+        ("tune", "tune", "required: file"),
+        ("tune /nonexistent/problems.txt", "tune", "cannot read '/nonexistent/problems.txt'"),
+        ("db import", "db", "import: expected a FILE argument"),
+        ("db drop", "db", "argument action"),
+        ("bench --layouts nhwc", "bench", "--layouts nhwc: unknown nhwc"),
+        ("bench --cases nope", "bench", "--cases nope: unknown nope"),
+        ("bench --reps 0", "bench", "--reps 0: expected a value >= 1"),
+        ("bench --warmup -1", "bench", "--warmup -1: expected a value >= 0"),
+        ("bench --device tpu", "bench", "--device tpu: expected cpu or cuda"),
+        ("bench --bogus", "bench", "unrecognized arguments: --bogus"),
+        (
+            "bench --device cpu --cases vit_b16 --dtypes fp32",
+            "bench",
+            "no rows to run: vit_b16 has no fp32 rows (its dtypes: bf16)",
+        ),
+        ("nothing", "", "invalid choice: 'nothing'"),
+        ("--json", "", "required: COMMAND"),
     ],
 )
-def test_bad_flags_give_one_line_and_exit_2(capsys, argv, message):
+def test_bad_flags_give_one_line_and_exit_2(capsys, argv, prog, message):
+    """One rule in every subcommand, bench included: one line on stderr that starts
+    with the command's name, and exit status 2."""
     code, out, err = run(capsys, *argv.split())
     assert code == 2
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("gemmconv: error: "), err
+    command = f"gemmconv {prog}".strip()
+    assert len(lines) == 1 and lines[0].startswith(f"{command}: error: "), err
     assert message in lines[0]
+
+
+def test_a_forced_solver_that_does_not_apply_blames_the_flag(capsys, monkeypatch):
+    code, _, err = run(capsys, "conv", "-n", "2", "-S", "pointwise")
+    assert code == 2 and "-S/--solver" in err and "GEMMCONV_SOLVER" not in err
+    assert "kernel (3, 3) is not 1x1" in err
+    monkeypatch.setenv("GEMMCONV_SOLVER", "pointwise")
+    code, _, err = run(capsys, "conv", "-n", "2")
+    assert code == 2 and "GEMMCONV_SOLVER" in err
+
+
+def test_bare_gemmconv_prints_the_command_list_and_exits_2(capsys):
+    code, out, err = run(capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("usage: gemmconv")
+    for command in ("conv", "demo", "solvers", "tune", "db", "bench"):
+        assert f"\n    {command} " in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        ("conv", ["-n BATCH, --batch BATCH", "(default: 100)", "(default: 32)", "(default: 10)"]),
+        (
+            "demo",
+            [
+                "(default: 9500)",
+                "(default: 1280)",
+                "(default: 14)",
+                "(default: 100)",
+                f"N={cli.DEMO_CPU_BATCH} and {cli.DEMO_CPU_ITERATIONS} repetitions",
+            ],
+        ),  # fmt: skip
+        ("tune", ["--no-progress"]),
+        ("db", ["--yes", "clear without asking"]),
+        ("bench", ["(default: gemmconv-bench)", "(default: cf,cl)", "bench/results"]),
+    ],
+)
+def test_help_shows_the_defaults(capsys, argv, shown):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv.split(), "--help"])
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for text in shown:
+        assert " ".join(text.split()) in out, text
+    assert "(default: None)" not in out and "(default: )" not in out
 
 
 def test_bad_environment_variable_is_a_usage_error(capsys, monkeypatch):
@@ -293,7 +373,7 @@ def test_db_show_export_import_clear(capsys, tmp_path):
     assert sorted(r["current"] for r in shown["records"]) == [False, True, True, True]
     dump = tmp_path / "dump.json"
     assert run(capsys, "db", "export", str(dump))[0] == 0
-    code, out, _ = run(capsys, "db", "clear")
+    code, out, _ = run(capsys, "db", "clear", "--yes")
     assert code == 0 and "cleared 4 results" in out
     assert finddb.get_db().records() == []
     code, out, _ = run(capsys, "db", "import", str(dump))
@@ -301,10 +381,117 @@ def test_db_show_export_import_clear(capsys, tmp_path):
     assert len(finddb.get_db().records()) == 4
 
 
+class _Terminal(io.StringIO):
+    """Typed answers on a standard input that is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _store_one_result() -> None:
+    identity = finddb.identity_for("cpu")
+    finddb.get_db().store(finddb.Record("2d-stored", identity, "vendor", {}, 1.0, 0))
+
+
+def test_db_clear_without_a_terminal_refuses_unless_told_yes(capsys, monkeypatch):
+    _store_one_result()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n"))  # not a terminal: never read
+    code, out, err = run(capsys, "db", "clear")
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gemmconv db: error: ")
+    assert "--yes" in lines[0]
+    assert len(finddb.get_db().records()) == 1
+
+
+@pytest.mark.parametrize(("answer", "cleared"), [("y\n", True), ("yes\n", True), ("n\n", False),
+                                                 ("\n", False)])  # fmt: skip
+def test_db_clear_asks_on_a_terminal(capsys, monkeypatch, answer, cleared):
+    _store_one_result()
+    monkeypatch.setattr(sys, "stdin", _Terminal(answer))
+    code, out, _ = run(capsys, "db", "clear")
+    assert "delete every stored result in " in out and "[y/N]" in out
+    assert code == (0 if cleared else 1)
+    assert ("cleared 1 results" in out) == cleared
+    assert len(finddb.get_db().records()) == (0 if cleared else 1)
+
+
+def _one_line_error(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gemmconv") and ": error: " in lines[0], err
+    return lines[0]
+
+
+def test_db_show_survives_rows_that_do_not_parse(capsys):
+    identity = finddb.identity_for("cpu")
+    finddb.get_db().store(finddb.Record("2d-good", identity, "patch", {}, 0.5, 0))
+    conn = sqlite3.connect(finddb.default_path())
+    for problem, config, ms in (("2d-bad-time", "{}", "fast"), ("2d-bad-config", "{no", 1.0)):
+        conn.execute(
+            "INSERT INTO find VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (problem, *identity.values(), "patch", config, ms, 0, 0.0),
+        )
+    conn.commit()
+    conn.close()
+    code, out, err = run(capsys, "db", "show")
+    assert code == 0, err
+    flagged = [line for line in out.splitlines() if line.startswith("! ")]
+    assert len(flagged) == 2 and "time_ms='fast'" in out and "not JSON" in out, out
+    assert "2d-good  ->  patch" in out and "!: does not parse" in out
+    shown = run_json(capsys, "db", "show")["records"]
+    assert sorted(bool(r.get("error")) for r in shown) == [False, True, True]
+
+
+def test_db_import_of_a_bad_record_fails_and_leaves_the_database_as_it_was(capsys, tmp_path):
+    identity = finddb.identity_for("cpu")
+    good = [finddb.Record(f"2d-{i}", identity, "patch", {}, 0.5, 0) for i in range(50)]
+    finddb.get_db().store_many(good)
+    records = [r.as_json() for r in good[:3]]
+    records[1]["time_ms"] = float("nan")
+    dump = tmp_path / "dump.json"
+    dump.write_text(json.dumps({"records": records}))
+    code, out, err = run(capsys, "db", "import", str(dump))
+    assert code != 0 and "imported" not in out
+    line = _one_line_error(err)
+    assert "record 1 (problem '2d-1')" in line and "time_ms=nan" in line, line
+    assert len(finddb.FindDb(finddb.default_path()).records()) == 50
+    assert not list(tmp_path.glob("find.sqlite.corrupt-*"))
+
+
+@pytest.mark.parametrize("action", ["show", "clear", "export", "import"])
+def test_db_commands_refuse_another_applications_file(capsys, tmp_path, action):
+    path = finddb.default_path()
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE notes (body TEXT)")
+    conn.commit()
+    conn.close()
+    before = path.read_bytes()
+    dump = tmp_path / "dump.json"
+    dump.write_text(json.dumps({"records": []}))
+    extra = {"export": [str(dump)], "import": [str(dump)], "clear": ["--yes"]}.get(action, [])
+    code, _, err = run(capsys, "db", action, *extra)
+    assert code == 1
+    assert "is not a gemmconv find database" in _one_line_error(err)
+    assert path.read_bytes() == before
+
+
+def test_db_import_into_an_unusable_location_fails(capsys, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("GEMMCONV_DB", str(blocker / "find.sqlite"))
+    identity = finddb.identity_for("cpu")
+    dump = tmp_path / "dump.json"
+    records = [finddb.Record(f"2d-{i}", identity, "patch", {}, 0.5, 0) for i in range(3)]
+    dump.write_text(json.dumps({"records": [r.as_json() for r in records]}))
+    code, out, err = run(capsys, "db", "import", str(dump))
+    assert code == 1 and "imported" not in out
+    assert "cannot open" in _one_line_error(err)
+
+
 # ---- gemmconv tune ----------------------------------------------------------------------------
 
 
-def test_tune_finds_every_problem_of_a_file_with_a_progress_bar(capsys, tmp_path):
+def test_tune_finds_every_problem_of_a_file(capsys, tmp_path):
     problems = tmp_path / "problems.txt"
     problems.write_text(
         "# patch embedding, forward only\n"
@@ -324,7 +511,7 @@ def test_tune_finds_every_problem_of_a_file_with_a_progress_bar(capsys, tmp_path
         "backward_data",
         "backward_weights",
     ]
-    assert "find: 100%" in err  # the progress bar, on stderr
+    assert err == ""  # stderr is not a terminal here: no progress bar
     assert len(finddb.get_db().records()) == 4
 
 
@@ -359,6 +546,83 @@ def test_demo_on_the_cpu_uses_a_short_run(monkeypatch):
     assert "-n 9500" in seen["notes"][0]
     assert cli.main(["demo", "--device", "cpu", "-n", "9500", "-i", "7"]) == 0
     assert seen["batch"] == 9500 and seen["iterations"] == 7 and seen["notes"] == []
+
+
+# ---- progress and long runs -------------------------------------------------------------
+
+
+@pytest.fixture
+def bars(monkeypatch) -> list[RecordingBar]:
+    return RecordingBar.patch(monkeypatch, cli)
+
+
+# PATCH times 2 repetitions with no warm-up. Per direction: the solver's checked call
+# and its timed calls, the vendor's in verification and timed, the float64 reference.
+@pytest.mark.parametrize(
+    ("flags", "total"),
+    [
+        ("", 3 * (1 + 2 + 1 + 2 + 1)),
+        ("-S vendor", 3 * (1 + 2 + 1 + 1)),
+        ("-t 0", 3 * (1 + 1 + 1)),
+        ("-V 0 -F 1", 1 + 2 + 2),
+    ],
+)
+def test_the_conv_bar_counts_every_convolution_of_the_run(capsys, bars, flags, total):
+    code, _, err = run(capsys, "conv", *PATCH, *flags.split())
+    assert code == 0, err
+    assert len(bars) == 1 and bars[0].desc == "conv"
+    assert bars[0].total == total and bars[0].n == total
+
+
+def test_progress_bars_only_when_stderr_is_a_terminal(capsys, monkeypatch, tmp_path):
+    problems = tmp_path / "problems.txt"
+    problems.write_text(" ".join(PATCH[:-4]) + " -F 1\n")
+    for argv in (["conv", *PATCH, "-F", "1"], ["tune", str(problems)]):
+        code, _, err = run(capsys, *argv)
+        assert code == 0 and err == "", err
+    monkeypatch.setattr(progress, "stderr_is_terminal", lambda: True)
+    code, out, err = run(capsys, "conv", *PATCH, "-F", "1")
+    assert code == 0 and "conv:" in err and "/7 " in err and "Verifies OK" in out
+    code, _, err = run(capsys, "tune", str(problems))
+    assert code == 0 and "find:" in err and "/1 " in err
+    code, _, err = run(capsys, "tune", str(problems), "--no-progress")
+    assert code == 0 and err == ""
+
+
+HEADLINE_BF16 = "-n 9500 -c 3 -H 14 -W 14 -k 1280 -y 14 -x 14 -u 14 -v 14 --dtype bf16".split()
+
+
+def test_a_long_cpu_run_is_announced_before_it_starts(capsys, monkeypatch):
+    def interrupted(*args):
+        raise KeyboardInterrupt  # stands for the first convolution of the run
+
+    monkeypatch.setattr(cli, "run_direction", interrupted)
+    code, out, err = run(capsys, "conv", *HEADLINE_BF16, "--device", "cpu")
+    assert code == 130
+    warning, interruption = err.strip().splitlines()
+    assert warning.startswith("gemmconv conv: warning: this run may take up to ")
+    assert "on the CPU" in warning and "--dtype fp32" in warning and "-i 1" in warning
+    assert interruption == "gemmconv conv: interrupted"
+    # The demo the README runs first is foreseen as short on the CPU: no warning.
+    code, out, err = run(capsys, "demo", "--device", "cpu")
+    assert code == 130 and err.strip() == "gemmconv demo: interrupted"
+
+
+def test_long_run_estimates():
+    from gemmconv.long_run import LONG_RUN_SECONDS, Calls, cpu_seconds, long_run_warning
+
+    args = cli.build_parser().parse_args(["conv", *HEADLINE_BF16])
+    problem = cli.problem_from_args(args, torch.device("cpu"))
+    gflop = problem.flops() / 1e9
+    assert cpu_seconds(problem, Calls(vendor=1)) == pytest.approx(gflop / 0.3)
+    assert cpu_seconds(problem, Calls(gemm=2, reference=1)) == pytest.approx(
+        2 * gflop / 10.0 + gflop / 5.0
+    )
+    on_gpu = cli.problem_from_args(args, torch.device("cuda"))
+    assert cpu_seconds(on_gpu, Calls(vendor=100)) == 0.0
+    assert long_run_warning(LONG_RUN_SECONDS, "x") is None
+    assert "up to 3 min" in long_run_warning(180.0, "shorten it")
+    assert "up to 2.5 h" in long_run_warning(9000.0, "shorten it")
 
 
 # ---- gemmconv bench -------------------------------------------------------------------------

@@ -5,6 +5,8 @@ include/exclude filters, and models that reshape their input first."""
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 
 import pytest
 import torch
@@ -173,6 +175,24 @@ def test_include_and_exclude_filters():
         gemmconv.convert(_mixed_model(), include=[3])
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"include": 3}, "include=3: expected a glob pattern (str), a list of them, or a "
+                         "callable (name, module) -> bool; got int"),
+        ({"exclude": 2.5}, "exclude=2.5: expected a glob pattern"),
+        ({"include": b"0"}, "include=b'0': expected a glob pattern (str)"),
+        ({"exclude": ["0", None]}, "got None (NoneType) among the patterns"),
+    ],
+)  # fmt: skip
+def test_a_filter_of_the_wrong_kind_is_refused_before_any_swap(kwargs, message):
+    model = _mixed_model()
+    with pytest.raises(TypeError) as error:
+        gemmconv.convert(model, **kwargs)
+    assert message in str(error.value)
+    assert type(model[0]) is torch.nn.Conv2d
+
+
 def test_revert_restores_torch_classes_and_convert_is_idempotent():
     model = _mixed_model()
     gemmconv.convert(model)
@@ -186,6 +206,27 @@ def test_revert_restores_torch_classes_and_convert_is_idempotent():
     assert gemmconv.revert(model) == ["0", "1.0", "2"]
     assert type(model[0]) is torch.nn.Conv2d and type(model[2]) is torch.nn.Conv2d
     assert "_gemmconv_last_input" not in vars(model[0])
+
+
+class _UnpicklerWithoutGemmconv(pickle.Unpickler):
+    """Loads a pickle as a process without gemmconv installed would: any gemmconv name fails."""
+
+    def find_class(self, module, name):
+        if module.split(".")[0] == "gemmconv":
+            raise pickle.UnpicklingError(f"the pickle needs {module}.{name}")
+        return super().find_class(module, name)
+
+
+def test_reverted_model_pickles_without_gemmconv_after_running():
+    model = _mixed_model()
+    x = torch.randn(2, 3, 16, 16)
+    gemmconv.convert(model)
+    _run_mixed(model, x)  # an eager forward records runtime state on each gemmconv module
+    gemmconv.revert(model)
+    data = pickle.dumps(model)
+    assert b"gemmconv" not in data
+    loaded = _UnpicklerWithoutGemmconv(io.BytesIO(data)).load()
+    torch.testing.assert_close(_run_mixed(loaded, x), _run_mixed(model, x), rtol=0, atol=0)
 
 
 class ReshapingPatchEmbed(torch.nn.Module):

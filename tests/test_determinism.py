@@ -1,5 +1,6 @@
 """Determinism: under torch.use_deterministic_algorithms(True) gemmconv runs only solvers
-whose results are bitwise reproducible run to run, and two runs are bitwise equal.
+whose results are bitwise reproducible run to run, and two runs are bitwise equal; no
+solver is chosen by timing, so two processes compute the same bits.
 
 Each solver declares ``deterministic`` (False for split reductions with atomics) and
 ``uses_cublas`` (cuBLAS is reproducible only with CUBLAS_WORKSPACE_CONFIG=:4096:8 or
@@ -8,6 +9,9 @@ Each solver declares ``deterministic`` (False for split reductions with atomics)
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -193,17 +197,101 @@ def test_a_nondeterministic_solver_is_refused_only_under_the_flag(nondeterminist
     assert dispatch.choose(problem).solver == nondeterministic.id
 
 
-def test_find_under_the_flag_skips_and_does_not_store_a_restricted_result(
-    nondeterministic, deterministic
-):
+@pytest.mark.parametrize("mode", ["find", "hybrid"])
+def test_under_the_flag_find_measures_and_stores_nothing(mode, deterministic):
+    """Timing noise must not choose: the estimate decides, and says why."""
     from gemmconv import finddb
 
     problem = _patch_problem()
+    with gemmconv.find_mode(mode):
+        choice = dispatch.choose(problem)
+    assert choice.source == "estimate" and choice.times_ms == {}
+    assert choice.solver == dispatch.decide(problem).solver
+    assert "not timed: torch.use_deterministic_algorithms is on" in choice.reason
+    assert finddb.get_db().lookup(problem.key(), finddb.identity_for("cpu")) is None
+
+
+@pytest.mark.parametrize("mode", ["find", "hybrid"])
+def test_under_the_flag_find_uses_a_stored_result(mode, deterministic):
+    from gemmconv import finddb
+
+    problem = _patch_problem()
+    identity = finddb.identity_for("cpu")
+    finddb.get_db().store(finddb.Record(problem.key(), identity, "im2col", {}, 2.0, 0))
+    with gemmconv.find_mode(mode):
+        choice = dispatch.choose(problem)
+    assert (choice.solver, choice.source) == ("im2col", "database")
+    assert "not timed" in choice.reason
+
+
+def test_under_the_flag_a_stored_solver_refused_by_it_is_not_used(nondeterministic, deterministic):
+    from gemmconv import finddb
+
+    problem = _patch_problem()
+    identity = finddb.identity_for("cpu")
+    finddb.get_db().store(finddb.Record(problem.key(), identity, nondeterministic.id, {}, 0.1, 0))
     with gemmconv.find_mode("find"):
         choice = dispatch.choose(problem)
-    assert choice.solver != nondeterministic.id
-    assert nondeterministic.id not in choice.times_ms
-    assert finddb.get_db().lookup(problem.key(), finddb.identity_for("cpu")) is None
+    assert choice.solver != nondeterministic.id and choice.source == "estimate"
+
+
+# ---- two processes ----------------------------------------------------------------
+
+# Each child: a fresh, empty find database, find mode, the flag on; every problem's
+# forward and gradients on seeded operands, saved for the parent to compare.
+_CHILD = """
+import sys, torch, gemmconv
+torch.use_deterministic_algorithms(True)
+gemmconv.set_find_mode("find")
+problems = {problems!r}
+results = []
+for i, (dims, c, k, size, kernel, stride, padding, channels_last) in enumerate(problems):
+    gen = torch.Generator().manual_seed(1000 + i)
+    x = torch.rand(2, c, *(size,) * dims, generator=gen) * 2 - 1
+    if channels_last:
+        x = x.movedim(1, -1).contiguous().movedim(-1, 1)
+    w = torch.rand(k, c, *(kernel,) * dims, generator=gen) * 2 - 1
+    b = torch.rand(k, generator=gen) * 2 - 1
+    leaves = [t.requires_grad_(True) for t in (x, w, b)]
+    conv = (gemmconv.conv1d, gemmconv.conv2d, gemmconv.conv3d)[dims - 1]
+    y = conv(*leaves, stride=stride, padding=padding)
+    y.backward(torch.rand(y.shape, generator=gen) * 2 - 1)
+    results.append([y.detach(), *(t.grad for t in leaves)])
+torch.save(results, sys.argv[1])
+"""
+
+# Problems where several solvers apply with close times and different summation
+# orders: without the rule, timing noise alone picks which one runs.
+TWO_PROCESS_PROBLEMS = [
+    (dims, c, k, size, kernel, stride, padding, channels_last)
+    for dims, size in ((1, 24), (2, 8), (3, 4))
+    for c, k in ((24, 16),)
+    for kernel, stride, padding in ((2, 2, 0), (1, 1, 0), (1, 2, 0), (3, 1, 1))
+    for channels_last in (False, True)
+    if not (dims == 1 and channels_last)
+]
+
+
+def test_two_processes_in_find_mode_compute_the_same_bits(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    code = _CHILD.format(problems=TWO_PROCESS_PROBLEMS)
+    children = []
+    for name in ("first", "second"):
+        env_child = {**env, "GEMMCONV_DB": str(tmp_path / f"{name}.sqlite")}
+        out = tmp_path / f"{name}.pt"
+        command = [sys.executable, "-c", code, str(out)]
+        children.append((out, subprocess.Popen(command, env=env_child, stderr=subprocess.PIPE)))
+    for _, child in children:
+        _, err = child.communicate(timeout=300)
+        assert child.returncode == 0, err.decode()
+    first, second = (torch.load(out) for out, _ in children)
+    differ = [
+        (problem, name)
+        for problem, a, b in zip(TWO_PROCESS_PROBLEMS, first, second, strict=True)
+        for name, x, y in zip(("y", "dx", "dw", "db"), a, b, strict=True)
+        if not _bitwise_equal(x, y)
+    ]
+    assert not differ, f"{len(differ)} results differ between the processes: {differ[:5]}"
 
 
 @pytest.mark.parametrize("config", ["", ":0:0", ":4096:8", ":16:8"])

@@ -4,8 +4,10 @@
   GEMMCONV_FIND_VERIFY=1) returns a wrong result during find is skipped, logged and
   never stored; the convolution still gives torch's answer.
 - A find database that is corrupt, locked past its timeout, on a read-only path, from
-  another gemmconv version or schema, or holding a bad row, degrades (a warning, a
-  miss) and the convolution still gives torch's answer.
+  another gemmconv version or schema, another application's sqlite file, or holding
+  a bad row, degrades (a warning, a miss) and the convolution still gives torch's
+  answer; a file that is not gemmconv's, or of another schema, is never written, and
+  a read-only one is still read.
 - Eight processes selecting and writing at once for STRESS_SECONDS all finish, and
   the file opens afterwards with every row each of them wrote, whole.
 """
@@ -262,16 +264,21 @@ def test_a_path_that_cannot_hold_a_database_degrades_to_memory(where, tmp_path, 
     assert finddb.get_db().in_memory
 
 
-def test_a_read_only_database_file_degrades_to_memory(tmp_path, monkeypatch):
+def test_a_read_only_database_is_used_and_never_written(tmp_path, monkeypatch):
     """A file sqlite may read but not write (a shared, read-only cache): simulated with
-    sqlite's own read-only open, since root ignores file permissions."""
+    sqlite's own read-only open, since root ignores file permissions (test_finddb has
+    real file modes). Its rows decide, nothing is stored, one warning."""
     path = tmp_path / "find.sqlite"
-    _database_with_rows(path)
+    forward = _patch_problems()[0]
+    db = FindDb(path)
+    db.store(Record(forward.key(), finddb.identity_for("cpu"), "im2col", {}, 1.0, 0))
+    db.close()
+    before = path.read_bytes()
     real_connect = sqlite3.connect
 
     def read_only(database, *args, **kwargs):
         if str(database) == str(path):
-            return real_connect(f"file:{path}?mode=ro", *args, uri=True, **kwargs)
+            database, kwargs["uri"] = f"file:{path}?mode=ro", True
         return real_connect(database, *args, **kwargs)
 
     monkeypatch.setattr(finddb.sqlite3, "connect", read_only)
@@ -279,7 +286,12 @@ def test_a_read_only_database_file_degrades_to_memory(tmp_path, monkeypatch):
     with warnings.catch_warnings(record=True) as seen, gemmconv.find_mode("hybrid"):
         warnings.simplefilter("always")
         _conv_matches_torch()
-    assert any(issubclass(w.category, FindDbWarning) for w in seen), [str(w) for w in seen]
+        assert dispatch.choose(forward).source == "database"
+        assert dispatch.choose(forward).solver == "im2col"
+    found = [str(w.message) for w in seen if issubclass(w.category, FindDbWarning)]
+    assert len(found) == 1 and "read-only" in found[0], found
+    assert path.read_bytes() == before
+    assert [r.problem for r in FindDb(path).records()] == [forward.key()]
 
 
 def test_rows_of_another_gemmconv_version_are_ignored():
@@ -297,33 +309,68 @@ def test_rows_of_another_gemmconv_version_are_ignored():
     assert all(r.solver != "solver_from_the_past" for r in records if r.identity == here)
 
 
-def test_a_database_of_another_schema_is_moved_aside(tmp_path):
+NOT_OURS = {
+    "newer_schema": (
+        [
+            "CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
+            f"INSERT INTO meta VALUES ('{finddb.MARKER[0]}', '{finddb.MARKER[1]}')",
+            "INSERT INTO meta VALUES ('schema', '999')",
+        ],
+        "schema version '999'",
+    ),
+    "another_application": (
+        [
+            "CREATE TABLE bookmarks (url TEXT, title TEXT)",
+            "INSERT INTO bookmarks VALUES ('https://pytorch.org', 'PyTorch')",
+        ],
+        "not a gemmconv find database",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(NOT_OURS))
+def test_a_file_that_is_not_a_database_of_this_release_is_left_untouched(kind, tmp_path):
+    """Neither read, nor written, nor moved aside: one warning, and the convolution runs."""
+    statements, message = NOT_OURS[kind]
     path = tmp_path / "find.sqlite"
     conn = sqlite3.connect(path)
-    conn.execute("CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)")
-    conn.execute("INSERT INTO meta VALUES ('schema', '999')")
+    for statement in statements:
+        conn.execute(statement)
     conn.commit()
     conn.close()
-    with pytest.warns(FindDbWarning), gemmconv.find_mode("hybrid"):
+    before = path.read_bytes()
+    with pytest.warns(FindDbWarning, match=message) as caught, gemmconv.find_mode("hybrid"):
         _conv_matches_torch()
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["find.sqlite"]
 
 
-def test_a_bad_row_is_a_miss_not_an_error():
-    """A row whose config is not JSON (written by hand, or by a broken tool)."""
+@pytest.mark.parametrize(
+    "column, value", [("time_ms", "fast"), ("config", "{not json"), ("workspace_bytes", -1)]
+)
+def test_a_row_that_does_not_parse_is_a_miss_with_one_warning(column, value):
+    """Rows written by hand, or by a broken tool, for every direction of the problem."""
     identity = finddb.identity_for("cpu")
     db = finddb.get_db()
     db.store(Record("unrelated", identity, "vendor", {}, 1.0, 0))
     conn = sqlite3.connect(os.environ["GEMMCONV_DB"])
     for p in _patch_problems():
+        row = {"solver": "im2col", "config": "{}", "time_ms": 0.1, "workspace_bytes": 0}
+        row[column] = value
         conn.execute(
             "INSERT OR REPLACE INTO find VALUES (?,?,?,?,?,?,?,?,?,?)",
-            (p.key(), *identity.values(), "patch", "{not json", 0.1, 0, time.time()),
+            (p.key(), *identity.values(), *row.values(), time.time()),
         )
     conn.commit()
     conn.close()
-    with warnings.catch_warnings(record=True), gemmconv.find_mode("database"):
+    with warnings.catch_warnings(record=True) as seen, gemmconv.find_mode("database"):
         warnings.simplefilter("always")
         _conv_matches_torch()
+        for p in _patch_problems():
+            assert dispatch.choose(p).source == "estimate"
+    found = [str(w.message) for w in seen if issubclass(w.category, FindDbWarning)]
+    assert len(found) == 3 and all("does not parse" in m for m in found), found
 
 
 # ---- eight processes at once ---------------------------------------------------------

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import itertools
 import zlib
 
 import pytest
@@ -20,11 +21,13 @@ import gemmconv
 from gemmconv import ConvProblem, ConvTensors, Direction, Layout, get_solver
 from gemmconv.device_rates import CPU, H200
 from gemmconv.dispatch import decide
+from gemmconv.memory_format import empty_in
 from gemmconv.solvers import SOLVERS
 from gemmconv.solvers.base import INT32_MAX
 from gemmconv.verify import reference, rms_range, tolerance
 
-from solver_cases import GEOMETRIES, Geometry, operands, problem_for
+from conftest import random_in
+from solver_cases import GEOMETRIES, Geometry, nan_output, operands, problem_for
 
 TORCH_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 GEMMCONV_CONV = {1: gemmconv.conv1d, 2: gemmconv.conv2d, 3: gemmconv.conv3d}
@@ -251,6 +254,32 @@ def test_empty_tensors_give_torchs_shapes_and_gradients(label, dims, layout):
         torch.testing.assert_close(ours, theirs, msg=name)
 
 
+def _strides_that_address(t: torch.Tensor) -> tuple:
+    """The strides of the dimensions longer than 1 (the others address nothing)."""
+    return tuple(st if n != 1 else None for st, n in zip(t.stride(), t.shape))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=str)
+@pytest.mark.parametrize("dims", (1, 2, 3))
+def test_empty_batch_output_has_torchs_strides(dims, dtype):
+    """torch computes an empty batch apart from its convolution backends, and its
+    output is contiguous unless the output has the input's shape (then it keeps the
+    input's layout), whatever the weight's layout or the dtype."""
+    gen = torch.Generator().manual_seed(dims)
+    # (channels, output channels, kernel, stride): a patch, and a pointwise as wide as its input.
+    for c, k, r, u in ((3, 4, 2, 2), (3, 3, 1, 1)):
+        for x_layout, w_layout in itertools.product(Layout, Layout):
+            x = empty_in((0, c, *(6,) * dims), x_layout, dtype, "cpu")
+            w = random_in((k, c, *(r,) * dims), w_layout, dtype, "cpu", gen)
+            ours = GEMMCONV_CONV[dims](x, w, stride=u)
+            theirs = TORCH_CONV[dims](x, w, stride=u)
+            assert ours.shape == theirs.shape
+            assert _strides_that_address(ours) == _strides_that_address(theirs), (
+                f"c={c} k={k} kernel={r} input {x_layout.value}, weight {w_layout.value}: "
+                f"{ours.stride()} vs torch's {theirs.stride()}"
+            )
+
+
 @pytest.mark.parametrize("direction", DIRECTIONS, ids=lambda d: d.value)
 def test_empty_batch_goes_to_the_vendor_path(direction):
     problem = ConvProblem.from_sizes(0, 3, 8, (224, 224), 16, stride=16, direction=direction)
@@ -274,6 +303,31 @@ def test_empty_batch_runs_on_every_direction_through_the_vendor():
         assert tuple(result.shape) == expected
         if direction is Direction.BACKWARD_WEIGHTS:
             assert torch.equal(result, torch.zeros(expected)), "a sum over no samples is zero"
+
+
+# ---- strides near 64 bits -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stride", (2**62, 2**63 - 1), ids=("2^62", "2^63-1"))
+@pytest.mark.parametrize("kernel", (1, 3))
+@pytest.mark.parametrize("dims", (1, 2, 3))
+def test_a_stride_near_64_bits_runs_in_every_solver(dims, kernel, stride):
+    """torch takes any stride that fits in 64 bits. With one output position per
+    dimension the stride is never taken, so no solver may build a view whose strides
+    are that stride times an element stride (which overflows)."""
+    base = ConvProblem.from_sizes(2, 4, 6, (6,) * dims, kernel, stride=stride, dtype=torch.float64)
+    ran = set()
+    for direction in DIRECTIONS:
+        problem = base.with_direction(direction)
+        tensors = operands(problem, "cpu", seed=dims * 10 + kernel)
+        expected = reference(problem, tensors)
+        for solver in SOLVERS:
+            if solver.not_supported_reasons(problem):
+                continue
+            result = solver.run(problem, tensors, out=nan_output(problem, "cpu"))
+            torch.testing.assert_close(result, expected, msg=f"{solver.id} {direction.value}")
+            ran.add(solver.id)
+    assert "im2col" in ran and (kernel != 1 or "strided_pointwise" in ran), ran
 
 
 # ---- operands past 32-bit indexing --------------------------------------------------

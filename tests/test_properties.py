@@ -3,8 +3,9 @@
 Every example is a ConvCase (tests/random_conv.py): 1-D/2-D/3-D, both layouts, random
 stride, padding (integers, 'same', 'valid'), dilation and groups, fp32 and fp64,
 non-contiguous views of the input, weight, bias and output gradient. Each is checked
-against a float64 reference through the public functions, through every solver that
-accepts it, and through the nn modules. Runs are deterministic (derandomize, no
+against a float64 reference through the public functions (also in each selection
+mode: immediate, database, find, hybrid), through every solver that accepts it, and
+through the nn modules. Runs are deterministic (derandomize, no
 example database), so CI runs the same few hundred examples every time; an example
 that ever fails is kept in test_regressions.py.
 """
@@ -24,7 +25,7 @@ from hypothesis import strategies as st
 
 import gemmconv
 import gemmconv.nn
-from gemmconv import Direction, get_solver
+from gemmconv import Direction, dispatch, find, finddb, get_solver
 from random_conv import (
     CF,
     CL,
@@ -192,6 +193,44 @@ def conv_cases(draw, integer_padding_only: bool = False, kinds=KINDS):
 @given(conv_cases())
 def test_conv_matches_torch_forward_and_every_gradient(case: ConvCase):
     check_against_torch(case)
+
+
+@pytest.mark.parametrize("mode", ["immediate", "database", "find", "hybrid"])
+def test_conv_matches_torch_in_every_selection_mode(mode, tmp_path, monkeypatch):
+    """The same property through each selection mode, on a private find database.
+
+    find and hybrid run the real find (random operands of each problem, every
+    candidate timed) with one timed repetition per candidate, so the CPU can afford
+    it; database mode reads what a find stored for the same case just before."""
+    monkeypatch.setenv("GEMMCONV_DB", str(tmp_path / "find.sqlite"))
+    monkeypatch.setattr(find, "REPS", {**find.REPS, "cpu": (0, 1)})
+    finddb.reset_db()
+    choices: list[dispatch.Choice] = []
+    choose = dispatch.choose
+
+    def recorded(*args, **kwargs):
+        choices.append(choose(*args, **kwargs))
+        return choices[-1]
+
+    monkeypatch.setattr(dispatch, "choose", recorded)
+
+    @_settings(40)
+    @given(conv_cases())
+    def check(case: ConvCase) -> None:
+        if mode == "database":
+            with gemmconv.find_mode("find"):
+                check_against_torch(case)
+            dispatch.clear_cache()
+        with gemmconv.find_mode(mode):
+            check_against_torch(case)
+
+    try:
+        check()
+    finally:
+        finddb.reset_db()
+    sources = {c.source for c in choices if c.mode == mode}
+    expected = {"immediate": "estimate", "database": "database", "find": "find", "hybrid": "find"}
+    assert expected[mode] in sources, sources
 
 
 @_settings(120)

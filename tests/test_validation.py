@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -199,6 +200,56 @@ BAD_CALLS = [
         lambda d: {"input": [[1.0]], "weight": w_of(d)},
         lambda d: ["input is a list", "torch.Tensor"],
     ),
+    BadCall(
+        "bool_operands",
+        lambda d: {"input": x_of(d).bool(), "weight": w_of(d).bool()},
+        lambda d: ["input dtype torch.bool", "expected one of float16"],
+    ),
+    BadCall(
+        "bool_input_float_weight",
+        lambda d: {"input": x_of(d).bool(), "weight": w_of(d)},
+        lambda d: ["input dtype torch.bool", "expected one of float16"],
+    ),
+    BadCall(
+        "bool_operands_float_bias",
+        lambda d: {"input": x_of(d).bool(), "weight": w_of(d).bool(), "bias": torch.randn(6)},
+        lambda d: ["bias dtype torch.float32", "input dtype torch.bool", "same dtype"],
+    ),
+    BadCall(
+        "stride_past_64_bits",
+        lambda d: _same(d, stride=2**63),
+        lambda d: [f"stride={2**63}", "64 bits", "[-2**63, 2**63 - 1]"],
+    ),
+    BadCall(
+        "padding_past_64_bits_negative",
+        lambda d: _same(d, padding=-(2**63) - 1),
+        lambda d: [f"padding={-(2**63) - 1}", "64 bits"],
+    ),
+    BadCall(
+        "stride_past_64_bits_in_a_tuple",
+        lambda d: _same(d, stride=(1,) * (d - 1) + (2**63,)),
+        lambda d: [f"stride={2**63}", "64 bits"],
+    ),
+    BadCall(
+        "groups_past_64_bits",
+        lambda d: _same(d, groups=2**64),
+        lambda d: [f"groups={2**64}", "64 bits"],
+    ),
+    BadCall(
+        "sparse_input",
+        lambda d: {"input": x_of(d).to_sparse(), "weight": w_of(d)},
+        lambda d: ["input has layout torch.sparse_coo", "expected a dense tensor"],
+    ),
+    BadCall(
+        "sparse_weight",
+        lambda d: {"input": x_of(d), "weight": w_of(d).to_sparse()},
+        lambda d: ["weight has layout torch.sparse_coo", "expected a dense tensor"],
+    ),
+    BadCall(
+        "sparse_bias",
+        lambda d: _same(d, bias=torch.randn(6).to_sparse()),
+        lambda d: ["bias has layout torch.sparse_coo", "expected a dense tensor"],
+    ),
 ]
 
 
@@ -250,20 +301,20 @@ def test_explain_refuses_the_same_calls(case: BadCall, d: int, no_kernel_runs):
 
 
 @pytest.mark.parametrize("d", DIMS)
-@pytest.mark.parametrize("which", ["weight", "bias"])
-def test_device_mismatch(d: int, which: str, no_kernel_runs):
-    """torch raises RuntimeError for operands on different devices (cpu vs cuda; checked
-    on a GPU in test_device_mismatch_matches_torch_on_cuda). torch lets a CPU input
-    meet a meta weight, but gemmconv cannot run that, so it refuses with the same type."""
-    x, w, b = x_of(d), w_of(d), torch.randn(6)
-    if which == "weight":
-        w = w.to("meta")
-    else:
-        b = b.to("meta")
-    with pytest.raises(RuntimeError) as caught:
-        GEMMCONV_CONV[d](x, w, b)
-    message = str(caught.value)
-    assert f"{which} is on meta" in message and "input is on cpu" in message, message
+@pytest.mark.parametrize("on_meta", [("weight",), ("bias",), ("weight", "bias"), ("input",)])
+def test_a_meta_operand_gives_torchs_result_on_the_inputs_device(d: int, on_meta: tuple):
+    """torch runs a convolution with a meta operand on its meta kernel: the result has
+    the right shape and strides, on the input's device, and no values (meta data)."""
+    tensors = {"input": x_of(d), "weight": w_of(d), "bias": torch.randn(6)}
+    tensors = {name: t.to("meta") if name in on_meta else t for name, t in tensors.items()}
+    expected = TORCH_CONV[d](**tensors, stride=2)
+    got = GEMMCONV_CONV[d](**tensors, stride=2)
+    assert got.device == expected.device == tensors["input"].device
+    assert (got.shape, got.stride(), got.dtype) == (
+        expected.shape,
+        expected.stride(),
+        expected.dtype,
+    )
 
 
 @pytest.mark.gpu
@@ -323,6 +374,12 @@ def _accepted_calls(d: int) -> dict[str, dict]:
             "padding": 2,
         },
         "groups_numpy_style_index": _same(d, groups=torch.tensor(1)),
+        "groups_numpy_int": _same(d, groups=np.int64(1)),
+        "stride_numpy_int": _same(d, stride=np.int64(2)),
+        "dilation_numpy_int": _same(d, dilation=np.int32(2)),
+        "padding_zero_dim_tensor": _same(d, padding=torch.tensor(1)),
+        "stride_tuple_of_indexables": _same(d, stride=(np.int64(2), *[torch.tensor(1)] * (d - 1))),
+        "stride_largest_64_bit": _same(d, stride=2**63 - 1),
     }
 
 

@@ -9,10 +9,13 @@ For every case x layout x direction, in one process on one device:
             the cost model's own (immediate) choice is recorded beside it;
 - floor:    max(flops / matrix rate, bytes / bandwidth), both rates measured in the
             same run (a large matmul in the row's math mode; a large device copy).
-Every time is gemmconv.timing.time_ms: CUDA events, warm-up, median, L2 flushed.
+Every time is gemmconv.timing.time_ms: warm-up, median; CUDA events with the L2
+flushed on a GPU, time.perf_counter on the CPU.
 
 `gemmconv bench` and bench/run_suite.py call main(); --quick runs tiny shapes (the
-CPU test suite uses it), --cases/--layouts/--directions filter the rows.
+CPU test suite uses it), --cases/--layouts/--directions/--dtypes filter the rows.
+Results go to ./gemmconv-bench unless --out names a folder (bench/results holds the
+committed runs, written only when named).
 """
 
 from __future__ import annotations
@@ -30,12 +33,15 @@ import torch
 import torch.nn.functional as F
 
 from gemmconv import dispatch
+from gemmconv.long_run import Calls, cpu_seconds, long_run_warning
 from gemmconv.memory_format import Layout, empty_in
 from gemmconv.precision import conv_gemm_precision
 from gemmconv.problem import ConvProblem, Direction, dtype_name
+from gemmconv.progress import progress_bar
 from gemmconv.solvers import SOLVERS, ConvTensors
 from gemmconv.solvers.vendor import VendorSolver
 from gemmconv.timing import time_ms
+from gemmconv.usage import Parser, UsageError, report_usage_error
 from gemmconv.verify import judge, reference
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -106,13 +112,27 @@ SUITE: tuple[BenchCase, ...] = (
 
 
 def suite_cases(names: Sequence[str] | None = None) -> list[BenchCase]:
+    return select_named(SUITE, names, "cases")
+
+
+def select_named(items: Sequence, names: Sequence[str] | None, argument: str) -> list:
+    """The ``items`` called ``names`` (by their ``.name``), in that order; all of them
+    when ``names`` is empty. An unknown name is a ValueError naming ``argument``."""
     if not names:
-        return list(SUITE)
-    known = {c.name: c for c in SUITE}
+        return list(items)
+    known = {item.name: item for item in items}
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"cases={unknown}: unknown; expected names from {', '.join(known)}")
+        raise ValueError(f"{argument}={unknown}: unknown; expected names from {', '.join(known)}")
     return [known[n] for n in names]
+
+
+def bench_device(requested: str | None) -> torch.device:
+    """The device a benchmark command runs on: ``requested``, else CUDA when available."""
+    device = torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device=cuda: no CUDA device is available")
+    return device
 
 
 # ---- rates measured in the run -----------------------------------------------
@@ -470,6 +490,27 @@ def environment(device: torch.device) -> dict:
     return env
 
 
+Plan = list[tuple[BenchCase, str, Layout, Direction]]
+
+
+def suite_plan(
+    cases: Sequence[BenchCase],
+    layouts: Sequence[Layout],
+    directions: Sequence[Direction],
+    dtypes: Sequence[str] | None = None,
+) -> Plan:
+    """The rows to run, in order: (case, dtype, layout, direction); a case runs only
+    the dtypes it lists, filtered by ``dtypes``."""
+    return [
+        (case, dtype_key, layout, direction)
+        for case in cases
+        for dtype_key in case.dtypes
+        if dtypes is None or dtype_key in dtypes
+        for layout in layouts
+        for direction in directions
+    ]
+
+
 def run_suite(
     cases: Sequence[BenchCase],
     layouts: Sequence[Layout],
@@ -482,17 +523,21 @@ def run_suite(
     log: Callable[[str], None] = print,
     on_row: Callable[[dict], None] | None = None,
     time_budget_s: float | None = None,
+    advance: Callable[[], None] | None = None,
 ) -> dict:
     """Every row of the suite; ``on_row`` sees the results so far after each row (so a
-    run cut short still leaves them), and no new row starts once ``time_budget_s`` has
-    passed (the results then say ``truncated``)."""
+    run cut short still leaves them), ``advance`` is called once per row run or
+    failed, and no new row starts once ``time_budget_s`` has passed (the results then
+    say ``truncated``)."""
+    from gemmconv.bench_report import rate_text
+
     started = time.time()
-    wanted = [d for c in cases for d in c.dtypes if dtypes is None or d in dtypes]
-    row_dtypes = sorted(set(wanted), key=list(DTYPES).index)
+    plan = suite_plan(cases, layouts, directions, dtypes)
+    row_dtypes = sorted({dtype_key for _, dtype_key, _, _ in plan}, key=list(DTYPES).index)
     rates = measure_rates(device, row_dtypes, quick, timing)
     log(
         "rates: "
-        + ", ".join(f"{k} {v:.1f} TFLOP/s" for k, v in rates.matrix_tflops.items())
+        + ", ".join(f"{k} {rate_text(v)}" for k, v in rates.matrix_tflops.items())
         + f", copy {rates.bandwidth_gbs:.0f} GB/s"
     )
     results = {
@@ -504,14 +549,6 @@ def run_suite(
         "truncated": False,
         "rows": [],
     }
-    plan = [
-        (case, dtype_key, layout, direction)
-        for case in cases
-        for dtype_key in case.dtypes
-        if dtypes is None or dtype_key in dtypes
-        for layout in layouts
-        for direction in directions
-    ]
     for case, dtype_key, layout, direction in plan:
         if time_budget_s is not None and time.time() - started > time_budget_s:
             results["truncated"] = True
@@ -526,10 +563,14 @@ def run_suite(
             label = f"{case.name}/{layout.value}/{_direction_name(direction)}/{dtype_key}"
             results.setdefault("errors", []).append(f"{label}: {type(exc).__name__}: {exc}")
             log(f"{label}: FAILED: {type(exc).__name__}: {exc}")
+            if advance is not None:
+                advance()
             continue
         results["rows"].append(row)
         results["seconds"] = time.time() - started
         log(_row_line(row))
+        if advance is not None:
+            advance()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if on_row is not None:
@@ -550,23 +591,41 @@ def _row_line(r: dict) -> str:
 
 # ---- command line ------------------------------------------------------------
 
+DEFAULT_OUT = "gemmconv-bench"
+
+_EPILOG = f"""\
+Result files (STEM.json, STEM.md and, with matplotlib, STEM.png) go to
+./{DEFAULT_OUT} in the working directory unless --out names another folder; the
+committed runs in a checkout's bench/results are written only when --out names that
+folder. A bad flag or value is one line on stderr and exit status 2; a row or a
+solver that fails is exit status 1.
+"""
+
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="gemmconv bench", description=__doc__.split("\n")[0])
+    ap = Parser(
+        prog="gemmconv bench",
+        description="The side-by-side benchmark suite: vendor, the reshape + F.linear "
+        "rewrite, gemmconv and the roofline floor, per case, layout and direction.",
+        epilog=_EPILOG,
+    )
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions")
-    ap.add_argument(
-        "--cases", default="", help=f"comma list from {','.join(c.name for c in SUITE)}"
-    )
+    case_names = ",".join(c.name for c in SUITE)
+    ap.add_argument("--cases", default="", help=f"comma list from {case_names} (default: all)")
     ap.add_argument("--layouts", default="cf,cl", help="comma list of cf, cl")
-    ap.add_argument("--directions", default="fwd,bwd_data,bwd_weights")
-    ap.add_argument("--dtypes", default="", help="comma list of bf16, fp16, fp32 (default: all)")
-    ap.add_argument("--out", default="bench/results", help="directory for the result files")
+    ap.add_argument(
+        "--directions", default="fwd,bwd_data,bwd_weights", help="comma list of directions"
+    )
+    ap.add_argument(
+        "--dtypes", default="", help="comma list of bf16, fp16, fp32 (default: each case's own)"
+    )
+    ap.add_argument("--out", default=DEFAULT_OUT, help="folder for the result files")
     ap.add_argument("--name", default=None, help="file stem (default: from the device name)")
-    ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed calls (default 3, quick 1)")
+    ap.add_argument("--reps", type=int, default=None, help="timed calls (default 20, quick 3)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the first row's operands")
+    ap.add_argument("--no-plot", action="store_true", help="no png")
     ap.add_argument(
         "--time-budget", type=float, default=None, help="seconds after which no row starts"
     )
@@ -577,42 +636,115 @@ def _pick(text: str, table: dict, what: str) -> list:
     names = [v for v in text.split(",") if v]
     bad = [v for v in names if v not in table]
     if bad:
-        raise SystemExit(
-            f"--{what}={text!r}: unknown {bad}; expected a comma list of {list(table)}"
+        raise UsageError(
+            f"--{what} {text}: unknown {', '.join(bad)}; expected a comma list of "
+            + ", ".join(table)
         )
     return [table[v] for v in names]
 
 
+def _bench_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {name}: expected cpu or cuda (cuda:N for one GPU)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: no CUDA device is available")
+    return device
+
+
+def _check_counts(args) -> None:
+    for flag, value, least in (("--warmup", args.warmup, 0), ("--reps", args.reps, 1)):
+        if value is not None and value < least:
+            raise UsageError(f"{flag} {value}: expected a value >= {least}")
+    if args.time_budget is not None and not args.time_budget >= 0:
+        raise UsageError(f"--time-budget {args.time_budget}: expected seconds >= 0")
+
+
+def _dtype_notes(cases: Sequence[BenchCase], dtypes: Sequence[str] | None) -> list[str]:
+    """For each selected case that has none of the selected dtypes, why it runs no row."""
+    if dtypes is None:
+        return []
+    return [
+        f"{c.name} has no {'/'.join(dtypes)} rows (its dtypes: {', '.join(c.dtypes)})"
+        for c in cases
+        if not set(c.dtypes) & set(dtypes)
+    ]
+
+
+def _foreseen_cpu_seconds(plan: Plan, quick: bool, timing: dict) -> float:
+    """The run's rows at the CPU rates of gemmconv.long_run: per row the reference,
+    the vendor (checked, then timed), the rewrite and every applicable solver."""
+    each = 1 + timing["warmup"] + timing["reps"]
+    cpu = torch.device("cpu")
+    seconds = 0.0
+    for case, dtype_key, layout, direction in plan:
+        shape = case.tiny if quick else case.full
+        p = make_problem(shape, layout, DTYPES[dtype_key], cpu, direction)
+        gemm_solvers = sum(s.is_applicable(p) and s.id != "vendor" for s in SOLVERS)
+        calls = Calls(gemm=each * (gemm_solvers + 1) + 1, vendor=2 * each, reference=1)
+        seconds += cpu_seconds(p, calls)
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except UsageError as e:
+        return report_usage_error(e, "gemmconv bench")
+
+
+def _main(argv: list[str] | None) -> int:
     from gemmconv.bench_report import default_stem, write_results
 
     args = _parser().parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device=cuda: no CUDA device is available")
+    _check_counts(args)
+    device = _bench_device(args.device)
     if device.type == "cuda":
-        torch.cuda.set_device(torch.device(device).index or 0)
-    cases = suite_cases([c for c in args.cases.split(",") if c])
+        torch.cuda.set_device(device.index or 0)
+    cases = _pick(args.cases, {c.name: c for c in SUITE}, "cases") or list(SUITE)
     layouts = _pick(args.layouts, LAYOUT_NAMES, "layouts")
     directions = _pick(args.directions, DIRECTION_NAMES, "directions")
     dtypes = [d for d in args.dtypes.split(",") if d] or None
     if dtypes:
-        _pick(",".join(dtypes), DTYPES, "dtypes")
+        _pick(args.dtypes, DTYPES, "dtypes")
+    plan = suite_plan(cases, layouts, directions, dtypes)
+    notes = _dtype_notes(cases, dtypes)
+    if not plan:
+        why = "; ".join(notes) or "--layouts or --directions selects nothing"
+        raise UsageError(f"no rows to run: {why}")
+    for note in notes:
+        print(f"note: {note}")
     timing = {
         "warmup": args.warmup if args.warmup is not None else (1 if args.quick else 3),
         "reps": args.reps if args.reps is not None else (3 if args.quick else 20),
     }
+    if device.type == "cpu":
+        warning = long_run_warning(
+            _foreseen_cpu_seconds(plan, args.quick, timing),
+            "shorten it with --quick, fewer --cases, or --reps 3",
+        )
+        if warning is not None:
+            print(f"gemmconv bench: {warning}", file=sys.stderr)
     stem = args.name or default_stem(environment(device)["device"])
 
     def save_so_far(partial: dict) -> None:
         write_results(partial, args.out, stem, plot_it=False)
 
-    results = run_suite(cases, layouts, directions, device, args.quick, timing, dtypes,
-                        args.seed, on_row=save_so_far,
-                        time_budget_s=args.time_budget)  # fmt: skip
+    with progress_bar(len(plan), desc="bench", unit="row") as bar:
+        results = run_suite(cases, layouts, directions, device, args.quick, timing, dtypes,
+                            args.seed, log=bar.write, on_row=save_so_far,
+                            time_budget_s=args.time_budget,
+                            advance=bar.update)  # fmt: skip
     paths = write_results(results, args.out, stem, plot_it=not args.no_plot)
     for path in paths:
         print(f"wrote {path}")
+    if not args.no_plot and results["rows"] and not any(p.suffix == ".png" for p in paths):
+        print("no png: matplotlib is not installed (pip install 'gemmconv[bench]')")
     report = paths[1].read_text()
     print(report[report.index("## Targets") :], end="")
     bad = [r for r in results["rows"] for c in r["candidates"].values() if not c["ok"]]
@@ -623,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if bad or results.get("errors") else 0
 
 
-__all__ = ["SUITE", "BenchCase", "main", "run_suite", "suite_cases"]
+__all__ = ["SUITE", "BenchCase", "main", "run_suite", "suite_cases", "suite_plan"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

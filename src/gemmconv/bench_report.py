@@ -32,6 +32,49 @@ def default_stem(device_name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-") or "device"
 
 
+def rate_text(tflops: float) -> str:
+    """A matrix rate in the unit that shows it: TFLOP/s on a GPU, GFLOP/s on a CPU
+    (where one decimal of a TFLOP/s would read 0.0)."""
+    if tflops >= 1.0:
+        return f"{tflops:.1f} TFLOP/s"
+    return f"{tflops * 1e3:.3g} GFLOP/s"
+
+
+def on_cpu(results: dict) -> bool:
+    return results["device"] == "cpu"
+
+
+def vendor_name(results: dict) -> str:
+    """What the vendor column ran: cuDNN through aten on a GPU, aten's own CPU kernels."""
+    return "aten CPU" if on_cpu(results) else "cuDNN"
+
+
+def _versions_text(results: dict) -> str:
+    if on_cpu(results):
+        return (
+            f"torch {results['torch']} (CPU), triton {results['triton']}, "
+            f"gemmconv {results['gemmconv']}"
+        )
+    return (
+        f"torch {results['torch']}, cuDNN {results['cudnn']}, CUDA {results['cuda']}, "
+        f"triton {results['triton']}, gemmconv {results['gemmconv']}"
+    )
+
+
+def _timing_text(results: dict) -> str:
+    how = "time.perf_counter, no cache flush" if on_cpu(results) else "CUDA events, L2 flushed"
+    timing = results["timing"]
+    return f"Times are medians in ms ({how}, warm-up {timing['warmup']}, {timing['reps']} reps)."
+
+
+def _no_rows_reason(results: dict) -> str:
+    if results.get("truncated"):
+        return "the time budget was spent before the first row"
+    if results.get("errors"):
+        return "every row failed (ROW FAILED below)"
+    return "the selection holds no row"
+
+
 def summary(results: dict) -> dict:
     rows = results["rows"]
     ratios = [r["floor_ratio"] for r in rows]
@@ -75,16 +118,15 @@ def markdown(results: dict, stats: dict) -> str:
     lines = [
         f"# gemmconv benchmark: {results['device']}",
         "",
-        f"torch {results['torch']}, cuDNN {results['cudnn']}, CUDA {results['cuda']}, "
-        f"triton {results['triton']}, gemmconv {results['gemmconv']}"
+        _versions_text(results)
         + (" — QUICK (tiny shapes, not a measurement)" if results.get("quick") else "")
         + (" — TRUNCATED (time budget spent; rows missing)" if results.get("truncated") else ""),
         "",
         "Measured in the same run: "
-        + ", ".join(f"{k} {v:.1f} TFLOP/s" for k, v in results["rates"]["matrix_tflops"].items())
+        + ", ".join(f"{k} {rate_text(v)}" for k, v in results["rates"]["matrix_tflops"].items())
         + f"; device copy {results['rates']['bandwidth_gbs']:.0f} GB/s (read + write). "
-        f"Times are medians in ms (CUDA events, L2 flushed, warm-up "
-        f"{results['timing']['warmup']}, {results['timing']['reps']} reps). "
+        + _timing_text(results)
+        + f" vendor = {vendor_name(results)}; "
         "floor = max(flops / matrix rate, bytes / bandwidth); 'x vendor' and 'x linear' are "
         "speed-ups of gemmconv (find's choice); 'floor/g' is floor / gemmconv time.",
         "",
@@ -120,7 +162,7 @@ def markdown(results: dict, stats: dict) -> str:
     lines += ["", "## Targets", ""]
     g = stats["floor_ratio_geomean"]
     if g is None:
-        lines.append("- no rows were run")
+        lines.append(f"- no rows were run: {_no_rows_reason(results)}")
     else:
         lines.append(
             f"- geometric mean of floor/gemmconv: {g:.3f} (target >= {FLOOR_GEOMEAN}); "
@@ -159,10 +201,21 @@ def plot(results: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    fig = speedup_figure(results)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return True
+
+
+def speedup_figure(results: dict):
+    """The plot's matplotlib Figure. The legend sits below the axes, outside them, so
+    it can cover no bar whatever the speed-ups are."""
+    import matplotlib.pyplot as plt
+
     rows = results["rows"]
     labels = [_label(r) for r in rows]
     ys = range(len(rows))
-    fig, ax = plt.subplots(figsize=(9, 0.22 * len(rows) + 1.5))
+    fig, ax = plt.subplots(figsize=(9, 0.22 * len(rows) + 2.0), layout="constrained")
     ax.barh(ys, [r["speedup_vs_vendor"] for r in rows], color="tab:blue", label="gemmconv")
     ax.scatter([r["vendor_ms"] / r["linear_ms"] for r in rows], ys, marker="o", s=12,
                color="tab:orange", label="reshape + linear", zorder=3)  # fmt: skip
@@ -173,13 +226,10 @@ def plot(results: dict, path: Path) -> bool:
     ax.set_yticks(list(ys))
     ax.set_yticklabels(labels, fontsize=6)
     ax.invert_yaxis()
-    ax.set_xlabel("speed-up over vendor (cuDNN), log scale")
+    ax.set_xlabel(f"speed-up over vendor ({vendor_name(results)}), log scale")
     ax.set_title(f"gemmconv on {results['device']}")
-    ax.legend(loc="lower right", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return True
+    fig.legend(loc="outside lower center", ncols=3, fontsize=7)
+    return fig
 
 
 def write_results(results: dict, out_dir: str | Path, stem: str, plot_it: bool = True) -> list:
@@ -195,4 +245,12 @@ def write_results(results: dict, out_dir: str | Path, stem: str, plot_it: bool =
     return paths
 
 
-__all__ = ["default_stem", "markdown", "summary", "write_results"]
+__all__ = [
+    "default_stem",
+    "markdown",
+    "rate_text",
+    "speedup_figure",
+    "summary",
+    "vendor_name",
+    "write_results",
+]

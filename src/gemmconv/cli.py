@@ -6,10 +6,14 @@
 - ``gemmconv solvers``: every solver's verdict on a problem, workspace and estimate.
 - ``gemmconv tune FILE``: find over many problems (one ``conv`` flag line each), stored.
 - ``gemmconv db show|clear|export FILE|import FILE``: the find database.
-- ``gemmconv bench ...``: the benchmark suite (gemmconv.bench), arguments passed on.
+- ``gemmconv bench ...``: the benchmark suite (gemmconv.bench), arguments passed on;
+  ``--api`` the public-call table (gemmconv.bench_api), ``--models`` the end-to-end
+  model benchmark (gemmconv.bench_models).
 
-A bad flag or an inconsistent problem is one line on stderr and exit status 2; a
-failed verification is exit status 1.
+A bad flag or an inconsistent problem is one line on stderr, ``gemmconv <command>:
+error: ...``, and exit status 2 (gemmconv.usage); a failed verification is exit status
+1. Progress bars go to stderr when it is a terminal; a run foreseen to be long on the
+CPU is announced with a warning first (gemmconv.long_run).
 """
 
 from __future__ import annotations
@@ -22,25 +26,18 @@ import json
 import math
 import os
 import shlex
+import sqlite3
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
+from gemmconv.long_run import Calls, cpu_seconds, long_run_warning
 from gemmconv.memory_format import Layout
 from gemmconv.problem import DIRECTIONS, ConvProblem, Direction, dtype_name
-
-
-class UsageError(Exception):
-    """A bad flag or an inconsistent problem: reported in one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, never the usage block
-        where = self.prog.removeprefix("gemmconv").strip()
-        raise UsageError(f"{where}: {message}" if where else message)
-
+from gemmconv.progress import Bar, CallCounter, progress_bar
+from gemmconv.usage import USAGE_EXIT_STATUS, Parser, UsageError, report_usage_error
 
 # ---- problem flags -----------------------------------------------------------------
 
@@ -80,30 +77,52 @@ DEMO_CPU_BATCH = 950
 DEMO_CPU_ITERATIONS = 3
 
 
+# Per-dimension flags: MIOpenDriver's short flag, where it has one; the long flag of
+# (kind, dim) is --{kind}-{dim} and its attribute {kind}_{dim}.
+_SHORT_FLAGS = {
+    ("in", "h"): "-H", ("in", "w"): "-W", ("fil", "h"): "-y", ("fil", "w"): "-x",
+    ("pad", "h"): "-p", ("pad", "w"): "-q", ("stride", "h"): "-u", ("stride", "w"): "-v",
+    ("dil", "h"): "-l", ("dil", "w"): "-j",
+}  # fmt: skip
+_KIND_TEXT = {
+    "in": "input", "fil": "filter", "pad": "padding", "stride": "stride", "dil": "dilation",
+}  # fmt: skip
+_DIM_TEXT = {"d": "depth (3-D only)", "h": "height (2-D, 3-D)", "w": "width"}
+# (d, h, w) defaults where a subcommand sets none.
+_PER_DIM_FALLBACKS = {
+    "in": (8, 32, 32), "fil": (3, 3, 3), "pad": (0, 0, 0), "stride": (1, 1, 1), "dil": (1, 1, 1),
+}  # fmt: skip
+
+
+def _dim_flag(kind: str, dim: str) -> str:
+    """The flag of one dimension as help and errors name it: '-u/--stride-h'."""
+    short = _SHORT_FLAGS.get((kind, dim))
+    return f"{short}/--{kind}-{dim}" if short else f"--{kind}-{dim}"
+
+
 def _add_problem_flags(p: argparse.ArgumentParser, defaults: dict) -> None:
     def d(name: str, fallback):
         return defaults.get(name, fallback)
 
     g = p.add_argument_group("problem (MIOpenDriver flags)")
-    g.add_argument("-n", "--batch", type=int, default=d("batch", 100))
-    g.add_argument("-c", "--in-channels", type=int, default=d("in_channels", 3))
-    g.add_argument("-H", "--in-h", type=int, default=d("in_h", 32))
-    g.add_argument("-W", "--in-w", type=int, default=d("in_w", 32))
-    g.add_argument("--in-d", type=int, default=d("in_d", 8), help="input depth (3-D)")
-    g.add_argument("-k", "--out-channels", type=int, default=d("out_channels", 32))
-    g.add_argument("-y", "--fil-h", type=int, default=d("fil_h", 3))
-    g.add_argument("-x", "--fil-w", type=int, default=d("fil_w", 3))
-    g.add_argument("--fil-d", type=int, default=d("fil_d", 3), help="filter depth (3-D)")
-    g.add_argument("-p", "--pad-h", type=int, default=d("pad_h", 0))
-    g.add_argument("-q", "--pad-w", type=int, default=d("pad_w", 0))
-    g.add_argument("--pad-d", type=int, default=d("pad_d", 0))
-    g.add_argument("-u", "--stride-h", type=int, default=d("stride_h", 1))
-    g.add_argument("-v", "--stride-w", type=int, default=d("stride_w", 1))
-    g.add_argument("--stride-d", type=int, default=d("stride_d", 1))
-    g.add_argument("-l", "--dil-h", type=int, default=d("dil_h", 1))
-    g.add_argument("-j", "--dil-w", type=int, default=d("dil_w", 1))
-    g.add_argument("--dil-d", type=int, default=d("dil_d", 1))
-    g.add_argument("-g", "--groups", type=int, default=d("groups", 1))
+    g.add_argument("-n", "--batch", type=int, default=d("batch", 100), help="batch size N")
+    g.add_argument(
+        "-c", "--in-channels", type=int, default=d("in_channels", 3), help="input channels C"
+    )
+    g.add_argument(
+        "-k", "--out-channels", type=int, default=d("out_channels", 32), help="output channels K"
+    )
+    for kind, fallbacks in _PER_DIM_FALLBACKS.items():
+        for dim, fallback in zip("dhw", fallbacks):
+            name = f"{kind}_{dim}"
+            g.add_argument(
+                *_dim_flag(kind, dim).split("/"),
+                dest=name,
+                type=int,
+                default=d(name, fallback),
+                help=f"{_KIND_TEXT[kind]} {_DIM_TEXT[dim]}",
+            )
+    g.add_argument("-g", "--groups", type=int, default=d("groups", 1), help="groups")
     g.add_argument(
         "--spatial-dim",
         type=int,
@@ -123,7 +142,9 @@ def _add_problem_flags(p: argparse.ArgumentParser, defaults: dict) -> None:
         default=None,
         help="default: channels-first of the spatial dim",
     )
-    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    g.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if present"
+    )
     g.add_argument(
         "-F",
         "--forw",
@@ -158,40 +179,38 @@ def problem_from_args(args, device: torch.device) -> ConvProblem:
         )
     dims = args.spatial_dim or dims or 2
     layout = layout or Layout.CHANNELS_FIRST
-    pick = {1: slice(2, 3), 2: slice(1, 3), 3: slice(0, 3)}[dims]
-    names = ("d", "h", "w")[pick]
-
-    def per_dim(kind: str) -> tuple[int, ...]:
-        return tuple(getattr(args, f"{kind}_{n}") for n in names)
-
-    spatial, kernel = per_dim("in"), per_dim("fil")
-    pad, stride, dil = per_dim("pad"), per_dim("stride"), per_dim("dil")
-    positive = {
-        "-n/--batch": [args.batch],
-        "-c/--in-channels": [args.in_channels],
-        "-k/--out-channels": [args.out_channels],
-        "-g/--groups": [args.groups],
-        "input size": spatial,
-        "filter size": kernel,
-        "stride": stride,
-        "dilation": dil,
-    }
-    for name, values in positive.items():
-        if any(v < 1 for v in values):
-            raise UsageError(f"{name} {_dims_text(values)}: expected every value >= 1")
-    if any(v < 0 for v in pad):
-        raise UsageError(f"padding {_dims_text(pad)}: expected every value >= 0")
+    names = "dhw"[3 - dims :]
+    for flag, value in (
+        ("-n/--batch", args.batch),
+        ("-c/--in-channels", args.in_channels),
+        ("-k/--out-channels", args.out_channels),
+        ("-g/--groups", args.groups),
+    ):
+        if value < 1:
+            raise UsageError(f"{flag} {value}: expected a value >= 1")
+    for kind, least in (("in", 1), ("fil", 1), ("stride", 1), ("dil", 1), ("pad", 0)):
+        for n in names:
+            value = getattr(args, f"{kind}_{n}")
+            if value < least:
+                raise UsageError(f"{_dim_flag(kind, n)} {value}: expected a value >= {least}")
     for flag, channels in (
         ("-c/--in-channels", args.in_channels),
         ("-k/--out-channels", args.out_channels),
     ):
         if channels % args.groups:
             raise UsageError(f"{flag} {channels} is not divisible by -g/--groups {args.groups}")
+
+    def per_dim(kind: str) -> tuple[int, ...]:
+        return tuple(getattr(args, f"{kind}_{n}") for n in names)
+
+    spatial, kernel = per_dim("in"), per_dim("fil")
+    pad, stride, dil = per_dim("pad"), per_dim("stride"), per_dim("dil")
     for n, s, r, p, d in zip(names, spatial, kernel, pad, dil):
         if s + 2 * p < d * (r - 1) + 1:
             raise UsageError(
-                f"filter {n.upper()}={r} (dilation {d}) is larger than the padded input "
-                f"{n.upper()}={s}+2*{p}"
+                f"filter {n.upper()}={r} ({_dim_flag('fil', n)}, dilation {d}) is larger than "
+                f"the padded input {n.upper()}={s}+2*{p} ({_dim_flag('in', n)}, "
+                f"{_dim_flag('pad', n)})"
             )
     dtype = _DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     return ConvProblem.from_sizes(
@@ -237,7 +256,7 @@ def _add_run_flags(p: argparse.ArgumentParser, iterations: int) -> None:
     g.add_argument("-S", "--solver", default=None, help="force this solver id")
     g.add_argument("-N", "--nan", type=int, choices=(0, 1), default=1, help="NaN-fill outputs 0/1")
     g.add_argument("-s", "--search", type=int, choices=(0, 1), default=0, help="find 0/1")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the random operands")
     g.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -264,7 +283,16 @@ class DirectionReport:
 
 def _selection(args, problem: ConvProblem):
     from gemmconv import dispatch
+    from gemmconv.solvers import get_solver
 
+    if args.solver is not None:
+        # Checked here so that the error names the flag, not the environment variable.
+        reasons = get_solver(args.solver).not_supported_reasons(problem)
+        if reasons:
+            raise UsageError(
+                f"-S/--solver {args.solver}: does not apply to the {problem.direction.value} "
+                f"problem {problem.key()}: {', '.join(reasons)}"
+            )
     mode = contextlib.nullcontext() if not args.search else dispatch.find_mode("find")
     try:
         with mode:
@@ -274,13 +302,40 @@ def _selection(args, problem: ConvProblem):
         raise UsageError(str(e)) from None
 
 
-def run_direction(args, problem: ConvProblem, device: torch.device) -> DirectionReport:
+def _warmup(args, device: torch.device) -> int:
+    return args.warmup if args.warmup is not None else (5 if device.type == "cuda" else 1)
+
+
+def _calls(args, vendor_chosen: bool, warmup: int) -> Calls:
+    """The convolutions run_direction makes for one direction, by who computes them."""
+    timed = warmup + args.iterations if args.time else 0
+    checks = 1 if args.verify else 0  # verification runs the vendor and the reference once
+    if vendor_chosen:
+        return Calls(vendor=1 + timed + checks, reference=checks)
+    return Calls(gemm=1 + timed, vendor=checks + timed, reference=checks)
+
+
+def _foreseen_seconds(args, problems: list[ConvProblem], warmup: int) -> float:
+    """The run's CPU time, foreseen before any solver is chosen (a find included): a
+    gemmconv solver is assumed unless the vendor is forced, which, when the vendor is
+    chosen after all, leaves out one vendor call per direction."""
+    calls = _calls(args, args.solver == "vendor", warmup)
+    seconds = sum(cpu_seconds(p, calls) for p in problems)
+    if args.search:
+        seconds += sum(cpu_seconds(p, _find_calls(p)) for p in problems)
+    return seconds
+
+
+def run_direction(
+    args, problem: ConvProblem, device: torch.device, choice, bar: Bar
+) -> DirectionReport:
+    """Run, verify and time one direction with ``choice``'s solver and the vendor's,
+    advancing ``bar`` by one per convolution (as counted by ``_calls``)."""
     from gemmconv.find import random_operands, result_like
     from gemmconv.solvers import get_solver
     from gemmconv.timing import time_ms
     from gemmconv.verify import verify
 
-    choice = _selection(args, problem)
     solver = get_solver(choice.solver)
     tensors = random_operands(problem, device, seed=args.seed)
     out = result_like(problem, tensors)
@@ -290,8 +345,10 @@ def run_direction(args, problem: ConvProblem, device: torch.device) -> Direction
     if args.nan:
         out.fill_(math.nan)  # an element the solver leaves unwritten fails verification
     result = solver.run(problem, tensors, out=out)
+    bar.update(1)
     if args.verify:
         verdict = verify(problem, tensors, result)
+        bar.update(2)
         report.verified, report.ok = True, verdict.ok
         report.rms, report.tol, report.vendor_rms = (
             verdict.error,
@@ -300,13 +357,16 @@ def run_direction(args, problem: ConvProblem, device: torch.device) -> Direction
         )
         report.verdict = str(verdict)
     if args.time:
-        warmup = args.warmup if args.warmup is not None else (5 if device.type == "cuda" else 1)
+        warmup = _warmup(args, device)
+        counter = CallCounter(bar)
         timing = time_ms(
             lambda: solver.run(problem, tensors, out=out),
             device=device,
             warmup=warmup,
             reps=args.iterations,
+            setup=counter,
         )
+        counter.finish()
         report.time_ms, report.min_ms = timing.median_ms, timing.min_ms
         report.tflops = problem.flops() / timing.median_ms / 1e9
         report.gbs = problem.min_bytes() / timing.median_ms / 1e6
@@ -320,22 +380,38 @@ def run_direction(args, problem: ConvProblem, device: torch.device) -> Direction
                 device=device,
                 warmup=warmup,
                 reps=args.iterations,
+                setup=counter,
             ).median_ms
+            counter.finish()
         report.speedup = report.vendor_ms / timing.median_ms
     return report
 
 
-def _print_direction(r: DirectionReport, reps: int) -> None:
+def _direction_lines(r: DirectionReport, reps: int) -> list[str]:
     title = _DIRECTION_TITLES[Direction(r.direction)]
-    print(f"{title}: solver {r.solver} ({r.reason})")
+    lines = [f"{title}: solver {r.solver} ({r.reason})"]
     if r.time_ms is not None:
-        print(
+        lines.append(
             f"  time {r.time_ms:.4f} ms (median of {reps}, min {r.min_ms:.4f})  "
             f"{r.tflops:.3g} TFLOP/s  {r.gbs:.3g} GB/s"
         )
-        print(f"  vendor {r.vendor_ms:.4f} ms  speed-up {r.speedup:.2f}x")
+        lines.append(f"  vendor {r.vendor_ms:.4f} ms  speed-up {r.speedup:.2f}x")
     if r.verified:
-        print(f"  {r.verdict}")
+        lines.append(f"  {r.verdict}")
+    return lines
+
+
+def _how_to_shorten_conv(problem: ConvProblem) -> str:
+    ways = "-i 1, -F 1 (one direction), a smaller -n/--batch, or -V 0 (no verification)"
+    if problem.dtype != torch.float32:
+        ways = "--dtype fp32, " + ways
+    return f"shorten it with {ways}"
+
+
+def _warn_if_long(command: str, seconds: float, how_to_shorten: str) -> None:
+    warning = long_run_warning(seconds, how_to_shorten)
+    if warning is not None:
+        print(f"gemmconv {command}: {warning}", file=sys.stderr)
 
 
 def cmd_conv(args) -> int:
@@ -343,20 +419,32 @@ def cmd_conv(args) -> int:
     base = problem_from_args(args, device)
     directions = _directions(args.forw)
     if args.iterations < 1:
-        raise UsageError(f"-i/--iterations {args.iterations}: expected at least 1")
+        raise UsageError(f"-i/--iterations {args.iterations}: expected a value >= 1")
+    if args.warmup is not None and args.warmup < 0:
+        raise UsageError(f"--warmup {args.warmup}: expected a value >= 0")
     if args.solver is not None:
         _check_solver_id(args.solver)
+    problems = [base.with_direction(d) for d in directions]
+    warmup = _warmup(args, device)
+    _warn_if_long(
+        args.command, _foreseen_seconds(args, problems, warmup), _how_to_shorten_conv(base)
+    )
+    choices = [_selection(args, p) for p in problems]
+    calls = [_calls(args, c.solver == "vendor", warmup) for c in choices]
     if not args.json:
         print(f"gemmconv {args.command}: {describe(base)}")
         print(f"device: {device_name(device)}")
         for note in getattr(args, "notes", []):
             print(f"note: {note}")
     reports = []
-    for direction in directions:
-        report = run_direction(args, base.with_direction(direction), device)
-        reports.append(report)
-        if not args.json:
-            _print_direction(report, args.iterations)
+    total = sum(n.gemm + n.vendor + n.reference for n in calls)
+    with progress_bar(total, desc=args.command, unit="conv") as bar:
+        for problem, choice in zip(problems, choices):
+            report = run_direction(args, problem, device, choice, bar)
+            reports.append(report)
+            if not args.json:
+                for line in _direction_lines(report, args.iterations):
+                    bar.write(line)
     ok = all(r.ok is not False for r in reports)
     if args.json:
         payload = {
@@ -389,12 +477,12 @@ def cmd_demo(args) -> int:
 
 
 def _check_solver_id(solver_id: str) -> None:
-    from gemmconv.solvers import get_solver
+    from gemmconv.solvers import solver_ids
 
-    try:
-        get_solver(solver_id)
-    except ValueError as e:
-        raise UsageError(f"-S/--solver: {e}") from None
+    if solver_id not in solver_ids():
+        raise UsageError(
+            f"-S/--solver {solver_id}: unknown solver id; expected one of {', '.join(solver_ids())}"
+        )
 
 
 # ---- gemmconv solvers -------------------------------------------------------------------
@@ -452,20 +540,17 @@ def _bytes_text(n: int) -> str:
 # ---- gemmconv tune ----------------------------------------------------------------------
 
 
-def _progress(total: int, desc: str, enabled: bool):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # a listed dependency; without it, run without a bar
-        return contextlib.nullcontext(_NoBar())
-    return tqdm(total=total, desc=desc, unit="problem", file=sys.stderr, disable=not enabled)
+def _find_calls(problem: ConvProblem) -> Calls:
+    """The convolutions a find on the CPU makes: each applicable solver once to check
+    its result is written, then its warm-up and timed repetitions."""
+    from gemmconv.find import REPS
+    from gemmconv.solvers import SOLVERS
 
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def set_postfix_str(self, s: str) -> None:
-        pass
+    warmup, reps = REPS["cpu"]
+    each = 1 + warmup + reps
+    applicable = [s.id for s in SOLVERS if s.is_applicable(problem)]
+    vendor = "vendor" in applicable
+    return Calls(gemm=each * (len(applicable) - vendor), vendor=each * vendor)
 
 
 def cmd_tune(args) -> int:
@@ -473,18 +558,23 @@ def cmd_tune(args) -> int:
 
     jobs = []
     for number, line in _problem_lines(args.file):
-        sub = _Parser(prog="gemmconv", add_help=False)
+        sub = Parser(prog="gemmconv tune", add_help=False)
         _add_problem_flags(sub, CONV_DEFAULTS)
         try:
             line_args = sub.parse_args(shlex.split(line))
             base = problem_from_args(line_args, _device(line_args))
             jobs += [base.with_direction(d) for d in _directions(line_args.forw)]
         except UsageError as e:
-            raise UsageError(f"tune {args.file}:{number}: {e}") from None
+            raise UsageError(f"{args.file}:{number}: {e}") from None
     if not jobs:
-        raise UsageError(f"tune {args.file}: no problems (one line of conv flags each)")
+        raise UsageError(f"{args.file}: no problems (one line of conv flags each)")
+    _warn_if_long(
+        "tune",
+        sum(cpu_seconds(p, _find_calls(p)) for p in jobs),
+        "shorten it with fewer or smaller problems in the file",
+    )
     results = []
-    with _progress(len(jobs), "find", not args.no_progress) as bar:
+    with progress_bar(len(jobs), "find", "problem", enabled=not args.no_progress) as bar:
         for problem in jobs:
             with dispatch.find_mode("find"):
                 choice = dispatch.choose(problem)
@@ -543,7 +633,7 @@ def _problem_lines(path: str) -> Iterator[tuple[int, str]]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
-        raise UsageError(f"tune: cannot read {path!r} ({e.strerror})") from None
+        raise UsageError(f"cannot read {path!r} ({e.strerror})") from None
     for number, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if line:
@@ -565,94 +655,172 @@ def _current_identities():
 def cmd_db(args) -> int:
     from gemmconv import finddb
 
-    db = finddb.get_db()
-    if args.action == "show":
-        current = _current_identities()
-        records = db.records()
-        if args.json:
-            rows = [{**r.as_json(), "current": r.identity in current} for r in records]
-            print(json.dumps({"path": db.path, "records": rows}, indent=1))
-            return 0
-        print(f"find database: {db.path} ({len(records)} results)")
-        for r in records:
-            mark = " " if r.identity in current else "x"  # x: another device or version
-            print(
-                f"{mark} {r.problem}  ->  {r.solver}  {r.time_ms:.4g} ms  "
-                f"ws {_bytes_text(r.workspace_bytes)}  [{r.identity.device}, "
-                f"torch {r.identity.torch_version}, gemmconv {r.identity.gemmconv_version}]"
-            )
-        if any(r.identity not in current for r in records):
-            print("x: measured on another device or version; ignored here")
-        return 0
-    if args.action == "clear":
-        print(f"cleared {db.clear()} results from {db.path}")
-        return 0
-    if args.file is None:
+    if args.action in ("export", "import") and args.file is None:
         raise UsageError(f"db {args.action}: expected a FILE argument")
-    if args.action == "export":
-        print(f"exported {db.export_json(args.file)} results to {args.file}")
-        return 0
+    # Strict: a file that is not a usable gemmconv database is an error here (one
+    # line, exit status 1), never an in-memory stand-in to report on or import into.
+    db = finddb.FindDb(strict=True)
     try:
-        count = db.import_json(args.file)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    print(f"imported {count} results into {db.path}")
+        return _db_action(db, args)
+    except (sqlite3.Error, OSError) as e:
+        raise finddb.FindDbError(f"{db.path}: {e}") from None
+    finally:
+        db.close()
+
+
+def _db_action(db, args) -> int:
+    if args.action == "show":
+        _db_show(db, args.json)
+    elif args.action == "clear":
+        if not (args.yes or _clear_confirmed(db.path)):
+            print("nothing cleared")
+            return 1
+        print(f"cleared {db.clear()} results from {db.path}")
+    elif args.action == "export":
+        print(f"exported {db.export_json(args.file)} results to {args.file}")
+    else:
+        try:
+            count = db.import_json(args.file)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        print(f"imported {count} results into {db.path}")
     return 0
+
+
+def _clear_confirmed(path: str) -> bool:
+    """Ask on the terminal before deleting every result; with no terminal, refuse."""
+    if not sys.stdin.isatty():
+        raise UsageError(
+            f"clear deletes every stored result in {path}: pass --yes to confirm "
+            "(there is no terminal to ask on)"
+        )
+    return input(f"delete every stored result in {path}? [y/N] ").strip().lower() in ("y", "yes")
+
+
+def _db_show(db, as_json: bool) -> None:
+    current = _current_identities()
+    rows = db.rows()
+    if as_json:
+        shown = [
+            {**r.record.as_json(), "current": r.record.identity in current}
+            if r.record is not None
+            else {**r.values, "error": r.error}
+            for r in rows
+        ]
+        print(json.dumps({"path": db.path, "records": shown}, indent=1, default=repr))
+        return
+    print(f"find database: {db.path} ({len(rows)} results)")
+    for row in rows:
+        r = row.record
+        if r is None:  # !: a row that does not parse
+            print(f"! {row.values}  ({row.error})")
+            continue
+        mark = " " if r.identity in current else "x"  # x: another device or version
+        print(
+            f"{mark} {r.problem}  ->  {r.solver}  {r.time_ms:.4g} ms  "
+            f"ws {_bytes_text(r.workspace_bytes)}  [{r.identity.device}, "
+            f"torch {r.identity.torch_version}, gemmconv {r.identity.gemmconv_version}]"
+        )
+    if any(row.record is not None and row.record.identity not in current for row in rows):
+        print("x: measured on another device or version; ignored here")
+    if any(row.record is None for row in rows):
+        print("!: does not parse; ignored (a miss) by every lookup")
 
 
 # ---- gemmconv bench -----------------------------------------------------------------------
 
 
+# `gemmconv bench --models` and `--api` run their own benchmarks; the rest is the suite.
+_BENCH_MODULES = {"--models": "gemmconv.bench_models", "--api": "gemmconv.bench_api"}
+
+
 def cmd_bench(argv: list[str]) -> int:
+    routed = next((_BENCH_MODULES[a] for a in argv if a in _BENCH_MODULES), None)
+    if routed is not None:  # part of the package, unlike the optional suite below
+        return int(importlib.import_module(routed).main(argv) or 0)
     try:
         bench = importlib.import_module("gemmconv.bench")
     except ModuleNotFoundError as e:
         if e.name != "gemmconv.bench":
             raise
         raise UsageError(
-            "bench: the benchmark suite (gemmconv.bench) is not part of this installation"
+            "the benchmark suite (gemmconv.bench) is not part of this installation"
         ) from None
     return int(bench.main(argv) or 0)
 
 
 # ---- entry point -------------------------------------------------------------------------
 
+_DEMO_DESCRIPTION = (
+    "conv preset to the headline case: a point-output patch embedding, "
+    "N=9500 C=3 14x14 -> K=1280, filter = stride = 14x14, all three directions, "
+    f"{DEMO_DEFAULTS['iterations']} timed repetitions. On the CPU it runs "
+    f"N={DEMO_CPU_BATCH} and {DEMO_CPU_ITERATIONS} repetitions unless -n or -i is given. "
+    "Every conv flag works here too."
+)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="gemmconv", description="Run, time and verify GEMM convolutions (MIOpenDriver style)."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    conv = sub.add_parser("conv", help="run, time and verify one convolution problem")
+    conv = sub.add_parser(
+        "conv",
+        help="run, time and verify one convolution problem",
+        description="Run, time and verify one convolution problem in the chosen directions.",
+    )
     _add_problem_flags(conv, CONV_DEFAULTS)
     _add_run_flags(conv, CONV_DEFAULTS["iterations"])
     conv.set_defaults(handler=cmd_conv)
 
-    demo = sub.add_parser("demo", help="conv preset to the headline case (9500x3x14x14->1280)")
+    demo = sub.add_parser(
+        "demo",
+        help="conv preset to the headline case (9500x3x14x14->1280)",
+        description=_DEMO_DESCRIPTION,
+    )
     _add_problem_flags(demo, DEMO_DEFAULTS)
     _add_run_flags(demo, DEMO_DEFAULTS["iterations"])
     demo.set_defaults(handler=cmd_demo)
 
-    solvers = sub.add_parser("solvers", help="every solver's verdict on a problem")
+    solvers = sub.add_parser(
+        "solvers",
+        help="every solver's verdict on a problem",
+        description="Every solver's verdict on a problem: applies or why not, workspace, "
+        "cost estimate, and the immediate-mode choice. Runs nothing.",
+    )
     _add_problem_flags(solvers, CONV_DEFAULTS)
-    solvers.add_argument("--json", action="store_true")
+    solvers.add_argument("--json", action="store_true", help="machine-readable output")
     solvers.set_defaults(handler=cmd_solvers)
 
-    tune = sub.add_parser("tune", help="find over many problems (a file of conv flag lines)")
+    tune = sub.add_parser(
+        "tune",
+        help="find over many problems (a file of conv flag lines)",
+        description="Find (time every applicable solver) for each problem of a file and "
+        "store the winners in the find database.",
+    )
     tune.add_argument("file", help="one problem per line, as conv flags; # starts a comment")
-    tune.add_argument("--json", action="store_true")
+    tune.add_argument("--json", action="store_true", help="machine-readable output")
     tune.add_argument("--no-progress", action="store_true", help="no progress bar")
     tune.set_defaults(handler=cmd_tune)
 
-    db = sub.add_parser("db", help="the find database: show, clear, export, import")
-    db.add_argument("action", choices=("show", "clear", "export", "import"))
+    db = sub.add_parser(
+        "db",
+        help="the find database: show, clear, export, import",
+        description="The find database ($GEMMCONV_DB, else the user's cache directory). "
+        "clear asks first; --yes skips the question (needed when there is no terminal).",
+    )
+    db.add_argument("action", choices=("show", "clear", "export", "import"), help="what to do")
     db.add_argument("file", nargs="?", default=None, help="JSON file for export/import")
-    db.add_argument("--json", action="store_true")
+    db.add_argument("--json", action="store_true", help="machine-readable output (show)")
+    db.add_argument("--yes", action="store_true", help="clear without asking")
     db.set_defaults(handler=cmd_db)
 
     sub.add_parser(
-        "bench", help="the benchmark suite; arguments go to gemmconv.bench", add_help=False
+        "bench",
+        help="the benchmark suite (gemmconv bench --help for its flags)",
+        add_help=False,
     )
     return parser
 
@@ -663,25 +831,34 @@ def _given(argv: Sequence[str], *flags: str) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    prog = "gemmconv"
     try:
-        if argv[:1] == ["bench"]:
+        parser = build_parser()
+        if not argv:
+            # No command: the command list, on stderr with argparse's usage-error status.
+            parser.print_help(sys.stderr)
+            return USAGE_EXIT_STATUS
+        if argv[0] == "bench":
+            prog = "gemmconv bench"
             return cmd_bench(argv[1:])
-        args = build_parser().parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        prog = f"gemmconv {args.command}"
+        if unknown:
+            raise UsageError(f"unrecognized arguments: {' '.join(unknown)}")
         args.batch_given = _given(argv, "-n", "--batch")
         args.iterations_given = _given(argv, "-i", "--iterations")
         return args.handler(args)
     except UsageError as e:
-        print(f"gemmconv: error: {e}", file=sys.stderr)
-        return 2
+        return report_usage_error(e, prog)
     except (ValueError, RuntimeError) as e:
         # A failure while running (out of memory, every find candidate failing): one
         # line, exit status 1; GEMMCONV_TRACEBACK=1 shows the stack.
         if os.environ.get("GEMMCONV_TRACEBACK") == "1":
             raise
-        print(f"gemmconv: error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"{prog}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("gemmconv: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
 
 

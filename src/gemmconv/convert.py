@@ -10,18 +10,30 @@ Parameter objects, hooks and parametrizations (torch.nn.utils.parametrize, LoRA-
 wrappers of the weight) stay exactly as they were, so optimizer state and every
 reference to the module remain valid. A parametrized module's class is a subclass
 torch generates over the original; it is regenerated over the new base.
+
+``memory_format=torch.channels_last`` also lays each swapped 2-D/3-D convolution's
+weight out channels-last (channels_last_3d for Conv3d), in place: F.conv* returns a
+channels-last output for a channels-last weight, so a patch embed writes its tokens as
+rows [N*L, D] and the model's ``flatten(2).transpose(1, 2)`` is a view.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch.nn.modules.conv import _ConvNd
 from torch.nn.utils import parametrize
 
+from gemmconv.memory_format import (
+    CHANNELS_LAST_FORMATS,
+    check_weight_format,
+    is_channels_last_format,
+    set_weight_format,
+)
 from gemmconv.nn import GEMMCONV_CLASS, TORCH_CLASS
 
 # include= / exclude=: glob pattern(s) on qualified module names, or a predicate.
@@ -37,6 +49,8 @@ class SwappedConv:
     out_channels: int
     kernel_size: tuple[int, ...]
     stride: tuple[int, ...]
+    # What memory_format= did to the weight ("" when it was not given).
+    weight_format: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +81,7 @@ class ConversionReport:
             lines.append(
                 f"  swapped  {_display(s.name)}: {s.torch_class}({s.in_channels}, "
                 f"{s.out_channels}, kernel_size={s.kernel_size}, stride={s.stride}) "
-                f"-> {s.problem_class}"
+                f"-> {s.problem_class}" + (f", weight {s.weight_format}" if s.weight_format else "")
             )
         for s in self.skipped:
             lines.append(f"  left     {_display(s.name)}: {s.module_class}: {s.reason}")
@@ -75,15 +89,32 @@ class ConversionReport:
 
 
 def convert(
-    model: torch.nn.Module, *, include: ModuleFilter = None, exclude: ModuleFilter = None
+    model: torch.nn.Module,
+    *,
+    include: ModuleFilter = None,
+    exclude: ModuleFilter = None,
+    memory_format: torch.memory_format | None = None,
 ) -> ConversionReport:
     """Swap, in place, every GEMM-reducible torch Conv1d/2d/3d in ``model`` for gemmconv's.
 
     ``include`` keeps only the convolutions it matches, ``exclude`` drops those it
     matches; each is a glob pattern on the qualified module name (``"blocks.*.proj"``),
-    a list of them, or a predicate ``(name, module) -> bool``. Returns a report of
-    what was swapped and why each other convolution was not.
+    a list of them, or a predicate ``(name, module) -> bool``.
+
+    ``memory_format`` (default None: weights stay as they are) re-lays each swapped
+    convolution's weight out in place, the Parameter object kept: torch.channels_last
+    or torch.channels_last_3d put a Conv2d's weight in channels_last and a Conv3d's in
+    channels_last_3d (outputs then come back channels-last, as F.conv* returns them);
+    torch.contiguous_format makes weights contiguous. A Conv1d's weight is left as it
+    is (torch has no channels-last format for it), and so is a parametrized weight
+    (the parametrization computes it); the report says so. Change the format before
+    the first optimizer step: optimizer state made earlier keeps the old layout, and
+    torch's fused optimizers pair the wrong elements of mismatched layouts (as after
+    ``model.to(memory_format=...)``).
+
+    Returns a report of what was swapped and why each other convolution was not.
     """
+    memory_format = check_weight_format("convert", memory_format)
     matches_include = _matcher(include, "include")
     matches_exclude = _matcher(exclude, "exclude")
     report = ConversionReport()
@@ -101,6 +132,9 @@ def convert(
             continue
         base = _unparametrized_class(module)
         _set_base_class(module, GEMMCONV_CLASS[base])
+        weight_format = (
+            "" if memory_format is None else _lay_out_weight(name, module, memory_format)
+        )
         report.swapped.append(
             SwappedConv(
                 name=name,
@@ -110,6 +144,7 @@ def convert(
                 out_channels=module.out_channels,
                 kernel_size=tuple(module.kernel_size),
                 stride=tuple(module.stride),
+                weight_format=weight_format,
             )
         )
     return report
@@ -124,7 +159,10 @@ def revert(model: torch.nn.Module) -> list[str]:
         base = _unparametrized_class(module)
         if base in TORCH_CLASS:
             _set_base_class(module, TORCH_CLASS[base])
-            module.__dict__.pop("_gemmconv_last_problem", None)
+            # Runtime state the gemmconv class kept on the instance (the last input's
+            # metadata, of a gemmconv type): a reverted model must pickle without gemmconv.
+            for key in [k for k in vars(module) if k.startswith("_gemmconv_")]:
+                del module.__dict__[key]
             reverted.append(name)
     return reverted
 
@@ -188,13 +226,43 @@ def _matcher(spec: ModuleFilter, argument: str) -> Callable[[str, torch.nn.Modul
         return lambda name, module: True
     if callable(spec):
         return spec
-    patterns = [spec] if isinstance(spec, str) else list(spec)
-    if not all(isinstance(p, str) for p in patterns):
+    expected = "expected a glob pattern (str), a list of them, or a callable (name, module) -> bool"
+    if isinstance(spec, str):
+        patterns = [spec]
+    elif isinstance(spec, Iterable) and not isinstance(spec, bytes):
+        patterns = list(spec)
+    else:
+        raise TypeError(f"{argument}={spec!r}: {expected}; got {type(spec).__name__}")
+    not_str = [p for p in patterns if not isinstance(p, str)]
+    if not_str:
         raise TypeError(
-            f"{argument}={spec!r}: expected a glob pattern, a list of them, or a "
-            "callable (name, module) -> bool"
+            f"{argument}={spec!r}: {expected}; got {not_str[0]!r} "
+            f"({type(not_str[0]).__name__}) among the patterns"
         )
     return lambda name, module: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+# ---- weight layout ----------------------------------------------------------
+
+
+def _lay_out_weight(name: str, module: _ConvNd, memory_format: torch.memory_format) -> str:
+    """Apply convert()'s ``memory_format`` to a swapped module's weight; says what it did."""
+    if parametrize.is_parametrized(module, "weight"):
+        return "left as it is (parametrized: its parametrization computes it)"
+    if is_channels_last_format(memory_format):
+        memory_format = CHANNELS_LAST_FORMATS.get(len(module.kernel_size))
+        if memory_format is None:
+            return "left as it is (torch has no channels-last format for a 1-D convolution)"
+    weight = module.weight
+    had_grad = weight.grad is not None
+    if set_weight_format(weight, memory_format) and had_grad:
+        warnings.warn(
+            f"convert(memory_format={memory_format}): {_display(name)}.weight already has a "
+            "gradient, so training may have begun; an optimizer's state made before keeps "
+            "the old layout, which torch's fused optimizers misread",
+            stacklevel=3,
+        )
+    return str(memory_format).removeprefix("torch.")
 
 
 # ---- class swapping ---------------------------------------------------------

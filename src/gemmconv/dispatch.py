@@ -11,6 +11,10 @@ Modes, after MIOpen's find modes:
 - ``hybrid``: a database hit, else ``find``. The default when no mode is set and
   ``torch.backends.cudnn.benchmark`` is True.
 
+Under ``torch.use_deterministic_algorithms(True)`` nothing is chosen by timing, which
+differs from run to run: ``find`` and ``hybrid`` behave as ``database`` (a hit, else
+the estimate), measure nothing and store nothing, and the choice's reason says so.
+
 The mode comes from, first to last: ``find_mode(...)`` (a context manager),
 ``set_find_mode(...)``, ``$GEMMCONV_FIND_MODE``, the cudnn flag.
 ``$GEMMCONV_SOLVER=<id>`` (or ``solver=`` in ``choose``) forces one solver;
@@ -39,6 +43,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from gemmconv.device_rates import DeviceRates
+from gemmconv.explanation import Explanation, choice_text, slower_than
 from gemmconv.problem import DIRECTIONS, ConvProblem
 from gemmconv.solvers import SOLVERS, Solver, get_solver
 from gemmconv.solvers.base import determinism_state
@@ -46,7 +51,7 @@ from gemmconv.solvers.base import determinism_state
 log = logging.getLogger("gemmconv.dispatch")
 
 # What a find-database call may raise that must not stop a convolution: sqlite errors
-# (locked past the busy timeout, disk full, I/O), file errors, malformed rows.
+# (locked past the busy timeout, disk full, I/O), file errors, a record refused.
 DATABASE_ERRORS = (sqlite3.Error, OSError, ValueError)
 
 
@@ -55,6 +60,8 @@ class SolverNotApplicable(RuntimeError):
 
 
 class FindMode(str, enum.Enum):
+    """How a solver is selected: immediate, database, find or hybrid (module docstring)."""
+
     IMMEDIATE = "immediate"
     DATABASE = "database"
     FIND = "find"
@@ -78,6 +85,9 @@ class Choice:
 
     def __str__(self) -> str:
         return f"{self.solver} ({self.reason})"
+
+    def __repr__(self) -> str:
+        return choice_text(self)
 
 
 # ---- the mode -----------------------------------------------------------------
@@ -104,15 +114,18 @@ def _parse_mode(mode: FindMode | str, source: str) -> FindMode:
 
 
 def set_find_mode(mode: FindMode | str | None) -> None:
-    """Set the process's find mode; None returns to the environment / cudnn default."""
+    """Set the process's find mode: "immediate", "database", "find", "hybrid" (or a
+    FindMode); None returns to $GEMMCONV_FIND_MODE, else the cudnn.benchmark default.
+    ValueError for any other name."""
     global _process_mode
     _process_mode = None if mode is None else _parse_mode(mode, "mode")
 
 
 @contextlib.contextmanager
 def find_mode(mode: FindMode | str) -> Iterator[FindMode]:
-    """Use ``mode`` inside the block, process-wide (as ``torch.backends.cudnn.flags``
-    does), backward passes run by the autograd engine's threads included."""
+    """Use ``mode`` ("immediate", "database", "find", "hybrid") inside the block,
+    process-wide (as ``torch.backends.cudnn.flags`` does), backward passes run by the
+    autograd engine's threads included: ``with gemmconv.find_mode("find"): ...``."""
     global _block_mode
     saved, _block_mode = _block_mode, _parse_mode(mode, "mode")
     try:
@@ -180,7 +193,7 @@ def decide(
     best = min(estimates, key=estimates.__getitem__)  # min keeps the first of equals
     for sid, est in estimates.items():
         if sid != best:
-            rejected[sid] = [f"estimate {est:.4g} ms > {estimates[best]:.4g} ms of {best}"]
+            rejected[sid] = [slower_than("estimate", est, estimates[best], best)]
     return Choice(
         solver=best,
         rejected=rejected,
@@ -214,26 +227,29 @@ def _decide_in_mode(
     estimated = dataclasses.replace(estimated, mode=mode.value)
     if mode is FindMode.IMMEDIATE:
         return estimated
-    if mode in (FindMode.DATABASE, FindMode.HYBRID):
+    # Under torch.use_deterministic_algorithms timing noise must not pick the solver
+    # (two processes would compute different bits): find and hybrid read the database
+    # and otherwise keep the estimate, measuring and storing nothing.
+    untimed = mode is not FindMode.DATABASE and torch.are_deterministic_algorithms_enabled()
+    note = "; not timed: torch.use_deterministic_algorithms is on" if untimed else ""
+    if mode is not FindMode.FIND or untimed:
         hit = _database_hit(problem, estimated)
         if hit is not None:
             return dataclasses.replace(
                 estimated,
                 solver=hit.solver,
-                reason=f"find database, {hit.time_ms:.4g} ms measured",
+                reason=f"find database, {hit.time_ms:.4g} ms measured{note}",
                 source="database",
             )
-        if mode is FindMode.DATABASE:
-            return estimated
+        if mode is FindMode.DATABASE or untimed:
+            return dataclasses.replace(estimated, reason=estimated.reason + note)
     if _capturing(problem):
         # Timing synchronises the device, which a CUDA graph capture forbids; the
         # estimate decides, and the graph replays what it captured.
         log.info("%s: inside a CUDA graph capture, no find; the estimate decides", problem.key())
         return dataclasses.replace(estimated, reason=f"{estimated.reason}; no find while capturing")
-    # A find restricted by GEMMCONV_DISABLE, or by the determinism rules (a solver
-    # refused for that reason alone), is not the true best: it is not stored.
-    restricted = disabled or any(_refused_only_for_determinism(s, problem) for s in SOLVERS)
-    return _decide_by_find(problem, estimated, store=not restricted)
+    # A find restricted by GEMMCONV_DISABLE is not the true best: it is not stored.
+    return _decide_by_find(problem, estimated, store=not disabled)
 
 
 def _capturing(problem: ConvProblem) -> bool:
@@ -242,11 +258,6 @@ def _capturing(problem: ConvProblem) -> bool:
         and torch.cuda.is_available()
         and torch.cuda.is_current_stream_capturing()
     )
-
-
-def _refused_only_for_determinism(solver: Solver, problem: ConvProblem) -> bool:
-    reasons = solver.determinism_reasons(problem)
-    return bool(reasons) and solver.not_supported_reasons(problem) == reasons
 
 
 def _database_hit(problem: ConvProblem, estimated: Choice):
@@ -285,9 +296,10 @@ def _decide_by_find(problem: ConvProblem, estimated: Choice, store: bool) -> Cho
         if cand.time_ms is None:
             rejected[cand.solver] = [f"skipped in find: {cand.skipped}"]
         else:
-            rejected[cand.solver] = [f"measured {cand.time_ms:.4g} ms > {result.best_ms:.4g} ms"]
+            rejected[cand.solver] = [
+                slower_than("measured", cand.time_ms, result.best_ms, result.best)
+            ]
     if store:
-        # A find restricted by GEMMCONV_DISABLE is not stored: it is not the true best.
         record = finddb.Record(
             problem.key(),
             finddb.identity_for(problem.device_type),
@@ -438,12 +450,13 @@ def clear_cache() -> None:
             memo.clear()
 
 
-def explain_problem(problem: ConvProblem) -> dict[str, Choice]:
-    """The choice in every direction, keyed by direction name.
+def explain_problem(problem: ConvProblem) -> Explanation:
+    """The choice in every direction, keyed by direction name (a dict whose repr is a
+    table).
 
     Runs nothing in immediate and database modes; in find and hybrid modes a problem
     not yet decided is benchmarked, as the convolution itself would be."""
-    return {d.value: choose(problem.with_direction(d)) for d in DIRECTIONS}
+    return Explanation({d.value: choose(problem.with_direction(d)) for d in DIRECTIONS})
 
 
 __all__ = [

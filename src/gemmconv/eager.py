@@ -26,6 +26,7 @@ from gemmconv import dispatch, ops
 from gemmconv.memory_format import Layout
 from gemmconv.problem import Direction
 from gemmconv.solvers.views import bias_grad
+from gemmconv.transform_state import transforms_active
 
 
 def road_is_open(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -38,8 +39,7 @@ def road_is_open(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         return False
     return not (
         torch._C._is_tracing()
-        or torch._C._are_functorch_transforms_active()
-        or torch.autograd.forward_ad._current_level >= 0
+        or transforms_active()
         or torch._C._len_torch_dispatch_stack()
         or torch._C._has_torch_function((input, weight, bias))
         or not (input.is_cuda or input.is_cpu)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gemmconv.memory_format import empty_in, output_layout
+from gemmconv.memory_format import Layout, empty_in, output_layout
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers import ConvTensors, Solver
 from gemmconv.solvers.views import result_buffer
@@ -63,11 +63,15 @@ def problem_device(problem: ConvProblem) -> torch.device:
 
 
 def random_operands(problem: ConvProblem, device: torch.device, seed: int = 0) -> ConvTensors:
-    """Seeded uniform(-1, 1) operands of the direction, dense in the problem's layout."""
+    """Seeded uniform(-1, 1) operands of the direction, dense in the problem's layout
+    (the bias, which has no channel dimension to move, is a plain 1-D tensor)."""
     generator = torch.Generator(device=device).manual_seed(seed)
 
-    def uniform(shape: tuple[int, ...], layout) -> torch.Tensor:
-        t = empty_in(shape, layout, problem.dtype, device)
+    def uniform(shape: tuple[int, ...], layout: Layout | None) -> torch.Tensor:
+        if layout is None:
+            t = torch.empty(shape, dtype=problem.dtype, device=device)
+        else:
+            t = empty_in(shape, layout, problem.dtype, device)
         return t.uniform_(-1.0, 1.0, generator=generator)
 
     layout = problem.layout
@@ -79,7 +83,7 @@ def random_operands(problem: ConvProblem, device: torch.device, seed: int = 0) -
     if d is not Direction.BACKWARD_WEIGHTS:
         tensors.weight = uniform(problem.weight_shape, layout)
     if d is Direction.FORWARD and problem.has_bias:
-        tensors.bias = uniform((problem.k,), layout)
+        tensors.bias = uniform((problem.k,), None)
     if d is not Direction.FORWARD:
         tensors.grad_output = uniform(problem.output_shape, grad_layout)
     return tensors

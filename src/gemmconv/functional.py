@@ -1,8 +1,12 @@
 """conv1d / conv2d / conv3d with the signatures and defaults of torch.nn.functional.
 
 Argument checks, string padding, unbatched inputs and autocast are handled here, in
-traceable Python; the convolution itself is the ``gemmconv::conv_forward`` custom op,
-whose autograd formula (gemmconv.autograd) runs the two backward ops.
+traceable Python. In plain eager code the convolution takes the eager road
+(gemmconv.eager), a cached call of the op implementations; otherwise it is the
+``gemmconv::conv_forward`` custom op, whose autograd formula (gemmconv.autograd) runs
+the two backward ops, and while a torch.func transform or a forward-AD level is
+active the same op runs through gemmconv.func_transforms, which has the rules those
+need.
 """
 
 from __future__ import annotations
@@ -14,20 +18,14 @@ import torch
 import torch.nn.functional as F
 
 import gemmconv.autograd  # noqa: F401  (registers the forward op's backward)
-from gemmconv import eager
+from gemmconv import eager, func_transforms
 from gemmconv.dispatch import Choice, explain_problem
 from gemmconv.problem import ConvProblem
+from gemmconv.transform_state import transforms_active
 from gemmconv.validate import check_conv_args
 
 IntOrTuple = int | Sequence[int]
 Padding = IntOrTuple | str
-
-
-def _tuple(value: IntOrTuple, dims: int) -> tuple[int, ...]:
-    if isinstance(value, int):
-        return (value,) * dims
-    value = tuple(int(v) for v in value)
-    return value * dims if len(value) == 1 else value
 
 
 class ResolvedArguments(NamedTuple):
@@ -38,6 +36,7 @@ class ResolvedArguments(NamedTuple):
     stride: tuple[int, ...]
     padding: tuple[int, ...]
     dilation: tuple[int, ...]
+    groups: int
     input_padding: tuple[int, ...]
 
 
@@ -52,18 +51,17 @@ def resolve_arguments(
     groups: int,
 ) -> ResolvedArguments:
     """Check a call as F.conv{dims}d would (raising its errors) and resolve its arguments."""
-    check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
-    strides, dilations = _tuple(stride, dims), _tuple(dilation, dims)
-    if not isinstance(padding, str):
-        return ResolvedArguments(strides, _tuple(padding, dims), dilations, ())
-    if padding == "valid":
-        return ResolvedArguments(strides, (0,) * dims, dilations, ())
-    totals = [d * (r - 1) for d, r in zip(dilations, weight.shape[2:])]
+    args = check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
+    if args.padding is not None:
+        return ResolvedArguments(args.stride, args.padding, args.dilation, args.groups, ())
+    totals = [d * (r - 1) for d, r in zip(args.dilation, weight.shape[2:])]
     extra = []
     for total in reversed(totals):
         extra += [0, total % 2]
     pads = tuple(total // 2 for total in totals)
-    return ResolvedArguments(strides, pads, dilations, tuple(extra) if any(extra) else ())
+    return ResolvedArguments(
+        args.stride, pads, args.dilation, args.groups, tuple(extra) if any(extra) else ()
+    )
 
 
 # Devices whose is_autocast_enabled raises. A fixed set rather than asking
@@ -96,21 +94,19 @@ def _conv(dims, input, weight, bias, stride, padding, dilation, groups) -> torch
             y = eager.convolve(dims, input, weight, bias, stride, padding, dilation, groups)
             if y is not None:
                 return y
-    resolved = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)
+    args = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)
     unbatched = input.dim() == dims + 1
     if unbatched:
         input = input.unsqueeze(0)
-    if resolved.input_padding:
-        input = F.pad(input, resolved.input_padding)
-    y = torch.ops.gemmconv.conv_forward(
-        input,
-        weight,
-        bias,
-        list(resolved.stride),
-        list(resolved.padding),
-        list(resolved.dilation),
-        groups,
+    if args.input_padding:
+        input = F.pad(input, args.input_padding)
+    convolve = (
+        func_transforms.conv_forward if transforms_active() else torch.ops.gemmconv.conv_forward
     )
+    y = convolve(
+        input, weight, bias, list(args.stride), list(args.padding), list(args.dilation),
+        args.groups,
+    )  # fmt: skip
     return y.squeeze(0) if unbatched else y
 
 
@@ -123,6 +119,16 @@ def conv1d(
     dilation: IntOrTuple = 1,
     groups: int = 1,
 ) -> torch.Tensor:
+    """1-D convolution with the arguments, defaults and result of
+    ``torch.nn.functional.conv1d``, computed by gemmconv.
+
+    ``input`` is [N, C, W] (or [C, W] unbatched), ``weight`` [K, C / groups, R];
+    ``padding`` takes ints or ``'same'``/``'valid'``. A problem that is a matrix
+    product (a patch embedding with stride == kernel and no padding, a 1x1, a strided
+    1x1) runs as one GEMM in each direction; any other goes to torch's convolution.
+    Differentiable in every input; ``gemmconv.explain`` with the same arguments says
+    which solver runs each direction and why.
+    """
     return _conv(1, input, weight, bias, stride, padding, dilation, groups)
 
 
@@ -135,6 +141,20 @@ def conv2d(
     dilation: IntOrTuple = 1,
     groups: int = 1,
 ) -> torch.Tensor:
+    """2-D convolution with the arguments, defaults and result of
+    ``torch.nn.functional.conv2d``, computed by gemmconv.
+
+    ``input`` is [N, C, H, W] (or [C, H, W] unbatched), in either memory format;
+    ``weight`` is [K, C / groups, R, S]; ``padding`` takes ints or
+    ``'same'``/``'valid'``. A problem that is a matrix product (a patch embedding with
+    stride == kernel and no padding, a 1x1, a strided 1x1) runs as one GEMM in each
+    direction; any other goes to torch's convolution. The result has the memory
+    format torch would give. Differentiable in every input; ``gemmconv.explain`` with
+    the same arguments says which solver runs each direction and why.
+
+    Example: ``gemmconv.conv2d(images, weight, stride=16)`` for a ViT-B/16 patch
+    embedding with ``weight`` of shape [768, 3, 16, 16].
+    """
     return _conv(2, input, weight, bias, stride, padding, dilation, groups)
 
 
@@ -147,6 +167,17 @@ def conv3d(
     dilation: IntOrTuple = 1,
     groups: int = 1,
 ) -> torch.Tensor:
+    """3-D convolution with the arguments, defaults and result of
+    ``torch.nn.functional.conv3d``, computed by gemmconv.
+
+    ``input`` is [N, C, D, H, W] (or [C, D, H, W] unbatched), in either memory
+    format; ``weight`` is [K, C / groups, T, R, S]; ``padding`` takes ints or
+    ``'same'``/``'valid'``. A problem that is a matrix product (a video or Qwen-VL
+    patch embedding with stride == kernel and no padding, a 1x1x1, a strided 1x1x1)
+    runs as one GEMM in each direction; any other goes to torch's convolution.
+    Differentiable in every input; ``gemmconv.explain`` with the same arguments says
+    which solver runs each direction and why.
+    """
     return _conv(3, input, weight, bias, stride, padding, dilation, groups)
 
 
@@ -159,10 +190,16 @@ def explain(
     dilation: IntOrTuple = 1,
     groups: int = 1,
 ) -> dict[str, Choice]:
-    """Which solver would run each direction, and why the others would not; runs nothing.
+    """Which solver would run each direction for these ``conv1d/2d/3d`` arguments, and
+    why each other solver would not. Runs nothing in the immediate and database find
+    modes (in find and hybrid modes an undecided problem is benchmarked, as the
+    convolution itself would be).
 
-    Keys are "forward", "backward_data" and "backward_weights"; each value has
-    ``.solver`` (an id) and ``.rejected`` (id -> list of reasons).
+    Returns a dict keyed by "forward", "backward_data" and "backward_weights" whose
+    repr is a table; each value is a ``gemmconv.Choice`` with ``.solver`` (an id),
+    ``.source`` (estimate, database, find, forced), ``.reason``, ``.estimates_ms``
+    and ``.rejected`` (id -> list of reasons). The dimensionality comes from the
+    weight. Example: ``gemmconv.explain(x, w, stride=16)["forward"].solver``.
     """
     return explain_problem(problem_of(input, weight, bias, stride, padding, dilation, groups))
 
@@ -180,12 +217,12 @@ def problem_of(
     dims = weight.dim() - 2
     check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
     input, weight, bias = _autocast(input, weight, bias, device_type=input.device.type)
-    resolved = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)
+    args = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)
     if input.dim() == dims + 1:
         input = input.unsqueeze(0)
-    if resolved.input_padding:
-        input = F.pad(input, resolved.input_padding)
-    pad = resolved.padding
+    if args.input_padding:
+        input = F.pad(input, args.input_padding)
+    pad = args.padding
     return ConvProblem.from_tensors(
-        input, weight, bias, resolved.stride, pad, resolved.dilation, groups
+        input, weight, bias, args.stride, pad, args.dilation, args.groups
     )

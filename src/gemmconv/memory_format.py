@@ -16,6 +16,9 @@ from torch._prims_common import suggest_memory_format
 
 
 class Layout(str, enum.Enum):
+    """Memory order of a problem's tensors: channels-first (NCHW) or channels-last
+    (NHWC, torch.channels_last)."""
+
     CHANNELS_FIRST = "channels_first"
     CHANNELS_LAST = "channels_last"
 
@@ -99,6 +102,48 @@ def output_layout(layout: Layout, dims: int, dtype: torch.dtype, device_type: st
     return layout
 
 
+def forward_output_layout(
+    input: torch.Tensor, weight: torch.Tensor, output_shape: Sequence[int]
+) -> Layout:
+    """The layout F.conv* gives the forward output of these operands."""
+    if input.shape[0] == 0:
+        return _empty_batch_output_layout(input, output_shape)
+    layout = layout_of(input, weight)
+    return output_layout(layout, input.dim() - 2, input.dtype, input.device.type)
+
+
+def _empty_batch_output_layout(input: torch.Tensor, output_shape: Sequence[int]) -> Layout:
+    """torch computes an empty batch as the input times one weight element, viewed in
+    the output's shape: the view keeps the input's strides when the two shapes agree
+    (a pointwise convolution as wide as its input) and is contiguous otherwise,
+    whatever the weight's layout, the dimensions or the dtype."""
+    same_shape = tuple(output_shape) == tuple(input.shape)
+    if same_shape and has_strides_of(input, Layout.CHANNELS_LAST):
+        return Layout.CHANNELS_LAST
+    return Layout.CHANNELS_FIRST
+
+
+def dense_strides(shape: Sequence[int], layout: Layout) -> tuple[int, ...]:
+    """The strides of a dense tensor of ``shape`` in ``layout`` (what empty_in gives)."""
+    order = list(range(len(shape)))
+    if layout is Layout.CHANNELS_LAST:
+        order = [0, *range(2, len(shape)), 1]
+    strides = [0] * len(shape)
+    step = 1
+    for dim in reversed(order):
+        strides[dim] = step
+        step *= max(int(shape[dim]), 1)
+    return tuple(strides)
+
+
+def has_strides_of(t: torch.Tensor, layout: Layout) -> bool:
+    """Whether ``t`` has the strides of a dense tensor in ``layout`` (size-1 dimensions
+    aside, whose strides address nothing); unlike is_contiguous, this tells the two
+    layouts apart for an empty tensor too."""
+    want = dense_strides(t.shape, layout)
+    return all(a == b for a, b, n in zip(t.stride(), want, t.shape) if n != 1)
+
+
 def to_layout(t: torch.Tensor, layout: Layout) -> torch.Tensor:
     """``t`` dense in ``layout``; returns ``t`` itself when it already is."""
     if layout is Layout.CHANNELS_FIRST:
@@ -127,3 +172,55 @@ def empty_in(
 def channels_last_view(t: torch.Tensor) -> torch.Tensor:
     """[N, C, S..] -> [N, S.., C] as a view (dense when ``t`` is channels-last)."""
     return t.movedim(1, -1)
+
+
+# ---- weight memory formats (convert(memory_format=), gemmconv.nn's memory_format=) ----
+
+# torch's channels-last format for a convolution's weight, by spatial dimensions: the
+# weight of a 2-D convolution is a 4-D tensor, of a 3-D one 5-D. torch has no format
+# for the 3-D weight of a 1-D convolution.
+CHANNELS_LAST_FORMATS: dict[int, torch.memory_format] = {
+    2: torch.channels_last,
+    3: torch.channels_last_3d,
+}
+WEIGHT_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+_WEIGHT_FORMAT_CHOICES = (
+    "torch.channels_last, torch.channels_last_3d, torch.contiguous_format or None"
+)
+
+
+def check_weight_format(where: str, memory_format: object) -> torch.memory_format | None:
+    """``memory_format`` when it is one a convolution weight can be given, else the error
+    naming it (TypeError for something that is not a memory format at all); ``where``
+    names the caller in the message."""
+    if memory_format is None:
+        return None
+    if not isinstance(memory_format, torch.memory_format):
+        raise TypeError(
+            f"{where}: memory_format={memory_format!r} of type {type(memory_format).__name__}; "
+            f"expected {_WEIGHT_FORMAT_CHOICES}"
+        )
+    if memory_format not in WEIGHT_FORMATS:
+        raise ValueError(
+            f"{where}: memory_format={memory_format}; expected {_WEIGHT_FORMAT_CHOICES}"
+        )
+    return memory_format
+
+
+def is_channels_last_format(memory_format: torch.memory_format | None) -> bool:
+    return memory_format in (torch.channels_last, torch.channels_last_3d)
+
+
+def set_weight_format(parameter: torch.Tensor, memory_format: torch.memory_format) -> bool:
+    """Re-lay ``parameter`` (and its gradient, if any) out in ``memory_format`` in place:
+    the Parameter object stays, only its ``.data`` changes, so every reference to it
+    (an optimizer's included) stays valid. Returns whether anything moved."""
+    if parameter.is_contiguous(memory_format=memory_format):
+        return False
+    with torch.no_grad():
+        parameter.data = parameter.data.contiguous(memory_format=memory_format)
+        if parameter.grad is not None:
+            # A fused optimizer walks the parameter and its gradient as flat memory;
+            # both must have the same layout.
+            parameter.grad = parameter.grad.contiguous(memory_format=memory_format)
+    return True

@@ -8,6 +8,12 @@ padding modes pad first, exactly as torch does, then convolve with padding 0.
 ``solvers()`` says which solver each direction runs (or would run) for the last
 input seen in eager mode, or for an example input; that is runtime state, never
 part of the state_dict.
+
+One keyword torch's constructors lack: ``memory_format=torch.channels_last``
+(``torch.channels_last_3d`` for Conv3d) lays the weight out channels-last. F.conv*
+returns a channels-last output for a channels-last weight, so a patch embed then
+writes its tokens as rows [N*L, D] and the ``flatten(2).transpose(1, 2)`` after it is
+a view. Conv1d refuses it: torch has no channels-last format for its 3-D weight.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import torch.nn.functional as F
 
 from gemmconv import functional
 from gemmconv.dispatch import Choice, explain_problem
+from gemmconv.memory_format import CHANNELS_LAST_FORMATS, check_weight_format, set_weight_format
+from gemmconv.transform_state import transforms_active
 
 
 class _GemmConvMixin:
@@ -29,6 +37,13 @@ class _GemmConvMixin:
     _gemmconv_last_input: _SeenInput | None = None
     _gemmconv_fn = None  # functional.conv1d / conv2d / conv3d, set per subclass
     _gemmconv_zero_padding: tuple[int, ...] = ()
+
+    def __init__(self, *args, memory_format: torch.memory_format | None = None, **kwargs):
+        dims = len(self._gemmconv_zero_padding)
+        memory_format = _weight_format_of(type(self).__name__, memory_format, dims)
+        super().__init__(*args, **kwargs)
+        if memory_format is not None:
+            set_weight_format(self.weight, memory_format)
 
     def _padded(self, input: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | str]:
         """Non-'zeros' padding modes pad first and convolve unpadded, as torch does."""
@@ -41,9 +56,10 @@ class _GemmConvMixin:
         self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         input, padding = self._padded(input)
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and not transforms_active():
             # Remember the input's metadata for solvers(); skipped while tracing,
-            # where it would be a side effect on a symbolic shape.
+            # where it would be a side effect on a symbolic shape, and under torch.func
+            # transforms, which run other problems (vmap folds its batch in).
             self._gemmconv_last_input = _SeenInput.of(input)
         return self._gemmconv_fn(
             input, weight, bias, self.stride, padding, self.dilation, self.groups
@@ -51,7 +67,9 @@ class _GemmConvMixin:
 
     def solvers(self, input: torch.Tensor | None = None) -> dict[str, Choice]:
         """The solver choice per direction ("forward", "backward_data",
-        "backward_weights") for ``input``, or for the last input of an eager forward.
+        "backward_weights") for ``input``, or for the last input of an eager forward:
+        a dict of ``gemmconv.Choice`` whose repr is a table, as ``gemmconv.explain``
+        returns (``module.solvers(x)["forward"].solver`` is the forward's solver id).
 
         Runs nothing; raises when there is neither an input nor a past forward."""
         if input is not None:
@@ -80,6 +98,23 @@ class _GemmConvMixin:
         return explain_problem(problem)
 
 
+def _weight_format_of(cls: str, memory_format: object, dims: int) -> torch.memory_format | None:
+    """The constructor's ``memory_format``, checked against the weight's rank."""
+    memory_format = check_weight_format(cls, memory_format)
+    if memory_format in (None, torch.contiguous_format):
+        return memory_format
+    expected = CHANNELS_LAST_FORMATS.get(dims)
+    if memory_format != expected:
+        hint = (
+            f"expected {expected}, torch.contiguous_format or None"
+            if expected is not None
+            else "torch has no channels-last format for a 1-D convolution's 3-D weight; "
+            "expected torch.contiguous_format or None"
+        )
+        raise ValueError(f"{cls}: memory_format={memory_format} does not fit its weight: {hint}")
+    return memory_format
+
+
 class _SeenInput(NamedTuple):
     """A forward's input without its data: shape, strides, the dtype the convolution
     ran in (autocast resolved) and the device. A NamedTuple, not a dataclass: one is
@@ -101,19 +136,43 @@ class _SeenInput(NamedTuple):
 
 
 class Conv1d(_GemmConvMixin, torch.nn.Conv1d):
-    __doc__ = "torch.nn.Conv1d computed by gemmconv.\n\n" + (torch.nn.Conv1d.__doc__ or "")
+    __doc__ = (
+        "torch.nn.Conv1d computed by gemmconv: a drop-in subclass with torch's constructor, "
+        "parameters, initialisation, state_dict keys and repr, whose convolution runs as "
+        "one GEMM per direction when it is a matrix product (patch, 1x1, strided 1x1) and "
+        "through torch otherwise. ``module.solvers(x)`` says which solver runs each "
+        "direction; ``gemmconv.convert(model)`` swaps torch's modules for these in place "
+        "and ``gemmconv.revert(model)`` swaps them back.\n\ntorch's documentation:\n\n"
+        + (torch.nn.Conv1d.__doc__ or "")
+    )
     _gemmconv_fn = staticmethod(functional.conv1d)
     _gemmconv_zero_padding = (0,)
 
 
 class Conv2d(_GemmConvMixin, torch.nn.Conv2d):
-    __doc__ = "torch.nn.Conv2d computed by gemmconv.\n\n" + (torch.nn.Conv2d.__doc__ or "")
+    __doc__ = (
+        "torch.nn.Conv2d computed by gemmconv: a drop-in subclass with torch's constructor, "
+        "parameters, initialisation, state_dict keys and repr, whose convolution runs as "
+        "one GEMM per direction when it is a matrix product (patch, 1x1, strided 1x1) and "
+        "through torch otherwise. ``module.solvers(x)`` says which solver runs each "
+        "direction; ``gemmconv.convert(model)`` swaps torch's modules for these in place "
+        "and ``gemmconv.revert(model)`` swaps them back.\n\ntorch's documentation:\n\n"
+        + (torch.nn.Conv2d.__doc__ or "")
+    )
     _gemmconv_fn = staticmethod(functional.conv2d)
     _gemmconv_zero_padding = (0, 0)
 
 
 class Conv3d(_GemmConvMixin, torch.nn.Conv3d):
-    __doc__ = "torch.nn.Conv3d computed by gemmconv.\n\n" + (torch.nn.Conv3d.__doc__ or "")
+    __doc__ = (
+        "torch.nn.Conv3d computed by gemmconv: a drop-in subclass with torch's constructor, "
+        "parameters, initialisation, state_dict keys and repr, whose convolution runs as "
+        "one GEMM per direction when it is a matrix product (patch, 1x1, strided 1x1) and "
+        "through torch otherwise. ``module.solvers(x)`` says which solver runs each "
+        "direction; ``gemmconv.convert(model)`` swaps torch's modules for these in place "
+        "and ``gemmconv.revert(model)`` swaps them back.\n\ntorch's documentation:\n\n"
+        + (torch.nn.Conv3d.__doc__ or "")
+    )
     _gemmconv_fn = staticmethod(functional.conv3d)
     _gemmconv_zero_padding = (0, 0, 0)
 

@@ -25,7 +25,13 @@ from typing import NamedTuple
 import torch
 
 from gemmconv import dispatch
-from gemmconv.memory_format import Layout, empty_in, layout_of, output_layout
+from gemmconv.memory_format import (
+    Layout,
+    dense_strides,
+    empty_in,
+    forward_output_layout,
+    output_layout,
+)
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers import ConvTensors, Solver
 
@@ -75,19 +81,6 @@ def _dense_copy(t: torch.Tensor, layout: Layout) -> torch.Tensor:
     if layout is Layout.CHANNELS_FIRST:
         return t.contiguous()
     return t.movedim(1, -1).contiguous().movedim(-1, 1)
-
-
-def _strides_in(shape: Sequence[int], layout: Layout) -> tuple[int, ...]:
-    """The strides of a dense tensor of ``shape`` in ``layout`` (what empty_in gives)."""
-    order = list(range(len(shape)))
-    if layout is Layout.CHANNELS_LAST:
-        order = [0, *range(2, len(shape)), 1]
-    strides = [0] * len(shape)
-    step = 1
-    for dim in reversed(order):
-        strides[dim] = step
-        step *= max(int(shape[dim]), 1)
-    return tuple(strides)
 
 
 def _as_promised(result: torch.Tensor, layout: Layout, want: tuple[int, ...]) -> torch.Tensor:
@@ -145,7 +138,7 @@ def _plan(
             not is_dense(first),
             not is_dense(second),
             layout,
-            _strides_in(shape, layout),
+            dense_strides(shape, layout),
         )
         if len(_plans) >= _PLANS_MAX:
             _plans.clear()
@@ -204,7 +197,7 @@ def forward_plan(
 
     def build() -> tuple[ConvProblem, Layout, Sequence[int]]:
         problem = ConvProblem.from_tensors(input, weight, bias, stride, padding, dilation, groups)
-        layout = output_layout(problem.layout, problem.dims, problem.dtype, problem.device_type)
+        layout = forward_output_layout(input, weight, problem.output_shape)
         return problem, layout, problem.output_shape
 
     return _plan(key, input, weight, build)
@@ -238,10 +231,9 @@ conv_forward = torch.library.custom_op(
 
 @conv_forward.register_fake
 def _(input, weight, bias, stride, padding, dilation, groups):
-    dims = input.dim() - 2
     spatial = _output_spatial(input.shape[2:], weight.shape[2:], stride, padding, dilation)
-    layout = output_layout(layout_of(input, weight), dims, input.dtype, input.device.type)
-    return empty_in((input.shape[0], weight.shape[0], *spatial), layout, input.dtype, input.device)
+    shape = (input.shape[0], weight.shape[0], *spatial)
+    return empty_in(shape, forward_output_layout(input, weight, shape), input.dtype, input.device)
 
 
 # ---- backward-data ----------------------------------------------------------

@@ -19,6 +19,9 @@ from gemmconv.memory_format import Layout, layout_of
 
 
 class Direction(str, enum.Enum):
+    """The three directions of a convolution: forward (y from x and w), backward-data
+    (dx from dy and w) and backward-weights (dw from dy and x)."""
+
     FORWARD = "forward"
     BACKWARD_DATA = "backward_data"
     BACKWARD_WEIGHTS = "backward_weights"
@@ -164,6 +167,13 @@ class ConvProblem:
                 self.spatial, self.kernel, self.stride, self.padding, self.dilation
             )
         )
+
+    @property
+    def view_steps(self) -> tuple[int, ...]:
+        """The stride per dimension as the step of a strided view of the input: 1 where
+        there is one output position, since the step is then never taken, and a stride
+        near 2**63 times an element stride would overflow the view's 64-bit strides."""
+        return tuple(u if o > 1 else 1 for u, o in zip(self.stride, self.output_spatial))
 
     @property
     def input_shape(self) -> tuple[int, ...]:

@@ -1,8 +1,9 @@
 """Argument checks for the functional API, run before any kernel.
 
 Each error is of the type torch.nn.functional.conv* raises for the same mistake
-(TypeError for an argument of the wrong kind, RuntimeError for every bad value:
-shapes, dtypes, devices, padding strings) and names the argument, the value it got
+(TypeError for an argument of the wrong kind, ValueError for an integer past 64 bits,
+NotImplementedError for a bool input, RuntimeError for every other bad value: shapes,
+dtypes, devices, layouts, padding strings) and names the argument, the value it got
 and what was expected. The checks run in the order torch runs its own, so an input
 with several mistakes reports the one torch would.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -20,24 +21,46 @@ PADDING_STRINGS = ("valid", "same")
 # The dtypes gemmconv computes in. torch's CPU convolution also takes integer and
 # complex tensors; gemmconv refuses them by name instead of failing in a solver.
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DTYPE_NAMES = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-def _as_int(fn: str, name: str, value: Any) -> int:
-    """``value`` as a Python int; bools and floats are refused, as torch refuses them."""
+class ConvArgs(NamedTuple):
+    """The non-tensor arguments as plain ints, one per spatial dimension; ``padding``
+    is None for 'same' (resolved from the kernel later)."""
+
+    stride: tuple[int, ...]
+    padding: tuple[int, ...] | None
+    dilation: tuple[int, ...]
+    groups: int
+
+
+def _as_int(fn: str, name: str, value: Any, overflow: type[Exception] = ValueError) -> int:
+    """``value`` as a Python int. Anything with ``__index__`` is taken, as torch takes
+    it (numpy integers, 0-d integer tensors); bools and floats are refused, and so is
+    an integer past 64 bits, with ``overflow`` (torch raises ValueError for a single
+    integer and TypeError for one inside a sequence)."""
     if isinstance(value, bool):
         raise TypeError(f"{fn}: {name}={value!r} is a bool; expected an integer")
     try:
-        return operator.index(value)
+        result = operator.index(value)
     except TypeError:
         raise TypeError(
             f"{fn}: {name}={value!r} of type {type(value).__name__}; expected an integer"
         ) from None
+    if not INT64_MIN <= result <= INT64_MAX:
+        raise overflow(
+            f"{fn}: {name}={result} does not fit in 64 bits; expected an integer in "
+            f"[-2**63, 2**63 - 1]"
+        )
+    return result
 
 
 def _int_tuple(fn: str, name: str, value: Any, dims: int) -> tuple[int, ...]:
     """An int or a sequence of 1 or ``dims`` ints, as ``dims`` ints."""
     if isinstance(value, Sequence) and not isinstance(value, str):
-        values = tuple(_as_int(fn, name, v) for v in value)
+        values = tuple(_as_int(fn, name, v, overflow=TypeError) for v in value)
         if len(values) not in (1, dims):
             raise RuntimeError(
                 f"{fn}: expected {name} to be a single integer value or a list of {dims} "
@@ -86,9 +109,10 @@ def check_conv_args(
     padding: Any,
     dilation: Any,
     groups: Any,
-) -> None:
+) -> ConvArgs:
     """Raise, before any work is done, for every call F.conv{dims}d would refuse
-    (and for the dtypes gemmconv does not compute in)."""
+    (and for the dtypes and layouts gemmconv does not compute in); return the
+    non-tensor arguments as plain ints."""
     fn = f"conv{dims}d"
     for name, t in (("input", input), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
@@ -99,6 +123,12 @@ def check_conv_args(
     strides = _int_tuple(fn, "stride", stride, dims)
     dilations = _int_tuple(fn, "dilation", dilation, dims)
     pads = _padding(fn, padding, strides, dims)
+    args = ConvArgs(strides, pads, dilations, groups)
+    for name, t in (("input", input), ("weight", weight), ("bias", bias)):
+        if t is not None and t.layout != torch.strided:
+            raise RuntimeError(
+                f"{fn}: {name} has layout {t.layout}; expected a dense tensor (torch.strided)"
+            )
 
     if input.dim() not in (dims + 1, dims + 2):
         raise RuntimeError(
@@ -155,7 +185,7 @@ def check_conv_args(
             "expected every spatial size >= 1 (only the batch or channel size may be 0)"
         )
     if pads is None:
-        return  # 'same' pads d*(r-1) in total, so any non-empty input fits the kernel
+        return args  # 'same' pads d*(r-1) in total, so any non-empty input fits the kernel
     for i, (s, r, p, d) in enumerate(zip(spatial, kernel, pads, dilations, strict=True)):
         if s + 2 * p < d * (r - 1) + 1:
             raise RuntimeError(
@@ -163,25 +193,42 @@ def check_conv_args(
                 f"padded input: spatial dimension {i} has input size {s} and padding {p}, "
                 f"so {s + 2 * p} positions; expected at least {d * (r - 1) + 1}"
             )
+    return args
 
 
 def _check_dtypes_and_devices(fn: str, input, weight, bias) -> None:
+    """In torch's order: the bias's dtype, a bool input (which no convolution kernel
+    takes), the weight's dtype, then the dtypes gemmconv does not compute in."""
     autocast = _autocast_enabled(input.device.type)
+    if bias is not None and bias.dtype != input.dtype and not autocast:
+        _refuse_dtype_mismatch(fn, "bias", bias, input)
+    if input.dtype == torch.bool:
+        raise NotImplementedError(
+            f"{fn}: input dtype torch.bool is not supported; expected one of {_DTYPE_NAMES}"
+        )
+    if weight.dtype != input.dtype and not autocast:
+        _refuse_dtype_mismatch(fn, "weight", weight, input)
     if input.dtype not in SUPPORTED_DTYPES and not autocast:
-        names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
         raise RuntimeError(
-            f"{fn}: input dtype {input.dtype} is not supported; expected one of {names}"
+            f"{fn}: input dtype {input.dtype} is not supported; expected one of {_DTYPE_NAMES}"
         )
     for name, t in (("weight", weight), ("bias", bias)):
-        if t is None:
-            continue
-        if t.dtype != input.dtype and not autocast:
-            raise RuntimeError(
-                f"{fn}: {name} dtype {t.dtype} differs from input dtype {input.dtype}; "
-                "expected the same dtype"
-            )
-        if t.device != input.device:
+        # torch runs a convolution with a meta operand on its meta kernel, which gives
+        # an uninitialised result on the input's device; the custom op's fake
+        # implementation does the same.
+        if t is not None and t.device != input.device and not _either_is_meta(t, input):
             raise RuntimeError(
                 f"{fn}: {name} is on {t.device} but input is on {input.device}; expected "
                 "the same device"
             )
+
+
+def _refuse_dtype_mismatch(fn: str, name: str, t: torch.Tensor, input: torch.Tensor) -> None:
+    raise RuntimeError(
+        f"{fn}: {name} dtype {t.dtype} differs from input dtype {input.dtype}; "
+        "expected the same dtype"
+    )
+
+
+def _either_is_meta(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device.type == "meta" or b.device.type == "meta"

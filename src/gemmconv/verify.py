@@ -96,6 +96,9 @@ def reference(
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
+    """The outcome of a verification: ``ok``, the result's rms_range ``error``, the
+    ``tolerance`` it was held to, and the vendor's error on the same inputs."""
+
     ok: bool
     error: float
     tolerance: float
@@ -131,7 +134,13 @@ def verify(
     result: torch.Tensor,
     compare_vendor: bool = True,
 ) -> Verdict:
-    """Check ``result`` for ``problem`` against float64 (and the vendor path)."""
+    """Check ``result`` of ``problem`` on ``tensors`` against a float64 reference.
+
+    The error is MIOpen's rms_range; the result passes within the dtype's tolerance
+    and, with ``compare_vendor``, no more than twice the error of torch's own
+    convolution on the same inputs (above one unit roundoff). NaN or Inf where the
+    reference is finite never passes. Returns a ``Verdict``; ``str(verdict)`` reads
+    ``Verifies OK (rms=..., tol=...)`` or ``FAILED (...)``."""
     ref = reference(problem, tensors)
     vendor_result = VendorSolver().run(problem, tensors) if compare_vendor else None
     return judge(problem, result, ref, vendor_result)

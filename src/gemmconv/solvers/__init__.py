@@ -27,10 +27,12 @@ _BY_ID = {s.id: s for s in SOLVERS}
 
 
 def solver_ids() -> list[str]:
+    """Every solver's id, in registry order (the order that breaks ties)."""
     return [s.id for s in SOLVERS]
 
 
 def get_solver(solver_id: str) -> Solver:
+    """The solver with this id; ValueError naming every known id otherwise."""
     try:
         return _BY_ID[solver_id]
     except KeyError:

@@ -25,8 +25,13 @@ from gemmconv.solvers.views import result_buffer
 def _windows(x_padded: torch.Tensor, p: ConvProblem) -> torch.Tensor:
     """Strided view [N, G, Cg, O1..Od, R1..Rd] of the padded input."""
     win = x_padded
-    for i, (r, u, dil) in enumerate(zip(p.kernel, p.stride, p.dilation)):
-        win = win.unfold(2 + i, dil * (r - 1) + 1, u)
+    for i, (r, step, dil, o) in enumerate(
+        zip(p.kernel, p.view_steps, p.dilation, p.output_spatial)
+    ):
+        span = dil * (r - 1) + 1
+        # Narrowed to what the windows cover, so that the unit step of a dimension with
+        # one output position gives exactly one window.
+        win = win.narrow(2 + i, 0, span + step * (o - 1)).unfold(2 + i, span, step)
     taps = (slice(None),) * (2 + p.dims) + tuple(slice(None, None, dil) for dil in p.dilation)
     win = win[taps]
     cg = p.c // p.groups
@@ -131,8 +136,8 @@ class Im2colSolver(Solver):
         )
         for tap in itertools.product(*(range(r) for r in p.kernel)):
             region = tuple(
-                slice(i * dil, i * dil + u * (o - 1) + 1, u)
-                for i, dil, u, o in zip(tap, p.dilation, p.stride, p.output_spatial)
+                slice(i * dil, i * dil + step * (o - 1) + 1, step)
+                for i, dil, step, o in zip(tap, p.dilation, p.view_steps, p.output_spatial)
             )
             dx_padded[(slice(None),) * 3 + region] += dcol[(Ellipsis, *tap)]
         inner = tuple(slice(pad, pad + s) for pad, s in zip(p.padding, p.spatial))

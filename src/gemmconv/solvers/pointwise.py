@@ -138,7 +138,8 @@ class StridedPointwiseSolver(PointwiseSolver):
         return []
 
     def _strided(self, t: torch.Tensor, p: ConvProblem) -> torch.Tensor:
-        return t[(slice(None), slice(None), *(slice(None, None, u) for u in p.stride))]
+        steps = zip(p.view_steps, p.output_spatial)
+        return t[(slice(None), slice(None), *(slice(0, (o - 1) * u + 1, u) for u, o in steps))]
 
     def source(self, x: torch.Tensor, p: ConvProblem) -> torch.Tensor:
         return self._strided(x, p)

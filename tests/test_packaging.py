@@ -1,0 +1,37 @@
+"""The packaging metadata the README's install commands rely on: what a plain install
+brings, and what each extra adds."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+PROJECT = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())[
+    "project"
+]
+
+
+def _names(requirements: list[str]) -> set[str]:
+    """Distribution names of requirement strings, extras kept: 'gemmconv[models]'."""
+    names = set()
+    for requirement in requirements:
+        match = re.match(r"\s*([A-Za-z0-9_.-]+(\[[^\]]*\])?)", requirement)
+        names.add(match.group(1).lower())
+    return names
+
+
+def test_a_plain_install_brings_numpy():
+    # torch warns "Failed to initialize NumPy" at the first convolution without it.
+    assert {"torch", "tqdm", "numpy"} <= _names(PROJECT["dependencies"])
+
+
+def test_the_extras_hold_what_the_readme_and_the_bench_use():
+    extras = {name: _names(reqs) for name, reqs in PROJECT["optional-dependencies"].items()}
+    assert {"timm", "transformers"} <= extras["models"]  # the README's model examples
+    assert "matplotlib" in extras["bench"]  # gemmconv bench's png
+    # The tests import the model libraries and Triton (which torch's CPU build lacks).
+    assert {"pytest", "hypothesis", "ruff", "gemmconv[models,bench]", "triton"} <= extras["test"]
