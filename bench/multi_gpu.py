@@ -198,7 +198,7 @@ def convert_accepts_memory_format() -> bool:
     return "memory_format" in inspect.signature(gemmconv.convert).parameters
 
 
-def apply_variant(variant: str, model: torch.nn.Module) -> str:
+def apply_variant(variant: str, model: torch.nn.Module, wrapper: str) -> str:
     """Turn ``model`` into ``variant`` in place; returns what was done, for the row."""
     if variant == "torch":
         return "timm model unchanged"
@@ -213,6 +213,11 @@ def apply_variant(variant: str, model: torch.nn.Module) -> str:
         raise VariantNotAvailable(
             f"gemmconv {gemmconv.__version__}: convert() has no memory_format argument"
         )
+    if wrapper == "fsdp2":
+        # fully_shard refuses parameters that are not contiguous (NotImplementedError),
+        # and a channels-last weight is not.
+        raise VariantNotAvailable("FSDP2 shards contiguous parameters only; a channels-last "
+                                  "weight is refused by fully_shard")  # fmt: skip
     return _swapped(gemmconv.convert(model, memory_format=torch.channels_last))
 
 
@@ -286,7 +291,7 @@ def prepare(
     wrapper: str, variant: str, initial: torch.nn.Module, world: World
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, str]:
     model = copy.deepcopy(initial).to(world.device)
-    note = apply_variant(variant, model)
+    note = apply_variant(variant, model, wrapper)
     model = wrap(wrapper, model, world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
     return model, optimizer, note

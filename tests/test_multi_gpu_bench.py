@@ -64,6 +64,9 @@ def assert_rows_and_checks(results: dict, wrappers: list[str], steps: int) -> No
         if variant == "converted_channels_last" and not accepts:
             assert row["status"] == "not available" and "memory_format" in row["note"], row
             continue
+        if variant == "converted_channels_last" and wrapper == "fsdp2":
+            assert row["status"] == "not available" and "contiguous" in row["note"], row
+            continue
         assert row["status"] == "ok", row
         assert row["ms"] > 0 and len(row["first_step_s"]) == 2, row
         assert len(row["losses"]) == steps and all(torch.isfinite(torch.tensor(row["losses"])))
