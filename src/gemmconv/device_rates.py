@@ -23,6 +23,9 @@ class DeviceRates:
     matrix_tflops: dict[str, float]  # by dtype name; "fp32" is full fp32, "tf32" the TF32 mode
     bandwidth_gbs: float
     launch_us: float
+    # Streaming multiprocessors (CUDA) or cores: kernels that size their grid to fill
+    # the device are costed with it. None where rates were stored without it.
+    multiprocessors: int | None = None
     # How much slower a GEMM runs when its reduction rows are not 16-byte aligned
     # (measured on an H200: bf16 [9500 x 588] x [588 x 1280] 88 us, padded to 592 31 us).
     unaligned_slowdown: float = 1.0
@@ -45,6 +48,7 @@ H200 = DeviceRates(
     name="NVIDIA H200",
     matrix_tflops={"bf16": 780.0, "fp16": 780.0, "tf32": 390.0, "fp32": 50.0, "fp64": 50.0},
     bandwidth_gbs=4300.0,
+    multiprocessors=132,
     launch_us=4.0,
     unaligned_slowdown=2.8,
 )
@@ -58,6 +62,7 @@ _KNOWN: dict[str, DeviceRates] = {"NVIDIA H200": H200, "NVIDIA H100 80GB HBM3": 
 CPU = DeviceRates(
     name="cpu",
     matrix_tflops={"bf16": 0.05, "fp16": 0.02, "tf32": 0.1, "fp32": 0.1, "fp64": 0.05},
+    multiprocessors=2,
     bandwidth_gbs=10.0,
     launch_us=5.0,
 )
@@ -122,6 +127,7 @@ def measure_rates(index: int = 0) -> DeviceRates:
         bandwidth_gbs=round(bandwidth, 1),
         launch_us=5.0,
         unaligned_slowdown=_MEASURED_UNALIGNED_SLOWDOWN,
+        multiprocessors=torch.cuda.get_device_properties(index).multi_processor_count,
     )
     log.info("measured peak rates of %s: %s", rates.name, rates)
     return rates

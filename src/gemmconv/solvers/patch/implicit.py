@@ -1,0 +1,133 @@
+"""Patch class as implicit GEMMs in Triton: no column buffer, no copies of x, y or dY.
+
+All three directions run gemmconv.kernels.patch_gemm, which gathers the patches
+inside the GEMM's loads (in the problem's column order), masks the unaligned
+reduction tail instead of padding it, stores y in the requested layout with the bias
+fused, scatters dx in the backward-data epilogue, and splits the weight gradient's
+reduction into fp32 partials.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gemmconv.device_rates import DeviceRates, rates_for
+from gemmconv.precision import convolutions_allow_tf32
+from gemmconv.problem import ConvProblem, Direction
+from gemmconv.solvers.base import ConvTensors, _math_mode
+from gemmconv.solvers.patch.cost import (
+    FULL_RATE_RUN_BYTES,
+    IMPLICIT_GEMM_EFFICIENCY,
+    IMPLICIT_OUTPUT_STORE_SLOWDOWN,
+    IMPLICIT_WGRAD_EFFICIENCY,
+    gathered_run_bytes,
+)
+from gemmconv.solvers.patch.family import PatchFamilySolver
+from gemmconv.solvers.patch.mapping import (
+    channels_last_columns,
+    column_layout,
+    covered_extent,
+)
+from gemmconv.solvers.views import result_buffer, store_weight_rows, weight_rows, zero_outside
+
+# Programs per multiprocessor the split weight-gradient reduction aims for.
+WGRAD_PROGRAMS_PER_SM = 2
+# The interpreter (CPU tests) runs programs one by one: a few splits, so that the
+# split path is exercised.
+INTERPRETER_PROGRAMS = 8
+
+
+def _device_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return WGRAD_PROGRAMS_PER_SM * sms
+    return INTERPRETER_PROGRAMS
+
+
+def _costed_programs(rates: DeviceRates) -> int:
+    """The programs the cost model assumes: from the rates' multiprocessor count, or
+    for rates stored without one, from the current CUDA device."""
+    sms = rates.multiprocessors
+    if sms is None:
+        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return WGRAD_PROGRAMS_PER_SM * sms
+
+
+class ImplicitGemmSolver(PatchFamilySolver):
+    needs_triton = True
+
+    # ---- cost ---------------------------------------------------------------
+
+    def _partials_bytes(self, p: ConvProblem, rates: DeviceRates) -> int:
+        """The weight gradient's fp32 partials and their sum."""
+        if p.direction is not Direction.BACKWARD_WEIGHTS:
+            return 0
+        from gemmconv.kernels.patch_gemm import wgrad_splits
+
+        splits = wgrad_splits(p.gemm_m, p.k, p.gemm_k, p.dtype, _costed_programs(rates))
+        return (splits + 1) * p.k * p.gemm_k * 4
+
+    def workspace_bytes(self, p: ConvProblem) -> int:
+        return self._partials_bytes(p, rates_for(p.device_type))
+
+    def copied_bytes(self, p: ConvProblem) -> int:
+        # The fp32 partials are written once and read once by their sum.
+        return 2 * self.workspace_bytes(p)
+
+    def efficiency(self, p: ConvProblem) -> float:
+        """Fraction of the device's matrix rate the Triton kernel reaches."""
+        if p.direction is Direction.BACKWARD_WEIGHTS:
+            base = IMPLICIT_WGRAD_EFFICIENCY
+        else:
+            base = IMPLICIT_GEMM_EFFICIENCY
+        return base * min(1.0, gathered_run_bytes(p) / FULL_RATE_RUN_BYTES)
+
+    def estimate_ms(self, p: ConvProblem, rates: DeviceRates | None = None) -> float:
+        rates = rates or rates_for(p.device_type)
+        flop_ms = p.flops() / rates.matrix_rate(_math_mode(p)) / self.efficiency(p)
+        if not self.gemm_is_aligned(p):
+            flop_ms *= rates.unaligned_slowdown
+        moved = p.min_bytes()
+        if p.direction is Direction.FORWARD:
+            output_bytes = math.prod(p.output_shape) * p.element_size
+            moved += (IMPLICIT_OUTPUT_STORE_SLOWDOWN - 1.0) * output_bytes
+        byte_ms = moved / rates.bytes_per_ms()
+        extra_ms = 2 * self._partials_bytes(p, rates) / rates.bytes_per_ms()
+        launches = 2 if p.direction is Direction.BACKWARD_WEIGHTS else 1
+        return max(flop_ms, byte_ms) + extra_ms + launches * rates.launch_us / 1000.0
+
+    # ---- the three directions ----------------------------------------------
+
+    def forward(self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None) -> torch.Tensor:
+        from gemmconv.kernels.patch_gemm import patch_gemm_forward
+
+        y = result_buffer(p, t.input, out)
+        wm = weight_rows(t.weight, column_layout(p)).contiguous()
+        return patch_gemm_forward(t.input, wm, t.bias, p.kernel, channels_last_columns(p), out=y,
+                                  allow_tf32=convolutions_allow_tf32())  # fmt: skip
+
+    def backward_data(
+        self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        from gemmconv.kernels.patch_gemm import patch_gemm_backward_data
+
+        dx = result_buffer(p, t.grad_output, out)
+        zero_outside(dx, covered_extent(p))
+        wm = weight_rows(t.weight, column_layout(p)).contiguous()
+        return patch_gemm_backward_data(t.grad_output, wm, p.kernel, channels_last_columns(p),
+                                        dx, allow_tf32=convolutions_allow_tf32())  # fmt: skip
+
+    def backward_weights(
+        self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        from gemmconv.kernels.patch_gemm import patch_gemm_weight_grad, wgrad_splits
+
+        x = t.input
+        dw = result_buffer(p, x, out)
+        splits = wgrad_splits(p.gemm_m, p.k, p.gemm_k, p.dtype, _device_programs(x.device))
+        rows32 = patch_gemm_weight_grad(t.grad_output, x, p.kernel, channels_last_columns(p),
+                                        splits, allow_tf32=convolutions_allow_tf32())  # fmt: skip
+        store_weight_rows(dw, rows32.to(p.dtype), column_layout(p))
+        return dw
