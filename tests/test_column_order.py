@@ -40,11 +40,11 @@ SHAPES = {
 PAIRS = [(CF, CL), (CL, CF)]
 
 
-def _tensors(x_layout, w_layout, spatial, kernel, dtype, seed):
+def _tensors(x_layout, w_layout, spatial, kernel, dtype, seed, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    x = random_in((2, 3, *spatial), x_layout, dtype, "cpu", gen)
-    w = random_in((5, 3, *kernel), w_layout, dtype, "cpu", gen)
-    bias = random_in((5,), CF, dtype, "cpu", gen)
+    x = random_in((2, 3, *spatial), x_layout, dtype, device, gen)
+    w = random_in((5, 3, *kernel), w_layout, dtype, device, gen)
+    bias = random_in((5,), CF, dtype, device, gen)
     return x, w, bias
 
 
@@ -61,7 +61,7 @@ def _direction_tensors(p: ConvProblem, x, w, bias, seed) -> ConvTensors:
     gen = torch.Generator().manual_seed(seed + 1)
     # dY in the layout the forward returned y in, as autograd hands it over.
     dy_layout = output_layout(p.layout, p.dims, p.dtype, p.device_type)
-    dy = random_in(p.output_shape, dy_layout, p.dtype, "cpu", gen)
+    dy = random_in(p.output_shape, dy_layout, p.dtype, x.device, gen)
     if p.direction is Direction.BACKWARD_DATA:
         return ConvTensors(grad_output=dy, weight=w)
     return ConvTensors(grad_output=dy, input=x)
@@ -83,19 +83,35 @@ def _case_id(case) -> str:
     return f"{solver_id}-{shape}-{dims}d-x{short[x_layout]}-w{short[w_layout]}-{direction.value}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
-def test_mixed_layouts_match_float64(case, monkeypatch):
+def _check_mixed(case, dtype: torch.dtype, device: str) -> None:
     solver_id, shape, dims, (x_layout, w_layout), direction = case
-    solver = get_solver(solver_id)
-    monkeypatch.setattr(type(solver), "devices", frozenset({"cpu", "cuda"}))
     spatial, kernel = SHAPES[shape][dims]
     seed = zlib.crc32(_case_id(case).encode())
-    x, w, bias = _tensors(x_layout, w_layout, spatial, kernel, torch.float32, seed)
+    x, w, bias = _tensors(x_layout, w_layout, spatial, kernel, dtype, seed, device)
     p = _problem(x, w, bias, kernel, direction)
     assert p.layout is CL  # one channels-last operand makes the problem channels-last
     if direction is not Direction.BACKWARD_DATA:
         assert p.input_layout is x_layout and column_layout(p) is x_layout
-    check_run(solver, p, _direction_tensors(p, x, w, bias, seed), _case_id(case))
+    tensors = _direction_tensors(p, x, w, bias, seed)
+    check_run(get_solver(solver_id), p, tensors, f"{_case_id(case)}-{dtype}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_mixed_layouts_match_float64(case, monkeypatch):
+    monkeypatch.setattr(type(get_solver(case[0])), "devices", frozenset({"cpu", "cuda"}))
+    _check_mixed(case, torch.float32, "cpu")
+
+
+# One 3-D problem with a remainder and one 2-D point-output problem per solver: each
+# new geometry compiles new kernel variants on the GPU.
+GPU_CASES = [c for c in CASES if (c[1], c[2]) in {("remainder", 3), ("point", 2)}]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=[_case_id(c) for c in GPU_CASES])
+def test_mixed_layouts_match_float64_on_cuda(case, dtype):
+    _check_mixed(case, dtype, "cuda")
 
 
 def test_problem_records_the_inputs_own_layout():

@@ -23,8 +23,8 @@ class DeviceRates:
     matrix_tflops: dict[str, float]  # by dtype name; "fp32" is full fp32, "tf32" the TF32 mode
     bandwidth_gbs: float
     launch_us: float
-    # Streaming multiprocessors (CUDA) or cores: kernels that size their grid to fill
-    # the device are costed with it. None where rates were stored without it.
+    # Streaming multiprocessors: kernels that size their grid to fill the device are
+    # costed with it. None where not known (the CPU, rates stored without it).
     multiprocessors: int | None = None
     # How much slower a GEMM runs when its reduction rows are not 16-byte aligned
     # (measured on an H200: bf16 [9500 x 588] x [588 x 1280] 88 us, padded to 592 31 us).
@@ -62,7 +62,6 @@ _KNOWN: dict[str, DeviceRates] = {"NVIDIA H200": H200, "NVIDIA H100 80GB HBM3": 
 CPU = DeviceRates(
     name="cpu",
     matrix_tflops={"bf16": 0.05, "fp16": 0.02, "tf32": 0.1, "fp32": 0.1, "fp64": 0.05},
-    multiprocessors=2,
     bandwidth_gbs=10.0,
     launch_us=5.0,
 )

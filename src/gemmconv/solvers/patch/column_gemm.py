@@ -23,12 +23,7 @@ from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors
 from gemmconv.solvers.patch import rows_path
 from gemmconv.solvers.patch.columns import TorchCopyColumns
-from gemmconv.solvers.patch.cost import (
-    TRANSPOSE_SLOWDOWN,
-    output_rows_bytes,
-    torch_permute_slowdown,
-    uncovered_bytes,
-)
+from gemmconv.solvers.patch.cost import output_rows_bytes, torch_permute_slowdown, uncovered_bytes
 from gemmconv.solvers.patch.family import PatchFamilySolver
 from gemmconv.solvers.patch.mapping import (
     VECTOR_BYTES,
@@ -103,8 +98,7 @@ class ColumnGemmSolver(PatchFamilySolver):
         if p.direction is Direction.BACKWARD_DATA:
             moved += uncovered_bytes(p)
         if self.uses_rows_path(p):
-            # y or dY crosses between rows and channels-first once, read and written.
-            moved += 2 * output_rows_bytes(p) * TRANSPOSE_SLOWDOWN
+            moved += rows_path.copied_bytes(p)
         elif self._dy_rows_copied(p):
             moved += 2 * output_rows_bytes(p) * torch_permute_slowdown(p.device_type)
         return int(moved)
@@ -141,11 +135,11 @@ class ColumnGemmSolver(PatchFamilySolver):
     def backward_data(
         self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None
     ) -> torch.Tensor:
-        dy = t.grad_output
-        dx = result_buffer(p, dy, out)
+        dx = result_buffer(p, t.grad_output, out)
         zero_outside(dx, covered_extent(p))
         ld = self.reduction_width(p)
         wm = padded_weight_rows(t.weight, column_layout(p), ld)
+        dy = t.grad_output
         dy_rows = rows_view(dy)
         if dy_rows is not None:
             target = self.columns.in_place_target(dx, p, ld)

@@ -21,14 +21,9 @@ import math
 
 import torch
 
+from gemmconv.memory_format import Layout
 from gemmconv.problem import ConvProblem, Direction
-from gemmconv.solvers.patch.cost import (
-    TRITON_PERMUTE_SLOWDOWN,
-    TRITON_UNALIGNED_SCATTER_SLOWDOWN,
-    WORD_COPY_SLOWDOWN,
-    gathered_run_bytes,
-    torch_permute_slowdown,
-)
+from gemmconv.solvers.patch.cost import gathered_run_bytes, torch_permute_slowdown
 from gemmconv.solvers.patch.mapping import (
     VECTOR_BYTES,
     channels_last_columns,
@@ -37,6 +32,20 @@ from gemmconv.solvers.patch.mapping import (
     patches_are_views,
 )
 from gemmconv.solvers.views import try_view
+
+# The Triton permutation pass (kernels/patch_permute.py) against a plain copy: the
+# strided side is read in short runs (R elements), so allow a quarter more time.
+TRITON_PERMUTE_SLOWDOWN = 1.25
+# Its scatter (backward-data), when the contiguous run of a patch row is not a whole
+# number of 16-byte vectors, stores element by element. On an H200
+# (bench/results/h200.json, torch 2.11) it moved about 280 GB/s in the channels-first
+# column order, 15x behind a plain copy (point 2D/3D and ConvNeXt downsample
+# backward-data rows), and about 1 TB/s in the channels-last one, 4x (point 2D,
+# 84-byte runs); fitted to those rows.
+TRITON_UNALIGNED_SCATTER_SLOWDOWN = {Layout.CHANNELS_FIRST: 15.0, Layout.CHANNELS_LAST: 4.0}
+# Point-output rows copied as 8-byte words (pad_rows): 22.4 MB in 11 us on an H200,
+# about 2 TB/s against 4.2 for a plain copy (bench/results/h200_levers_layouts_run1.json).
+WORD_COPY_SLOWDOWN = 2.0
 
 
 class TorchCopyColumns:

@@ -17,13 +17,7 @@ from gemmconv.device_rates import DeviceRates, rates_for
 from gemmconv.precision import convolutions_allow_tf32
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors, _math_mode
-from gemmconv.solvers.patch.cost import (
-    FULL_RATE_RUN_BYTES,
-    IMPLICIT_GEMM_EFFICIENCY,
-    IMPLICIT_OUTPUT_STORE_SLOWDOWN,
-    IMPLICIT_WGRAD_EFFICIENCY,
-    gathered_run_bytes,
-)
+from gemmconv.solvers.patch.cost import gathered_run_bytes
 from gemmconv.solvers.patch.family import PatchFamilySolver
 from gemmconv.solvers.patch.mapping import (
     channels_last_columns,
@@ -32,6 +26,26 @@ from gemmconv.solvers.patch.mapping import (
 )
 from gemmconv.solvers.views import result_buffer, store_weight_rows, weight_rows, zero_outside
 
+# Fraction of cuBLAS's matrix rate the Triton GEMM with gathered A loads reaches on
+# long contiguous runs and a 16-byte-aligned reduction: 0.47-0.54 on an H200
+# (bench/results/h200.json, torch 2.11: ViT-B/16, SAM ViT-H and VideoMAE channels-last
+# forward, 0.14-0.18 ms for 0.08 ms of cuBLAS-rate flops); fitted to those rows. An
+# unaligned reduction costs the device's unaligned_slowdown as for cuBLAS (masked
+# tails, no 16-byte loads: CLIP-L/14 and point 2D, C*R = 588, ran 0.13-0.16).
+IMPLICIT_GEMM_EFFICIENCY = 0.5
+# The split weight-gradient kernel reached 3-4% of the bf16 matrix rate on an H200
+# (same file: ViT-B/16 1.73 ms, CLIP-L/14 3.83 ms, point 3D 1.22 ms for 0.04-0.11 ms
+# of cuBLAS-rate flops); fitted to those rows.
+IMPLICIT_WGRAD_EFFICIENCY = 0.035
+# Gathered loads reached the rates above only on contiguous runs of this many bytes;
+# shorter runs waste the rest of each memory transaction. Fitted to the same file:
+# channels-first rows (runs of R bytes) ran at 0.3-0.6x of their channels-last twins
+# (runs of R*C), ViT-B/16 (32-byte runs) at 0.6x, DiT-XL/2 (4-byte runs) at 0.5x.
+FULL_RATE_RUN_BYTES = 64
+# Its forward stores the output tile by tile at about 1.4 TB/s on an H200, 3x slower
+# than a plain copy (bench/results/h200.json, torch 2.11: DiT-XL/2 channels-last forward
+# wrote its 151 MB output in 0.105 ms); fitted to that row.
+IMPLICIT_OUTPUT_STORE_SLOWDOWN = 3.0
 # Programs per multiprocessor the split weight-gradient reduction aims for.
 WGRAD_PROGRAMS_PER_SM = 2
 # The interpreter (CPU tests) runs programs one by one: a few splits, so that the
@@ -40,6 +54,7 @@ INTERPRETER_PROGRAMS = 8
 
 
 def _device_programs(device: torch.device) -> int:
+    """Programs the split weight-gradient reduction aims for on ``device``."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return WGRAD_PROGRAMS_PER_SM * sms
@@ -47,12 +62,11 @@ def _device_programs(device: torch.device) -> int:
 
 
 def _costed_programs(rates: DeviceRates) -> int:
-    """The programs the cost model assumes: from the rates' multiprocessor count, or
-    for rates stored without one, from the current CUDA device."""
-    sms = rates.multiprocessors
-    if sms is None:
-        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return WGRAD_PROGRAMS_PER_SM * sms
+    """The programs the cost model assumes: by the rates' multiprocessor count, or
+    where they carry none, as on the device this process runs kernels on."""
+    if rates.multiprocessors is not None:
+        return WGRAD_PROGRAMS_PER_SM * rates.multiprocessors
+    return _device_programs(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 class ImplicitGemmSolver(PatchFamilySolver):

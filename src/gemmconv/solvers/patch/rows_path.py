@@ -15,12 +15,15 @@ import torch
 
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.patch.columns import TorchCopyColumns
+from gemmconv.solvers.patch.cost import output_rows_bytes
 from gemmconv.solvers.patch.mapping import batched_gemm_is_unaligned, transposed_pixels
 
 # The path's two buffers (column rows, and y or dY rows) are cut into sample chunks
 # only where they would exceed both one copy of the largest operand and this size:
 # that bounds the memory of huge batches, while an ordinary call runs in one pass.
 CHUNK_ABOVE_BYTES = 256 << 20
+# The tiled transpose kernel (kernels/strided_copy.py) against a plain copy.
+TRANSPOSE_SLOWDOWN = 1.25
 # The batch (grid axis 1) of one transpose launch is a sample count.
 MAX_CHUNK_SAMPLES = 65535
 
@@ -65,6 +68,11 @@ def chunk_samples(p: ConvProblem, ld: int) -> int:
 def workspace_bytes(p: ConvProblem, ld: int) -> int:
     pixels = chunk_samples(p, ld) * transposed_pixels(p)
     return pixels * (ld + p.k) * p.element_size
+
+
+def copied_bytes(p: ConvProblem) -> float:
+    """y or dY crosses between rows and channels-first once, read and written."""
+    return 2 * output_rows_bytes(p) * TRANSPOSE_SLOWDOWN
 
 
 def launches(p: ConvProblem, ld: int) -> int:
