@@ -310,16 +310,23 @@ def test_rows_path_runs_in_one_pass_unless_its_buffers_exceed_both_limits():
     assert rows_path.applies(wgrad)  # dY is copied to rows either way
 
 
-def test_rows_path_chunks_where_a_small_limit_is_exceeded(monkeypatch):
+@pytest.mark.parametrize("direction", list(Direction), ids=lambda d: d.value)
+def test_rows_path_chunks_where_a_small_limit_is_exceeded_interpreted(direction, monkeypatch):
     # Four samples of 3 x 2 pixels, 36 + 5 columns each in fp32: the two buffers of two
-    # samples fit a limit set just above them, four do not.
+    # samples fit a limit set just above them, four do not; the solver then runs two
+    # chunks of two.
+    solver = get_solver("patch_triton")
+    monkeypatch.setattr(type(solver), "devices", frozenset({"cpu", "cuda"}))
     g = Geometry("rows", spatial=(12, 6), kernel=(4, 3), stride=(4, 3), c=3, n=4, k=5)
-    p = problem_for(g, 2, Layout.CHANNELS_FIRST, torch.float32, "cuda", Direction.FORWARD)
+    p = problem_for(g, 2, Layout.CHANNELS_FIRST, torch.float32, "cpu", direction)
     ld = padded_reduction(p)
     fixed = p.k * ld * (4 + 8)
     monkeypatch.setattr(rows_path, "CHUNK_ABOVE_BYTES", fixed + 2 * 6 * (ld + p.k) * 4)
     assert p.largest_operand_bytes() < rows_path.CHUNK_ABOVE_BYTES
     assert rows_path.chunk_samples(p, ld) == 2
+    assert solver.gemm_launches(p) == 3 * 2
+    case = (solver, g, 2, Layout.CHANNELS_FIRST, torch.float32, direction)
+    check_case(case, "cpu", seed=zlib.crc32(repr(("small limit", direction)).encode()))
 
 
 def test_triton_patch_solver_declares_cuda_only():

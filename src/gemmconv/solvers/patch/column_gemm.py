@@ -22,7 +22,7 @@ from gemmconv.precision import reduction_mm
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors
 from gemmconv.solvers.patch import rows_path
-from gemmconv.solvers.patch.columns import TorchCopyColumns
+from gemmconv.solvers.patch.columns import ColumnSource
 from gemmconv.solvers.patch.cost import output_rows_bytes, torch_permute_slowdown, uncovered_bytes
 from gemmconv.solvers.patch.family import PatchFamilySolver
 from gemmconv.solvers.patch.mapping import (
@@ -57,7 +57,7 @@ class ChannelsFirst(enum.Enum):
 
 
 class ColumnGemmSolver(PatchFamilySolver):
-    columns: ClassVar[TorchCopyColumns]
+    columns: ClassVar[ColumnSource]
     pads_reduction: ClassVar[bool] = False
     channels_first: ClassVar[ChannelsFirst] = ChannelsFirst.BATCHED
 

@@ -48,7 +48,7 @@ TRITON_UNALIGNED_SCATTER_SLOWDOWN = {Layout.CHANNELS_FIRST: 15.0, Layout.CHANNEL
 WORD_COPY_SLOWDOWN = 2.0
 
 
-class TorchCopyColumns:
+class ColumnSource:
     # Kernel launches of the gather or the scatter, beyond the GEMM's.
     launches = 1
 
@@ -58,13 +58,31 @@ class TorchCopyColumns:
 
     def slowdown(self, p: ConvProblem) -> float:
         """Time per byte of its gather or scatter, relative to a plain device copy."""
-        return torch_permute_slowdown(p.device_type)
+        raise NotImplementedError
 
     def gather(
         self, x: torch.Tensor, p: ConvProblem, ld: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The column matrix [rows, ld] of ``x`` (all samples or a slice of them), in
         ``out`` when given."""
+        raise NotImplementedError
+
+    def scatter(self, dcol: torch.Tensor, p: ConvProblem, dx: torch.Tensor) -> None:
+        """Write the first Kred columns of ``dcol`` [rows, ld] into dx's patch positions."""
+        raise NotImplementedError
+
+    def in_place_target(self, dx: torch.Tensor, p: ConvProblem, ld: int) -> torch.Tensor | None:
+        """dx's patch positions as [M, ld] when a GEMM can write them directly."""
+        return None
+
+
+class TorchCopyColumns(ColumnSource):
+    def slowdown(self, p: ConvProblem) -> float:
+        return torch_permute_slowdown(p.device_type)
+
+    def gather(
+        self, x: torch.Tensor, p: ConvProblem, ld: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         col = _buffer(x, p, ld, out)
         if ld > p.gemm_k:
             col[:, p.gemm_k :].zero_()
@@ -73,13 +91,8 @@ class TorchCopyColumns:
         return col
 
     def scatter(self, dcol: torch.Tensor, p: ConvProblem, dx: torch.Tensor) -> None:
-        """Write the first Kred columns of ``dcol`` [rows, ld] into dx's patch positions."""
         target = patches(dx, p)
         target.copy_(dcol[:, : p.gemm_k].view(target.shape))
-
-    def in_place_target(self, dx: torch.Tensor, p: ConvProblem, ld: int) -> torch.Tensor | None:
-        """dx's patch positions as [M, ld] when a GEMM can write them directly."""
-        return None
 
 
 class ViewColumns(TorchCopyColumns):
@@ -103,7 +116,7 @@ class ViewColumns(TorchCopyColumns):
         return try_view(patches(dx, p), p.gemm_m, p.gemm_k)
 
 
-class TritonCopyColumns(TorchCopyColumns):
+class TritonCopyColumns(ColumnSource):
     def slowdown(self, p: ConvProblem) -> float:
         if patches_are_views(p):
             return WORD_COPY_SLOWDOWN

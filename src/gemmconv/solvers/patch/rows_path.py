@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from gemmconv.problem import ConvProblem, Direction
-from gemmconv.solvers.patch.columns import TorchCopyColumns
+from gemmconv.solvers.patch.columns import ColumnSource
 from gemmconv.solvers.patch.cost import output_rows_bytes
 from gemmconv.solvers.patch.mapping import batched_gemm_is_unaligned, transposed_pixels
 
@@ -91,7 +91,7 @@ def _dy_rows(dy3: torch.Tensor, start: int, count: int, buf: torch.Tensor) -> to
 
 
 def forward(
-    columns: TorchCopyColumns,
+    columns: ColumnSource,
     p: ConvProblem,
     x: torch.Tensor,
     wm: torch.Tensor,
@@ -118,7 +118,7 @@ def forward(
 
 
 def backward_data(
-    columns: TorchCopyColumns, p: ConvProblem, dy3: torch.Tensor, wm: torch.Tensor, dx: torch.Tensor
+    columns: ColumnSource, p: ConvProblem, dy3: torch.Tensor, wm: torch.Tensor, dx: torch.Tensor
 ) -> None:
     """The patch positions of dx from channels-first dY [N, K, P] and ``wm`` [K, ld]."""
     ld = wm.shape[1]
@@ -133,7 +133,7 @@ def backward_data(
 
 
 def weight_gradient_rows(
-    columns: TorchCopyColumns, p: ConvProblem, x: torch.Tensor, dy3: torch.Tensor, ld: int
+    columns: ColumnSource, p: ConvProblem, x: torch.Tensor, dy3: torch.Tensor, ld: int
 ) -> torch.Tensor:
     """dW as [K, ld] rows in the column order, from x and channels-first dY [N, K, P];
     fp32 where chunk products of half-precision operands were summed."""
