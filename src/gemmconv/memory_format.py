@@ -9,7 +9,7 @@ when its transpose(1, 2) is contiguous, so 1-D convolutions keep their layout to
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch._prims_common import suggest_memory_format
@@ -50,11 +50,25 @@ def _is_channels_last(t: torch.Tensor) -> bool:
     return False
 
 
-# layout_of is a function of shapes and strides alone, and torch's suggest_memory_format
-# costs tens of microseconds of Python per call; eager calls repeat the same few
-# shape/stride pairs, so their answers are remembered (boundedly).
+# The layouts are functions of shapes and strides alone, and torch's
+# suggest_memory_format costs tens of microseconds of Python per call; eager calls
+# repeat the same few shape/stride pairs, so the answers are remembered (boundedly).
 _LAYOUTS_MAX = 4096
 _layouts: dict[tuple, Layout] = {}
+
+
+def _remembered(key: tuple, compute: Callable[[], Layout]) -> Layout:
+    try:
+        return _layouts[key]
+    except KeyError:
+        pass
+    except TypeError:  # symbolic sizes (tracing) are not hashable: nothing to remember
+        return compute()
+    layout = compute()
+    if len(_layouts) >= _LAYOUTS_MAX:
+        _layouts.clear()
+    _layouts[key] = layout
+    return layout
 
 
 def layout_of(input: torch.Tensor, weight: torch.Tensor) -> Layout:
@@ -65,22 +79,22 @@ def layout_of(input: torch.Tensor, weight: torch.Tensor) -> Layout:
     convolution follows its input (its output is always contiguous).
     """
     key = (input.shape, input.stride(), weight.shape, weight.stride())
-    try:
-        return _layouts[key]
-    except KeyError:
-        pass
-    except TypeError:  # symbolic sizes (tracing) are not hashable: nothing to remember
-        return _layout_of(input, weight)
-    layout = _layout_of(input, weight)
-    if len(_layouts) >= _LAYOUTS_MAX:
-        _layouts.clear()
-    _layouts[key] = layout
-    return layout
+    return _remembered(key, lambda: _layout_of(input, weight))
+
+
+def input_layout_of(input: torch.Tensor) -> Layout:
+    """The layout the input's own memory is in, whatever the weight's: the order in
+    which a solver that gathers patches of x reads it."""
+    return _remembered((input.shape, input.stride()), lambda: _memory_layout(input))
+
+
+def _memory_layout(t: torch.Tensor) -> Layout:
+    return Layout.CHANNELS_LAST if _is_channels_last(t) else Layout.CHANNELS_FIRST
 
 
 def _layout_of(input: torch.Tensor, weight: torch.Tensor) -> Layout:
     if input.dim() == 3:
-        return Layout.CHANNELS_LAST if _is_channels_last(input) else Layout.CHANNELS_FIRST
+        return _memory_layout(input)
     if _is_channels_last(input) or _is_channels_last(weight):
         return Layout.CHANNELS_LAST
     return Layout.CHANNELS_FIRST

@@ -19,6 +19,7 @@ one of them: backward-data never needs the input, backward-weights never the wei
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -30,6 +31,7 @@ from gemmconv.memory_format import (
     dense_strides,
     empty_in,
     forward_output_layout,
+    input_layout_of,
     output_layout,
 )
 from gemmconv.problem import ConvProblem, Direction
@@ -149,10 +151,15 @@ def _plan(
 def _operands(
     plan: Plan, first: torch.Tensor, second: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    layout = plan.problem.layout
+    if not (plan.copy_first or plan.copy_second):
+        return first, second
+    p = plan.problem
+    # A non-dense x is copied into its own memory order, the one the problem reads it in.
+    first_layout = p.input_layout if p.direction is Direction.FORWARD else p.layout
+    second_layout = p.input_layout if p.direction is Direction.BACKWARD_WEIGHTS else p.layout
     return (
-        _dense_copy(first, layout) if plan.copy_first else first,
-        _dense_copy(second, layout) if plan.copy_second else second,
+        _dense_copy(first, first_layout) if plan.copy_first else first,
+        _dense_copy(second, second_layout) if plan.copy_second else second,
     )
 
 
@@ -328,7 +335,10 @@ def backward_weights(
         layout = _layout(channels_last)
         problem = _backward_problem(
             grad_output, input.shape, weight_size, stride, padding, dilation, groups, layout
-        ).with_direction(Direction.BACKWARD_WEIGHTS)
+        )
+        problem = dataclasses.replace(
+            problem, direction=Direction.BACKWARD_WEIGHTS, input_layout=input_layout_of(input)
+        )
         return problem, layout, weight_size
 
     plan = _plan(key, grad_output, input, build)

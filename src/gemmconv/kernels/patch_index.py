@@ -64,28 +64,27 @@ def _patch_columns(k, C, R1, R2, R3, SC, S1, S2, S3,
             c = outer // R1
             offset = inner.to(tl.int64) * S3 + c.to(tl.int64) * SC + r1.to(tl.int64) * S1
             offset += r2.to(tl.int64) * S2
-    elif CHANNELS_LAST_COLUMNS:
-        c = k % C
-        rest = k // C
-        r3 = rest % R3
-        rest = rest // R3
-        r2 = rest % R2
-        r1 = rest // R2
-        offset = c.to(tl.int64) * SC + r1.to(tl.int64) * S1 + r2.to(tl.int64) * S2
-        offset += r3.to(tl.int64) * S3
     else:
-        r3 = k % R3
-        rest = k // R3
-        r2 = rest % R2
-        rest = rest // R2
-        r1 = rest % R1
-        c = rest // R1
+        if CHANNELS_LAST_COLUMNS:
+            c, r3, r2, r1 = mixed_radix_digits(k, C, R3, R2)
+        else:
+            r3, r2, r1, c = mixed_radix_digits(k, R3, R2, R1)
         offset = c.to(tl.int64) * SC + r1.to(tl.int64) * S1 + r2.to(tl.int64) * S2
         offset += r3.to(tl.int64) * S3
     return offset
 
 
+def _mixed_radix_digits(k, B0, B1, B2):
+    """The digits of ``k`` in the mixed radix B0 (innermost), B1, B2, the last unbounded."""
+    d0 = k % B0
+    rest = k // B0
+    d1 = rest % B1
+    rest = rest // B1
+    return d0, d1, rest % B2, rest // B2
+
+
 patch_rows = DeviceHelper(_patch_rows)
 patch_columns = DeviceHelper(_patch_columns)
+mixed_radix_digits = DeviceHelper(_mixed_radix_digits)
 
 __all__ = ["DeviceHelper", "patch_columns", "patch_rows"]
