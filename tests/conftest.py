@@ -30,6 +30,22 @@ def _fresh_dispatch_cache():
     dispatch.clear_cache()
 
 
+@pytest.fixture
+def work_costs_only(monkeypatch):
+    """Rank solvers on the CPU by the work they do alone, launches free. Tests of tiny
+    problems use it to reach the GEMM solver they exercise: counting launches, the
+    vendor's single one rightly wins there."""
+    import dataclasses
+
+    from gemmconv import device_rates
+
+    monkeypatch.setattr(device_rates, "CPU", dataclasses.replace(device_rates.CPU,
+                        launch_us=0.0, host_launch_us=0.0))  # fmt: skip
+    device_rates.rates_for.cache_clear()
+    yield
+    device_rates.rates_for.cache_clear()
+
+
 def random_in(shape, layout: Layout, dtype, device, generator) -> torch.Tensor:
     """Uniform(-1, 1) values (never zeros) dense in ``layout``."""
     t = empty_in(shape, layout, torch.float32, device)

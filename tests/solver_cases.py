@@ -140,15 +140,16 @@ def operands(problem: ConvProblem, device, seed: int):
     def rand(shape, lay=layout):
         return random_in(shape, lay, dtype, device, gen)
 
+    x_shape, x_layout = problem.input_shape, problem.input_layout
     if problem.direction is Direction.FORWARD:
         bias = rand((problem.k,), Layout.CHANNELS_FIRST) if problem.has_bias else None
         return ConvTensors(
-            input=rand(problem.input_shape), weight=rand(problem.weight_shape), bias=bias
+            input=rand(x_shape, x_layout), weight=rand(problem.weight_shape), bias=bias
         )
     grad_output = rand(problem.output_shape)
     if problem.direction is Direction.BACKWARD_DATA:
         return ConvTensors(grad_output=grad_output, weight=rand(problem.weight_shape))
-    return ConvTensors(grad_output=grad_output, input=rand(problem.input_shape))
+    return ConvTensors(grad_output=grad_output, input=rand(x_shape, x_layout))
 
 
 def nan_output(problem: ConvProblem, device) -> torch.Tensor:
@@ -174,21 +175,27 @@ def nan_output(problem: ConvProblem, device) -> torch.Tensor:
 
 def check_case(case, device_type: str, seed: int) -> None:
     """Run one solver case into a NaN-filled output and judge it against float64 and vendor."""
+    solver, geometry, dims, layout, dtype, direction = case
+    problem = problem_for(geometry, dims, layout, dtype, device_type, direction)
+    check_run(solver, problem, operands(problem, device_type, seed), case_id(case))
+
+
+def check_run(solver, problem: ConvProblem, tensors, label: str) -> None:
+    """Run ``solver`` on ``tensors`` into a NaN-filled output and judge the result
+    against float64 and the vendor path."""
     from gemmconv.solvers.vendor import VendorSolver
     from gemmconv.verify import judge, reference
 
-    solver, geometry, dims, layout, dtype, direction = case
-    problem = problem_for(geometry, dims, layout, dtype, device_type, direction)
     assert solver.not_supported_reasons(problem) == [], solver.not_supported_reasons(problem)
-    tensors = operands(problem, device_type, seed)
-    out = nan_output(problem, device_type)
+    device = next(t for t in (tensors.input, tensors.grad_output) if t is not None).device
+    out = nan_output(problem, device)
     result = solver.run(problem, tensors, out=out)
     assert result.data_ptr() == out.data_ptr(), "the solver did not write into the given output"
-    assert tuple(result.shape) == tuple(getattr(problem, _shape_attr(direction)))
+    assert tuple(result.shape) == tuple(getattr(problem, _shape_attr(problem.direction)))
     assert not torch.isnan(result).any(), "an output element was left unwritten (NaN)"
     vendor = VendorSolver().run(problem, tensors)
     verdict = judge(problem, result, reference(problem, tensors), vendor)
-    assert verdict.ok, f"{case_id(case)}: {verdict}"
+    assert verdict.ok, f"{label}: {verdict}"
 
 
 def _shape_attr(direction: Direction) -> str:

@@ -45,6 +45,12 @@ def _patch_problem(direction=Direction.FORWARD, **kw) -> ConvProblem:
     return ConvProblem.from_sizes(4, 3, 8, (8, 8), 4, stride=4, direction=direction, **kw)
 
 
+def _gemm_sized_patch_problem() -> ConvProblem:
+    """A patch-class problem large enough that a GEMM beats the vendor in the CPU's
+    cost model (on tiny ones, the vendor's single launch wins on host time)."""
+    return ConvProblem.from_sizes(16, 3, 8, (32, 32), 4, stride=4)
+
+
 def _applicable(problem: ConvProblem) -> set[str]:
     return {s.id for s in SOLVERS if s.is_applicable(problem)}
 
@@ -130,7 +136,7 @@ def test_immediate_picks_the_lowest_estimate_and_touches_no_database(monkeypatch
     problem = _patch_problem()
     with gemmconv.find_mode("immediate"):
         choice = dispatch.choose(problem)
-    estimates = {s.id: s.estimate_ms(problem) for s in SOLVERS if s.is_applicable(problem)}
+    estimates = {s.id: s.call_ms(problem) for s in SOLVERS if s.is_applicable(problem)}
     assert choice.solver == min(estimates, key=estimates.__getitem__)
     assert choice.estimates_ms == pytest.approx(estimates)
     assert choice.source == "estimate" and choice.mode == "immediate"
@@ -377,10 +383,10 @@ def test_every_decision_is_logged_and_vendor_fallback_at_info(monkeypatch, caplo
     general = ConvProblem.from_sizes(2, 4, 4, (6, 6), 3, padding=1)  # a 3x3 conv
     monkeypatch.setenv("GEMMCONV_DISABLE", "im2col")
     with caplog.at_level(logging.DEBUG, "gemmconv.dispatch"):
-        dispatch.choose(_patch_problem())
+        dispatch.choose(_gemm_sized_patch_problem())
         dispatch.choose(general)
     levels = {r.getMessage().split(" ")[0]: r.levelno for r in caplog.records}
-    assert levels[_patch_problem().key()] == logging.DEBUG
+    assert levels[_gemm_sized_patch_problem().key()] == logging.DEBUG
     assert levels[general.key()] == logging.INFO
     assert "-> vendor" in caplog.text
 
@@ -460,6 +466,27 @@ def test_immediate_picks_a_gemm_solver_for_every_suite_problem(device_type, rate
     assert len(picks) == len(SUITE) * 2 * 3
 
 
+def test_tiny_problems_go_to_the_vendor_where_host_time_dominates():
+    # Two output pixels of a 4x4 patch: every solver's device time is a few
+    # microseconds, so the call costs its launches, and the vendor issues one.
+    tiny = ConvProblem.from_sizes(2, 3, 8, (8, 8), 4, stride=4, dtype=torch.bfloat16,
+                                  device_type="cuda")  # fmt: skip
+    solvers = [s for s in SOLVERS if s.id in ("patch", "vendor")]
+    assert dispatch.decide(tiny, solvers, rates=H200).solver == "vendor"
+    assert dispatch.decide(tiny, solvers, rates=CPU).solver == "vendor"
+    vit = ConvProblem.from_sizes(256, 3, 768, (224, 224), 16, stride=16, dtype=torch.bfloat16,
+                                 device_type="cuda")  # fmt: skip
+    assert dispatch.decide(vit, solvers, rates=H200).solver == "patch"
+    patch = get_solver("patch")
+    # On a GPU the host runs ahead: a call costs the larger of the two times.
+    assert patch.call_ms(tiny, H200) == pytest.approx(patch.host_ms(tiny, H200))
+    assert patch.call_ms(vit, H200) == pytest.approx(patch.estimate_ms(vit, H200))
+    # On a CPU the host does the work: the two add up.
+    assert patch.call_ms(tiny, CPU) == pytest.approx(
+        patch.host_ms(tiny, CPU) + patch.estimate_ms(tiny, CPU)
+    )
+
+
 def test_unaligned_reduction_costs_more_on_the_h200_only():
     # Compute-bound on an H200 (Kred about 1000), so the GEMM's time dominates the estimate.
     def problem(c):
@@ -488,7 +515,7 @@ def _rank_main(rank: int, world: int, init_file: str, db_path: str, results) -> 
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
     )
     try:
-        problem = _patch_problem()
+        problem = _gemm_sized_patch_problem()
         with gemmconv.find_mode("immediate"):
             choice = dispatch.choose(problem)
             local = dispatch._decide_in_mode(

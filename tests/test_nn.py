@@ -108,6 +108,7 @@ def test_unbatched_input_like_torch():
     assert rms_range(y, theirs.double()(x.double())) <= tolerance(torch.float32, "cpu")
 
 
+@pytest.mark.usefixtures("work_costs_only")
 def test_solvers_reports_each_direction_and_is_not_state():
     conv = gemmconv.nn.Conv2d(3, 8, kernel_size=4, stride=4)
     with pytest.raises(RuntimeError, match="no eager forward has run yet"):

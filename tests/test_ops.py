@@ -238,6 +238,7 @@ def test_only_needed_backward_ops_run(x_grad, w_grad, expected):
     assert (x.grad is not None) == x_grad and (w.grad is not None) == w_grad
 
 
+@pytest.mark.usefixtures("work_costs_only")
 def test_explain_still_reports_each_direction():
     x, w, _ = _operands((2, 3, 8, 8), (6, 3, 4, 4), Layout.CHANNELS_FIRST)
     choices = gemmconv.explain(x, w, stride=4)

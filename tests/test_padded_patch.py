@@ -10,7 +10,7 @@ import torch
 
 from gemmconv import ConvProblem, Direction, Layout
 from gemmconv.solvers import get_solver
-from gemmconv.solvers.padded_patch import padded_reduction, padded_weight_rows
+from gemmconv.solvers.patch import padded_reduction, padded_weight_rows
 
 from solver_cases import Geometry, case_id, check_case, problem_for
 

@@ -27,9 +27,8 @@ from gemmconv.kernels.patch_permute import (
 )
 from gemmconv.kernels.strided_copy import pad_rows, strided_copy
 from gemmconv.memory_format import empty_in
-from gemmconv.solvers import get_solver, triton_patch
-from gemmconv.solvers.padded_patch import padded_reduction
-from gemmconv.solvers.patch import patches
+from gemmconv.solvers import get_solver
+from gemmconv.solvers.patch import padded_reduction, patches, rows_path
 
 from solver_cases import Geometry, case_id, check_case, problem_for
 
@@ -273,32 +272,61 @@ def test_channels_first_rows_path_in_chunks_interpreted(
     solver = get_solver("patch_triton")
     monkeypatch.setattr(type(solver), "devices", frozenset({"cpu", "cuda"}))
     if chunk is not None:
-        monkeypatch.setattr(triton_patch, "chunk_samples", lambda p: chunk)
+        monkeypatch.setattr(rows_path, "chunk_samples", lambda p, ld: chunk)
     g = Geometry("rows", spatial=spatial, kernel=kernel, stride=kernel, c=3, n=3, k=5)
     p = problem_for(g, 2, Layout.CHANNELS_FIRST, dtype, "cpu", direction)
-    assert triton_patch.uses_rows_path(p)
+    assert rows_path.applies(p)
     case = (solver, g, 2, Layout.CHANNELS_FIRST, dtype, direction)
     check_case(case, "cpu", seed=zlib.crc32(repr((spatial, direction, dtype)).encode()))
 
 
-def test_rows_path_chunks_fit_one_operand():
-    # ViT-B/16 channels-first: column rows + y rows of all 256 samples are two copies of
-    # x; chunks of 118 samples keep them, the padded weight and the weight gradient's
-    # fp32 sums (768 x 768 x (2 + 8) bytes) within one.
-    p = ConvProblem.from_sizes(256, 3, 768, (224, 224), (16, 16), (16, 16),
-                               dtype=torch.bfloat16, device_type="cuda")  # fmt: skip
-    assert triton_patch.uses_rows_path(p)  # 196 pixels x 2 bytes: unaligned
-    assert triton_patch.chunk_samples(p) == (256 * 196 * 768 * 2 - 768 * 768 * 10) // (
-        196 * (768 + 768) * 2
-    )
+def test_rows_path_runs_in_one_pass_unless_its_buffers_exceed_both_limits():
+    # ViT-B/16 channels-first at batch 256: column rows and y rows are 77 MB each, two
+    # copies of x, yet within CHUNK_ABOVE_BYTES: one pass, no loop over chunks.
+    def vit(n):
+        return ConvProblem.from_sizes(n, 3, 768, (224, 224), (16, 16), (16, 16),
+                                      dtype=torch.bfloat16, device_type="cuda")  # fmt: skip
+
+    p = vit(256)
+    assert rows_path.applies(p)  # 196 pixels x 2 bytes: unaligned
+    assert rows_path.chunk_samples(p, 768) == 256
     solver = get_solver("patch_triton")
+    assert solver.workspace_bytes(p) == 256 * 196 * (768 + 768) * 2
+    assert solver.gemm_launches(p) == 3
+    # At batch 2048 they would be 1.2 GB, beyond both x (617 MB) and 256 MiB: chunks
+    # that, with the padded weight and the weight gradient's fp32 sums
+    # (768 x 768 x (2 + 8) bytes), fit in one x.
+    big = vit(2048)
     fixed = 768 * 768 * 10
-    assert solver.workspace_bytes(p) + fixed <= p.largest_operand_bytes()
+    per_sample = 196 * (768 + 768) * 2
+    step = rows_path.chunk_samples(big, 768)
+    assert step == (big.largest_operand_bytes() - fixed) // per_sample < 2048
+    assert solver.workspace_bytes(big) + fixed <= big.largest_operand_bytes()
+    assert solver.gemm_launches(big) == 3 * -(-2048 // step)
     aligned = ConvProblem.from_sizes(8, 3, 1280, (1024, 1024), (16, 16), (16, 16),
                                      dtype=torch.bfloat16, device_type="cuda")  # fmt: skip
-    assert not triton_patch.uses_rows_path(aligned)  # SAM: 4096 pixels, the bmm is aligned
+    assert not rows_path.applies(aligned)  # SAM: 4096 pixels, the bmm is aligned
     wgrad = dataclasses.replace(aligned, direction=Direction.BACKWARD_WEIGHTS)
-    assert triton_patch.uses_rows_path(wgrad)  # dY is copied to rows either way
+    assert rows_path.applies(wgrad)  # dY is copied to rows either way
+
+
+@pytest.mark.parametrize("direction", list(Direction), ids=lambda d: d.value)
+def test_rows_path_chunks_where_a_small_limit_is_exceeded_interpreted(direction, monkeypatch):
+    # Four samples of 3 x 2 pixels, 36 + 5 columns each in fp32: the two buffers of two
+    # samples fit a limit set just above them, four do not; the solver then runs two
+    # chunks of two.
+    solver = get_solver("patch_triton")
+    monkeypatch.setattr(type(solver), "devices", frozenset({"cpu", "cuda"}))
+    g = Geometry("rows", spatial=(12, 6), kernel=(4, 3), stride=(4, 3), c=3, n=4, k=5)
+    p = problem_for(g, 2, Layout.CHANNELS_FIRST, torch.float32, "cpu", direction)
+    ld = padded_reduction(p)
+    fixed = p.k * ld * (4 + 8)
+    monkeypatch.setattr(rows_path, "CHUNK_ABOVE_BYTES", fixed + 2 * 6 * (ld + p.k) * 4)
+    assert p.largest_operand_bytes() < rows_path.CHUNK_ABOVE_BYTES
+    assert rows_path.chunk_samples(p, ld) == 2
+    assert solver.gemm_launches(p) == 3 * 2
+    case = (solver, g, 2, Layout.CHANNELS_FIRST, torch.float32, direction)
+    check_case(case, "cpu", seed=zlib.crc32(repr(("small limit", direction)).encode()))
 
 
 def test_triton_patch_solver_declares_cuda_only():
@@ -393,9 +421,9 @@ def test_patch_solvers_match_float64_on_cuda(case):
 @pytest.mark.parametrize("chunk", [1, None], ids=["chunk1", "whole"])
 def test_channels_first_rows_path_on_cuda(spatial, kernel, direction, dtype, chunk, monkeypatch):
     if chunk is not None:
-        monkeypatch.setattr(triton_patch, "chunk_samples", lambda p: chunk)
+        monkeypatch.setattr(rows_path, "chunk_samples", lambda p, ld: chunk)
     g = Geometry("rows", spatial=spatial, kernel=kernel, stride=kernel, c=3, n=3, k=5)
     p = problem_for(g, 2, Layout.CHANNELS_FIRST, dtype, "cuda", direction)
-    assert triton_patch.uses_rows_path(p)
+    assert rows_path.applies(p)
     case = (get_solver("patch_triton"), g, 2, Layout.CHANNELS_FIRST, dtype, direction)
     check_case(case, "cuda", seed=zlib.crc32(repr((spatial, direction, dtype)).encode()))

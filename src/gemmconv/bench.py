@@ -405,9 +405,13 @@ def measure_gathers(p: ConvProblem, t: ConvTensors, device: torch.device, timing
     """Lever 3 in isolation: the patch gather x -> padded column buffer, by torch's
     permuted-view copy and by the Triton kernel, in ms and TB/s (bytes read plus
     written). None where it does not apply (not a forward patch problem on CUDA)."""
-    from gemmconv.solvers.padded_patch import PaddedPatchSolver, padded_reduction
-    from gemmconv.solvers.patch import patch_class_reasons
-    from gemmconv.solvers.triton_patch import TritonPatchSolver
+    from gemmconv.solvers.patch import (
+        PaddedPatchSolver,
+        TritonPatchSolver,
+        covered_extent,
+        padded_reduction,
+        patch_class_reasons,
+    )
 
     triton = TritonPatchSolver()
     if (
@@ -418,11 +422,12 @@ def measure_gathers(p: ConvProblem, t: ConvTensors, device: torch.device, timing
     ):
         return None
     ld = padded_reduction(p)
-    read = p.n * p.c * math.prod(o * r for o, r in zip(p.output_spatial, p.kernel))
+    read = p.n * p.c * math.prod(covered_extent(p))
     moved = (read + p.gemm_m * ld) * p.element_size
     out = {"bytes": moved}
     for name, solver in (("torch", PaddedPatchSolver()), ("triton", triton)):
-        ms = time_ms(lambda s=solver: s.gather(t.input, p, ld), device=device, **timing).median_ms
+        gather = solver.columns.gather
+        ms = time_ms(lambda g=gather: g(t.input, p, ld), device=device, **timing).median_ms
         out[f"{name}_ms"] = ms
         out[f"{name}_tbs"] = moved / (ms * 1e9)
     return out

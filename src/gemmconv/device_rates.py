@@ -23,9 +23,18 @@ class DeviceRates:
     matrix_tflops: dict[str, float]  # by dtype name; "fp32" is full fp32, "tf32" the TF32 mode
     bandwidth_gbs: float
     launch_us: float
+    # Streaming multiprocessors: kernels that size their grid to fill the device are
+    # costed with it. None where not known (the CPU, rates stored without it).
+    multiprocessors: int | None = None
     # How much slower a GEMM runs when its reduction rows are not 16-byte aligned
     # (measured on an H200: bf16 [9500 x 588] x [588 x 1280] 88 us, padded to 592 31 us).
     unaligned_slowdown: float = 1.0
+    # Host time per kernel launch (torch op or prepared Triton launch, allocation
+    # included) on the eager road, and whether the host runs ahead of the device (a
+    # GPU) or does the work itself (a CPU): a call costs the larger of host and
+    # device time in the first case, their sum in the second.
+    host_launch_us: float = 10.0
+    host_overlaps_device: bool = True
 
     def matrix_rate(self, dtype_key: str) -> float:
         """Flops per millisecond for this dtype/math mode."""
@@ -45,8 +54,12 @@ H200 = DeviceRates(
     name="NVIDIA H200",
     matrix_tflops={"bf16": 780.0, "fp16": 780.0, "tf32": 390.0, "fp32": 50.0, "fp64": 50.0},
     bandwidth_gbs=4300.0,
+    multiprocessors=132,
     launch_us=4.0,
     unaligned_slowdown=2.8,
+    # A torch op cost about 10 us of Python and dispatch on the H200's host
+    # (bench/results/overhead_h200.md: a tiny F.conv2d forward, 29 us, is about three).
+    host_launch_us=10.0,
 )
 _H200 = H200  # the name this table had first
 
@@ -60,6 +73,8 @@ CPU = DeviceRates(
     matrix_tflops={"bf16": 0.05, "fp16": 0.02, "tf32": 0.1, "fp32": 0.1, "fp64": 0.05},
     bandwidth_gbs=10.0,
     launch_us=5.0,
+    host_launch_us=4.0,
+    host_overlaps_device=False,
 )
 _CPU = CPU
 
@@ -122,6 +137,7 @@ def measure_rates(index: int = 0) -> DeviceRates:
         bandwidth_gbs=round(bandwidth, 1),
         launch_us=5.0,
         unaligned_slowdown=_MEASURED_UNALIGNED_SLOWDOWN,
+        multiprocessors=torch.cuda.get_device_properties(index).multi_processor_count,
     )
     log.info("measured peak rates of %s: %s", rates.name, rates)
     return rates

@@ -178,7 +178,8 @@ def decide(
     rates: DeviceRates | None = None,
     rejected: dict[str, list[str]] | None = None,
 ) -> Choice:
-    """Immediate selection: the applicable solver with the lowest estimate."""
+    """Immediate selection: the applicable solver with the lowest estimate of what a
+    call costs (``Solver.call_ms``: device time, and host time where it shows)."""
     rejected = dict(rejected or {})
     estimates: dict[str, float] = {}
     for solver in solvers:
@@ -186,7 +187,7 @@ def decide(
         if reasons:
             rejected[solver.id] = reasons
         else:
-            estimates[solver.id] = solver.estimate_ms(problem, rates)
+            estimates[solver.id] = solver.call_ms(problem, rates)
     if not estimates:
         raise RuntimeError(f"no solver applies to {problem.key()}: {_listing(rejected)}")
     best = min(estimates, key=estimates.__getitem__)  # min keeps the first of equals
@@ -242,8 +243,21 @@ def _decide_in_mode(
             )
         if mode is FindMode.DATABASE or untimed:
             return dataclasses.replace(estimated, reason=estimated.reason + note)
+    if _capturing(problem):
+        # Timing synchronises the device, which a CUDA graph capture forbids; the
+        # estimate decides, and the graph replays what it captured.
+        log.info("%s: inside a CUDA graph capture, no find; the estimate decides", problem.key())
+        return dataclasses.replace(estimated, reason=f"{estimated.reason}; no find while capturing")
     # A find restricted by GEMMCONV_DISABLE is not the true best: it is not stored.
     return _decide_by_find(problem, estimated, store=not disabled)
+
+
+def _capturing(problem: ConvProblem) -> bool:
+    return (
+        problem.device_type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.is_current_stream_capturing()
+    )
 
 
 def _database_hit(problem: ConvProblem, estimated: Choice):
@@ -382,25 +396,39 @@ def solver_for(problem: ConvProblem, solver: str | None = None) -> Solver:
     return get_solver(choose(problem, solver).solver)
 
 
-def selection_state() -> tuple:
-    """Everything besides the problem that ``choose(problem)`` decides from, read raw:
-    the block and process modes, ``$GEMMCONV_FIND_MODE``, the cudnn benchmark flag,
-    ``$GEMMCONV_SOLVER``, ``$GEMMCONV_DISABLE`` and the determinism state.
+# CPython keeps the environment as a dict of encoded names; reading it directly costs
+# a tenth of os.environ.get, which matters on a path taken by every eager call.
+_ENVIRON = getattr(os.environ, "_data", None)
+_ENCODE = getattr(os.environ, "encodekey", None)
 
-    Equal states give equal choices for a problem until ``clear_cache()``, so a caller
-    may memoise per (problem metadata, state) what it derives from a choice (see
+
+def _raw_environ(name: str) -> object:
+    if _ENVIRON is None or _ENCODE is None:
+        return os.environ.get(name)
+    return _ENVIRON.get(_ENCODE(name))
+
+
+_SETTINGS = ("GEMMCONV_FIND_MODE", "GEMMCONV_SOLVER", "GEMMCONV_DISABLE", "CUBLAS_WORKSPACE_CONFIG")
+
+
+def selection_key() -> tuple:
+    """Everything besides the problem that ``choose(problem)`` and the solvers decide
+    from, read raw: the block and process modes, the cudnn benchmark and TF32 flags,
+    the determinism flag and the environment settings (``$GEMMCONV_FIND_MODE``,
+    ``$GEMMCONV_SOLVER``, ``$GEMMCONV_DISABLE``, ``$CUBLAS_WORKSPACE_CONFIG``).
+
+    Equal keys give equal choices for a problem until ``clear_cache()``, so a caller
+    may memoise per (problem metadata, key) what it derives from a choice (see
     ``dependent_cache``). Nothing is parsed or validated here, which keeps it cheap:
     a bad setting is reported by ``choose`` on the first call that sees it, and a
-    state that made ``choose`` raise is never memoised."""
-    environ = os.environ
+    key that made ``choose`` raise is never memoised."""
     return (
         _block_mode,
         _process_mode,
-        environ.get("GEMMCONV_FIND_MODE"),
-        torch.backends.cudnn.benchmark,
-        environ.get("GEMMCONV_SOLVER"),
-        environ.get("GEMMCONV_DISABLE"),
-        determinism_state(),
+        torch._C._get_cudnn_benchmark(),
+        torch._C._get_cudnn_allow_tf32(),
+        torch._C._get_deterministic_algorithms(),
+        *map(_raw_environ, _SETTINGS),
     )
 
 
@@ -442,7 +470,7 @@ __all__ = [
     "dependent_cache",
     "explain_problem",
     "find_mode",
-    "selection_state",
+    "selection_key",
     "set_find_mode",
     "solver_for",
 ]

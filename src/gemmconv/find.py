@@ -64,7 +64,8 @@ def problem_device(problem: ConvProblem) -> torch.device:
 
 def random_operands(problem: ConvProblem, device: torch.device, seed: int = 0) -> ConvTensors:
     """Seeded uniform(-1, 1) operands of the direction, dense in the problem's layout
-    (the bias, which has no channel dimension to move, is a plain 1-D tensor)."""
+    (x in its input_layout; the bias, which has no channel dimension to move, is a plain
+    1-D tensor)."""
     generator = torch.Generator(device=device).manual_seed(seed)
 
     def uniform(shape: tuple[int, ...], layout: Layout | None) -> torch.Tensor:
@@ -79,7 +80,7 @@ def random_operands(problem: ConvProblem, device: torch.device, seed: int = 0) -
     d = problem.direction
     tensors = ConvTensors()
     if d is not Direction.BACKWARD_DATA:
-        tensors.input = uniform(problem.input_shape, layout)
+        tensors.input = uniform(problem.input_shape, problem.input_layout)
     if d is not Direction.BACKWARD_WEIGHTS:
         tensors.weight = uniform(problem.weight_shape, layout)
     if d is Direction.FORWARD and problem.has_bias:

@@ -1,44 +1,67 @@
 """conv1d / conv2d / conv3d with the signatures and defaults of torch.nn.functional.
 
 Argument checks, string padding, unbatched inputs and autocast are handled here, in
-traceable Python; the convolution itself is the ``gemmconv::conv_forward`` custom op,
-whose autograd formula (gemmconv.autograd) runs the two backward ops. While a
-torch.func transform or a forward-AD level is active, the same op runs through
-gemmconv.func_transforms, which has the rules those need.
+traceable Python. In plain eager code the convolution takes the eager road
+(gemmconv.eager), a cached call of the op implementations; otherwise it is the
+``gemmconv::conv_forward`` custom op, whose autograd formula (gemmconv.autograd) runs
+the two backward ops, and while a torch.func transform or a forward-AD level is
+active the same op runs through gemmconv.func_transforms, which has the rules those
+need.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 import gemmconv.autograd  # noqa: F401  (registers the forward op's backward)
-from gemmconv import func_transforms
+from gemmconv import eager, func_transforms
 from gemmconv.dispatch import Choice, explain_problem
 from gemmconv.problem import ConvProblem
 from gemmconv.transform_state import transforms_active
-from gemmconv.validate import ConvArgs, check_conv_args
+from gemmconv.validate import check_conv_args
 
 IntOrTuple = int | Sequence[int]
 Padding = IntOrTuple | str
 
 
-def _resolve_padding(
-    input: torch.Tensor, weight: torch.Tensor, args: ConvArgs
-) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """Integer padding per dimension; 'same' with an odd total pads the input's far
-    side by one first, exactly as torch does."""
+class ResolvedArguments(NamedTuple):
+    """F.conv* arguments as per-dimension integers; ``input_padding`` is the F.pad
+    argument the input needs first ('same' with an odd total pads the far side by
+    one, exactly as torch does), empty when it needs none."""
+
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int
+    input_padding: tuple[int, ...]
+
+
+def resolve_arguments(
+    dims: int,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: IntOrTuple,
+    padding: Padding,
+    dilation: IntOrTuple,
+    groups: int,
+) -> ResolvedArguments:
+    """Check a call as F.conv{dims}d would (raising its errors) and resolve its arguments."""
+    args = check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
     if args.padding is not None:
-        return input, args.padding
+        return ResolvedArguments(args.stride, args.padding, args.dilation, args.groups, ())
     totals = [d * (r - 1) for d, r in zip(args.dilation, weight.shape[2:])]
     extra = []
     for total in reversed(totals):
         extra += [0, total % 2]
-    if any(extra):
-        input = F.pad(input, extra)
-    return input, tuple(total // 2 for total in totals)
+    pads = tuple(total // 2 for total in totals)
+    return ResolvedArguments(
+        args.stride, pads, args.dilation, args.groups, tuple(extra) if any(extra) else ()
+    )
 
 
 # Devices whose is_autocast_enabled raises. A fixed set rather than asking
@@ -60,18 +83,30 @@ def _autocast(*tensors: torch.Tensor | None, device_type: str) -> list[torch.Ten
 
 
 def _conv(dims, input, weight, bias, stride, padding, dilation, groups) -> torch.Tensor:
-    args = check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
-    input, weight, bias = _autocast(input, weight, bias, device_type=input.device.type)
+    tensors = isinstance(input, torch.Tensor) and isinstance(weight, torch.Tensor)
+    if tensors and (bias is None or isinstance(bias, torch.Tensor)):
+        device_type = "cuda" if input.is_cuda else input.device.type
+        if device_type not in _DEVICES_WITHOUT_AUTOCAST and torch.is_autocast_enabled(device_type):
+            # Checked before the cast: under autocast, operands of mixed dtypes are fine.
+            check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
+            input, weight, bias = _autocast(input, weight, bias, device_type=device_type)
+        if eager.road_is_open(input, weight, bias):
+            y = eager.convolve(dims, input, weight, bias, stride, padding, dilation, groups)
+            if y is not None:
+                return y
+    args = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)
     unbatched = input.dim() == dims + 1
     if unbatched:
         input = input.unsqueeze(0)
-    input, pad = _resolve_padding(input, weight, args)
+    if args.input_padding:
+        input = F.pad(input, args.input_padding)
     convolve = (
         func_transforms.conv_forward if transforms_active() else torch.ops.gemmconv.conv_forward
     )
     y = convolve(
-        input, weight, bias, list(args.stride), list(pad), list(args.dilation), args.groups
-    )
+        input, weight, bias, list(args.stride), list(args.padding), list(args.dilation),
+        args.groups,
+    )  # fmt: skip
     return y.squeeze(0) if unbatched else y
 
 
@@ -180,11 +215,14 @@ def problem_of(
 ) -> ConvProblem:
     """The forward ConvProblem the custom op would build for these F.conv* arguments."""
     dims = weight.dim() - 2
-    args = check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
+    check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
     input, weight, bias = _autocast(input, weight, bias, device_type=input.device.type)
+    args = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)
     if input.dim() == dims + 1:
         input = input.unsqueeze(0)
-    input, pad = _resolve_padding(input, weight, args)
+    if args.input_padding:
+        input = F.pad(input, args.input_padding)
+    pad = args.padding
     return ConvProblem.from_tensors(
         input, weight, bias, args.stride, pad, args.dilation, args.groups
     )

@@ -9,7 +9,7 @@ when its transpose(1, 2) is contiguous, so 1-D convolutions keep their layout to
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch._prims_common import suggest_memory_format
@@ -23,19 +23,52 @@ class Layout(str, enum.Enum):
     CHANNELS_LAST = "channels_last"
 
 
+def _strides_like_channels_last(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """torch's Tensor.suggest_memory_format() rule for 4-D/5-D tensors of concrete sizes:
+    the strides grow in the order C, W, H(, D), N."""
+    order = {4: (1, 3, 2, 0), 5: (1, 4, 3, 2, 0)}.get(len(shape))
+    if order is None or strides[1] == 0:
+        return False
+    smallest = 0
+    for d in order:
+        if shape[d] == 0 or strides[d] < smallest or (d == 0 and smallest == strides[1]):
+            return False
+        smallest = strides[d] * shape[d]
+    return True
+
+
 def _is_channels_last(t: torch.Tensor) -> bool:
     if t.dim() in (4, 5):
+        shape, strides = t.shape, t.stride()
+        if all(type(v) is int for v in (*shape, *strides)):
+            # torch's own Python version imports sympy on first use (1.7 s on the CPU
+            # machine, most of a first call's time); this is the same rule.
+            return _strides_like_channels_last(shape, strides)
         return suggest_memory_format(t) in (torch.channels_last, torch.channels_last_3d)
     if t.dim() == 3:
         return t.shape[1] > 1 and not t.is_contiguous() and t.transpose(1, 2).is_contiguous()
     return False
 
 
-# layout_of is a function of shapes and strides alone, and torch's suggest_memory_format
-# costs tens of microseconds of Python per call; eager calls repeat the same few
-# shape/stride pairs, so their answers are remembered (boundedly).
+# The layouts are functions of shapes and strides alone, and torch's
+# suggest_memory_format costs tens of microseconds of Python per call; eager calls
+# repeat the same few shape/stride pairs, so the answers are remembered (boundedly).
 _LAYOUTS_MAX = 4096
 _layouts: dict[tuple, Layout] = {}
+
+
+def _remembered(key: tuple, compute: Callable[[], Layout]) -> Layout:
+    try:
+        return _layouts[key]
+    except KeyError:
+        pass
+    except TypeError:  # symbolic sizes (tracing) are not hashable: nothing to remember
+        return compute()
+    layout = compute()
+    if len(_layouts) >= _LAYOUTS_MAX:
+        _layouts.clear()
+    _layouts[key] = layout
+    return layout
 
 
 def layout_of(input: torch.Tensor, weight: torch.Tensor) -> Layout:
@@ -46,22 +79,22 @@ def layout_of(input: torch.Tensor, weight: torch.Tensor) -> Layout:
     convolution follows its input (its output is always contiguous).
     """
     key = (input.shape, input.stride(), weight.shape, weight.stride())
-    try:
-        return _layouts[key]
-    except KeyError:
-        pass
-    except TypeError:  # symbolic sizes (tracing) are not hashable: nothing to remember
-        return _layout_of(input, weight)
-    layout = _layout_of(input, weight)
-    if len(_layouts) >= _LAYOUTS_MAX:
-        _layouts.clear()
-    _layouts[key] = layout
-    return layout
+    return _remembered(key, lambda: _layout_of(input, weight))
+
+
+def input_layout_of(input: torch.Tensor) -> Layout:
+    """The layout the input's own memory is in, whatever the weight's: the order in
+    which a solver that gathers patches of x reads it."""
+    return _remembered((input.shape, input.stride()), lambda: _memory_layout(input))
+
+
+def _memory_layout(t: torch.Tensor) -> Layout:
+    return Layout.CHANNELS_LAST if _is_channels_last(t) else Layout.CHANNELS_FIRST
 
 
 def _layout_of(input: torch.Tensor, weight: torch.Tensor) -> Layout:
     if input.dim() == 3:
-        return Layout.CHANNELS_LAST if _is_channels_last(input) else Layout.CHANNELS_FIRST
+        return _memory_layout(input)
     if _is_channels_last(input) or _is_channels_last(weight):
         return Layout.CHANNELS_LAST
     return Layout.CHANNELS_FIRST

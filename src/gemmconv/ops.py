@@ -19,6 +19,7 @@ one of them: backward-data never needs the input, backward-weights never the wei
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -30,6 +31,7 @@ from gemmconv.memory_format import (
     dense_strides,
     empty_in,
     forward_output_layout,
+    input_layout_of,
     output_layout,
 )
 from gemmconv.problem import ConvProblem, Direction
@@ -100,7 +102,7 @@ def _as_promised(result: torch.Tensor, layout: Layout, want: tuple[int, ...]) ->
     return out
 
 
-class _Plan(NamedTuple):
+class Plan(NamedTuple):
     """What a call derives from its operands' metadata and the selection state: built
     once per distinct call, then found in one dict lookup (eager calls of a small
     convolution would otherwise spend more time here than in its GEMM)."""
@@ -116,7 +118,7 @@ class _Plan(NamedTuple):
 # Bounded so that a stream of ever-new shapes cannot grow it without limit; emptied
 # by dispatch.clear_cache() with the choices the plans hold.
 _PLANS_MAX = 4096
-_plans: dict[tuple, _Plan] = dispatch.dependent_cache()
+_plans: dict[tuple, Plan] = dispatch.dependent_cache()
 
 
 def _plan(
@@ -124,15 +126,15 @@ def _plan(
     first: torch.Tensor,
     second: torch.Tensor,
     build: Callable[[], tuple[ConvProblem, Layout, Sequence[int]]],
-) -> _Plan:
+) -> Plan:
     """The plan of ``key``; ``build`` gives (problem, result layout, result shape).
 
     ``key`` must hold the shapes and strides of ``first`` and ``second``, every other
-    argument the problem is built from, and dispatch.selection_state()."""
+    argument the problem is built from, and dispatch.selection_key()."""
     plan = _plans.get(key)
     if plan is None:
         problem, layout, shape = build()
-        plan = _Plan(
+        plan = Plan(
             problem,
             dispatch.solver_for(problem),
             not is_dense(first),
@@ -147,16 +149,21 @@ def _plan(
 
 
 def _operands(
-    plan: _Plan, first: torch.Tensor, second: torch.Tensor
+    plan: Plan, first: torch.Tensor, second: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    layout = plan.problem.layout
+    if not (plan.copy_first or plan.copy_second):
+        return first, second
+    p = plan.problem
+    # A non-dense x is copied into its own memory order, the one the problem reads it in.
+    first_layout = p.input_layout if p.direction is Direction.FORWARD else p.layout
+    second_layout = p.input_layout if p.direction is Direction.BACKWARD_WEIGHTS else p.layout
     return (
-        _dense_copy(first, layout) if plan.copy_first else first,
-        _dense_copy(second, layout) if plan.copy_second else second,
+        _dense_copy(first, first_layout) if plan.copy_first else first,
+        _dense_copy(second, second_layout) if plan.copy_second else second,
     )
 
 
-def _run(plan: _Plan, tensors: ConvTensors) -> torch.Tensor:
+def _run(plan: Plan, tensors: ConvTensors) -> torch.Tensor:
     problem, solver = plan.problem, plan.solver
     if not torch.is_autocast_enabled(problem.device_type):
         result = solver.run(problem, tensors)
@@ -171,8 +178,7 @@ def _run(plan: _Plan, tensors: ConvTensors) -> torch.Tensor:
 # ---- forward ----------------------------------------------------------------
 
 
-@torch.library.custom_op("gemmconv::conv_forward", mutates_args=(), schema=_FORWARD_SCHEMA)
-def conv_forward(
+def forward_plan(
     input: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -180,7 +186,7 @@ def conv_forward(
     padding: Sequence[int],
     dilation: Sequence[int],
     groups: int,
-) -> torch.Tensor:
+) -> Plan:
     key = (
         input.shape,
         input.stride(),
@@ -193,7 +199,7 @@ def conv_forward(
         tuple(padding),
         tuple(dilation),
         groups,
-        dispatch.selection_state(),
+        dispatch.selection_key(),
     )
 
     def build() -> tuple[ConvProblem, Layout, Sequence[int]]:
@@ -201,9 +207,33 @@ def conv_forward(
         layout = forward_output_layout(input, weight, problem.output_shape)
         return problem, layout, problem.output_shape
 
-    plan = _plan(key, input, weight, build)
+    return _plan(key, input, weight, build)
+
+
+def run_forward(
+    plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     x, w = _operands(plan, input, weight)
     return _run(plan, ConvTensors(input=x, weight=w, bias=bias))
+
+
+def forward(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    """The forward convolution: what ``gemmconv::conv_forward`` computes."""
+    plan = forward_plan(input, weight, bias, stride, padding, dilation, groups)
+    return run_forward(plan, input, weight, bias)
+
+
+conv_forward = torch.library.custom_op(
+    "gemmconv::conv_forward", forward, mutates_args=(), schema=_FORWARD_SCHEMA
+)
 
 
 @conv_forward.register_fake
@@ -216,10 +246,7 @@ def _(input, weight, bias, stride, padding, dilation, groups):
 # ---- backward-data ----------------------------------------------------------
 
 
-@torch.library.custom_op(
-    "gemmconv::conv_backward_data", mutates_args=(), schema=_BACKWARD_DATA_SCHEMA
-)
-def conv_backward_data(
+def backward_data(
     grad_output: torch.Tensor,
     weight: torch.Tensor,
     input_size: Sequence[int],
@@ -229,6 +256,7 @@ def conv_backward_data(
     groups: int,
     channels_last: bool,
 ) -> torch.Tensor:
+    """dx of a convolution: what ``gemmconv::conv_backward_data`` computes."""
     key = (
         Direction.BACKWARD_DATA,
         grad_output.shape,
@@ -243,7 +271,7 @@ def conv_backward_data(
         tuple(dilation),
         groups,
         channels_last,
-        dispatch.selection_state(),
+        dispatch.selection_key(),
     )
 
     def build() -> tuple[ConvProblem, Layout, Sequence[int]]:
@@ -259,6 +287,11 @@ def conv_backward_data(
     return _run(plan, ConvTensors(grad_output=dy, weight=w))
 
 
+conv_backward_data = torch.library.custom_op(
+    "gemmconv::conv_backward_data", backward_data, mutates_args=(), schema=_BACKWARD_DATA_SCHEMA
+)
+
+
 @conv_backward_data.register_fake
 def _(grad_output, weight, input_size, stride, padding, dilation, groups, channels_last):
     layout = output_layout(
@@ -270,10 +303,7 @@ def _(grad_output, weight, input_size, stride, padding, dilation, groups, channe
 # ---- backward-weights -------------------------------------------------------
 
 
-@torch.library.custom_op(
-    "gemmconv::conv_backward_weights", mutates_args=(), schema=_BACKWARD_WEIGHTS_SCHEMA
-)
-def conv_backward_weights(
+def backward_weights(
     grad_output: torch.Tensor,
     input: torch.Tensor,
     weight_size: Sequence[int],
@@ -283,6 +313,7 @@ def conv_backward_weights(
     groups: int,
     channels_last: bool,
 ) -> torch.Tensor:
+    """dw of a convolution: what ``gemmconv::conv_backward_weights`` computes."""
     key = (
         Direction.BACKWARD_WEIGHTS,
         grad_output.shape,
@@ -297,19 +328,30 @@ def conv_backward_weights(
         tuple(dilation),
         groups,
         channels_last,
-        dispatch.selection_state(),
+        dispatch.selection_key(),
     )
 
     def build() -> tuple[ConvProblem, Layout, Sequence[int]]:
         layout = _layout(channels_last)
         problem = _backward_problem(
             grad_output, input.shape, weight_size, stride, padding, dilation, groups, layout
-        ).with_direction(Direction.BACKWARD_WEIGHTS)
+        )
+        problem = dataclasses.replace(
+            problem, direction=Direction.BACKWARD_WEIGHTS, input_layout=input_layout_of(input)
+        )
         return problem, layout, weight_size
 
     plan = _plan(key, grad_output, input, build)
     dy, x = _operands(plan, grad_output, input)
     return _run(plan, ConvTensors(grad_output=dy, input=x))
+
+
+conv_backward_weights = torch.library.custom_op(
+    "gemmconv::conv_backward_weights",
+    backward_weights,
+    mutates_args=(),
+    schema=_BACKWARD_WEIGHTS_SCHEMA,
+)
 
 
 @conv_backward_weights.register_fake

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gemmconv.memory_format import Layout, layout_of
+from gemmconv.memory_format import Layout, input_layout_of, layout_of
 
 
 class Direction(str, enum.Enum):
@@ -62,6 +62,12 @@ class ConvProblem:
 
     ``spatial`` is the input's spatial size, ``kernel`` the filter's; padding is
     symmetric per spatial dimension (string paddings are resolved before this).
+
+    ``layout`` follows torch's output rule (channels-last when the input or the
+    weight is); ``input_layout`` is the memory order of x itself, which differs
+    from it for a channels-first x with a channels-last weight. Solvers that gather
+    x read it in its own order. None means ``layout``; a backward-data problem reads
+    no x, so its input_layout is always its layout.
     """
 
     n: int
@@ -78,6 +84,12 @@ class ConvProblem:
     device_type: str = "cpu"
     direction: Direction = Direction.FORWARD
     has_bias: bool = False
+    input_layout: Layout | None = None
+
+    def __post_init__(self) -> None:
+        # One value per meaning, so equal problems compare and hash equal.
+        if self.input_layout is None or self.direction is Direction.BACKWARD_DATA:
+            object.__setattr__(self, "input_layout", self.layout)
 
     # ---- construction -------------------------------------------------------
 
@@ -98,6 +110,7 @@ class ConvProblem:
         device_type: str = "cpu",
         direction: Direction | str = Direction.FORWARD,
         has_bias: bool = False,
+        input_layout: Layout | str | None = None,
     ) -> ConvProblem:
         dims = len(spatial)
         return cls(
@@ -115,6 +128,7 @@ class ConvProblem:
             device_type=str(device_type),
             direction=Direction(direction),
             has_bias=bool(has_bias),
+            input_layout=None if input_layout is None else Layout(input_layout),
         )
 
     @classmethod
@@ -145,6 +159,7 @@ class ConvProblem:
             device_type=input.device.type,
             direction=direction,
             has_bias=bias is not None,
+            input_layout=input_layout_of(input),
         )
 
     def with_direction(self, direction: Direction | str) -> ConvProblem:
@@ -264,10 +279,15 @@ class ConvProblem:
         def j(values: tuple[int, ...]) -> str:
             return "x".join(str(v) for v in values)
 
+        # The input's own layout is named only where it differs, so that the keys of
+        # problems whose operands share one layout are those stored before it existed.
+        layouts = self.layout.value
+        if self.input_layout is not self.layout:
+            layouts += f"-input_{self.input_layout.value}"
         return (
             f"{self.dims}d-n{self.n}-c{self.c}-k{self.k}-s{j(self.spatial)}"
             f"-r{j(self.kernel)}-u{j(self.stride)}-p{j(self.padding)}"
-            f"-l{j(self.dilation)}-g{self.groups}-{self.layout.value}"
+            f"-l{j(self.dilation)}-g{self.groups}-{layouts}"
             f"-{dtype_name(self.dtype)}-{self.device_type}-{self.direction.value}"
             f"-b{int(self.has_bias)}"
         )

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gemmconv.kernels import compiled
+from gemmconv.kernels.launch import LaunchCache, PreparedLaunch, TensorSlot
+from gemmconv.kernels.patch_index import patch_columns, patch_rows
 from gemmconv.kernels.patch_permute import PatchGeometry, contiguous_run
 
 
@@ -35,6 +36,9 @@ class TileConfig:
     block_k: int
     num_warps: int
     num_stages: int
+
+    def launch_options(self) -> dict[str, int]:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
 # Hopper-sized tiles for half precision; fp32 tiles are half as deep (twice the bytes).
@@ -84,19 +88,9 @@ def _forward_kernel(
 
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     kout = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o3 = m % O3
-    rest = m // O3
-    o2 = rest % O2
-    rest = rest // O2
-    o1 = rest % O1
-    n = (rest // O1).to(tl.int64)
-    x_row = n * XSN + (o1 * R1).to(tl.int64) * XS1 + (o2 * R2).to(tl.int64) * XS2
-    if RUN > 0 and CHANNELS_LAST_COLUMNS:
-        x_row += (o3 * RUN).to(tl.int64) * XSC  # R3 * XS3 == RUN * XSC: known alignment
-    elif RUN > 0:
-        x_row += (o3 * RUN).to(tl.int64) * XS3  # RUN == R3
-    else:
-        x_row += (o3 * R3).to(tl.int64) * XS3
+    n, o1, o2, o3, x_row = patch_rows(
+        m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN
+    )
     y_row = n * YSN + o1.to(tl.int64) * YS1 + o2.to(tl.int64) * YS2 + o3.to(tl.int64) * YS3
     m_ok = m < M
     n_ok = kout < KOUT
@@ -104,39 +98,7 @@ def _forward_kernel(
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     for k0 in range(0, KRED, BLOCK_K):
         kr = k0 + tl.arange(0, BLOCK_K)
-        if RUN > 0:
-            # The innermost RUN columns are contiguous in memory (r3 of a channels-first x,
-            # (r3, c) of a channels-last one): keeping them one modulo apart lets Triton see
-            # the contiguity and issue vector loads and stores.
-            inner = kr % RUN
-            outer = kr // RUN
-            r2 = outer % R2
-            outer = outer // R2
-            if CHANNELS_LAST_COLUMNS:
-                x_col = inner.to(tl.int64) * XSC + outer.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
-            else:
-                r1 = outer % R1
-                c = outer // R1
-                x_col = inner.to(tl.int64) * XS3 + c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1
-                x_col += r2.to(tl.int64) * XS2
-        elif CHANNELS_LAST_COLUMNS:
-            c = kr % C
-            rest_k = kr // C
-            r3 = rest_k % R3
-            rest_k = rest_k // R3
-            r2 = rest_k % R2
-            r1 = rest_k // R2
-            x_col = c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
-            x_col += r3.to(tl.int64) * XS3
-        else:
-            r3 = kr % R3
-            rest_k = kr // R3
-            r2 = rest_k % R2
-            rest_k = rest_k // R2
-            r1 = rest_k % R1
-            c = rest_k // R1
-            x_col = c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
-            x_col += r3.to(tl.int64) * XS3
+        x_col = patch_columns(kr, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN)
         k_ok = kr < KRED
         a = tl.load(x_ptr + x_row[:, None] + x_col[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
@@ -171,39 +133,7 @@ def _wgrad_kernel(
     split = tl.program_id(2)
     kout = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kr = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    if RUN > 0:
-        # The innermost RUN columns are contiguous in memory (r3 of a channels-first x,
-        # (r3, c) of a channels-last one): keeping them one modulo apart lets Triton see
-        # the contiguity and issue vector loads and stores.
-        inner = kr % RUN
-        outer = kr // RUN
-        r2 = outer % R2
-        outer = outer // R2
-        if CHANNELS_LAST_COLUMNS:
-            x_col = inner.to(tl.int64) * XSC + outer.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
-        else:
-            r1 = outer % R1
-            c = outer // R1
-            x_col = inner.to(tl.int64) * XS3 + c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1
-            x_col += r2.to(tl.int64) * XS2
-    elif CHANNELS_LAST_COLUMNS:
-        c = kr % C
-        rest_k = kr // C
-        r3 = rest_k % R3
-        rest_k = rest_k // R3
-        r2 = rest_k % R2
-        r1 = rest_k // R2
-        x_col = c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
-        x_col += r3.to(tl.int64) * XS3
-    else:
-        r3 = kr % R3
-        rest_k = kr // R3
-        r2 = rest_k % R2
-        rest_k = rest_k // R2
-        r1 = rest_k % R1
-        c = rest_k // R1
-        x_col = c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
-        x_col += r3.to(tl.int64) * XS3
+    x_col = patch_columns(kr, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN)
     dy_col = kout.to(tl.int64) * YSC
     n_ok = kout < KOUT
     k_ok = kr < KRED
@@ -213,19 +143,9 @@ def _wgrad_kernel(
     m_end = tl.where(m_start + M_PER_SPLIT < M, m_start + M_PER_SPLIT, M)
     for m0 in range(m_start, m_end, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M)
-        o3 = m % O3
-        rest = m // O3
-        o2 = rest % O2
-        rest = rest // O2
-        o1 = rest % O1
-        n = (rest // O1).to(tl.int64)
-        x_row = n * XSN + (o1 * R1).to(tl.int64) * XS1 + (o2 * R2).to(tl.int64) * XS2
-        if RUN > 0 and CHANNELS_LAST_COLUMNS:
-            x_row += (o3 * RUN).to(tl.int64) * XSC  # R3 * XS3 == RUN * XSC: known alignment
-        elif RUN > 0:
-            x_row += (o3 * RUN).to(tl.int64) * XS3  # RUN == R3
-        else:
-            x_row += (o3 * R3).to(tl.int64) * XS3
+        n, o1, o2, o3, x_row = patch_rows(
+            m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN
+        )
         dy_row = n * YSN + o1.to(tl.int64) * YS1 + o2.to(tl.int64) * YS2
         dy_row += o3.to(tl.int64) * YS3
         m_ok = m < m_end
@@ -260,53 +180,11 @@ def _dgrad_kernel(
     pid_n = tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     kr = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o3 = m % O3
-    rest = m // O3
-    o2 = rest % O2
-    rest = rest // O2
-    o1 = rest % O1
-    n = (rest // O1).to(tl.int64)
-    x_row = n * XSN + (o1 * R1).to(tl.int64) * XS1 + (o2 * R2).to(tl.int64) * XS2
-    if RUN > 0 and CHANNELS_LAST_COLUMNS:
-        x_row += (o3 * RUN).to(tl.int64) * XSC  # R3 * XS3 == RUN * XSC: known alignment
-    elif RUN > 0:
-        x_row += (o3 * RUN).to(tl.int64) * XS3  # RUN == R3
-    else:
-        x_row += (o3 * R3).to(tl.int64) * XS3
+    n, o1, o2, o3, x_row = patch_rows(
+        m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN
+    )
     dy_row = n * YSN + o1.to(tl.int64) * YS1 + o2.to(tl.int64) * YS2 + o3.to(tl.int64) * YS3
-    if RUN > 0:
-        # The innermost RUN columns are contiguous in memory (r3 of a channels-first x,
-        # (r3, c) of a channels-last one): keeping them one modulo apart lets Triton see
-        # the contiguity and issue vector loads and stores.
-        inner = kr % RUN
-        outer = kr // RUN
-        r2 = outer % R2
-        outer = outer // R2
-        if CHANNELS_LAST_COLUMNS:
-            x_col = inner.to(tl.int64) * XSC + outer.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
-        else:
-            r1 = outer % R1
-            c = outer // R1
-            x_col = inner.to(tl.int64) * XS3 + c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1
-            x_col += r2.to(tl.int64) * XS2
-    elif CHANNELS_LAST_COLUMNS:
-        c = kr % C
-        rest_k = kr // C
-        r3 = rest_k % R3
-        rest_k = rest_k // R3
-        r2 = rest_k % R2
-        r1 = rest_k // R2
-        x_col = c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
-        x_col += r3.to(tl.int64) * XS3
-    else:
-        r3 = kr % R3
-        rest_k = kr // R3
-        r2 = rest_k % R2
-        rest_k = rest_k // R2
-        r1 = rest_k % R1
-        c = rest_k // R1
-        x_col = c.to(tl.int64) * XSC + r1.to(tl.int64) * XS1 + r2.to(tl.int64) * XS2
-        x_col += r3.to(tl.int64) * XS3
+    x_col = patch_columns(kr, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN)
     m_ok = m < M
     kr_ok = kr < KRED
 
@@ -348,6 +226,14 @@ def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], like: torch.Tenso
         )
 
 
+def _meta(t: torch.Tensor | None) -> tuple | None:
+    """What a prepared launch fixes about a tensor: sizes, strides, dtype, device."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+_launches = LaunchCache()
+
+
 def patch_gemm_forward(
     x: torch.Tensor,
     weight_rows: torch.Tensor,
@@ -359,31 +245,46 @@ def patch_gemm_forward(
 ) -> torch.Tensor:
     """out [N, K, O..] (any strides) = conv(x, W) for a patch-class problem, where
     ``weight_rows`` [K, Kred] is the weight flattened in the column order. Returns out."""
-    outs = tuple(out.shape[2:])
-    g = PatchGeometry.of(x, outs, kernel, channels_last_columns)
-    kout = weight_rows.shape[0]
-    _check("out", out, (g.n, kout, *outs), x)
-    _check("weight_rows", weight_rows, (kout, g.reduction), x)
-    if weight_rows.stride(1) != 1:
-        raise ValueError(f"weight_rows with strides {weight_rows.stride()}: expected dense rows")
-    if bias is not None:
-        _check("bias", bias, (kout,), x)
-    if g.rows == 0 or kout == 0:
-        return out
-    cfg = FORWARD_TILES[x.dtype]
-    grid = (triton.cdiv(g.rows, cfg.block_m) * triton.cdiv(kout, cfg.block_n),)
-    launch = compiled(_forward_kernel, x.device, do_not_specialize=_FORWARD_ARGS)
-    launch[grid](
-        x, weight_rows, bias if bias is not None else weight_rows, out,
-        g.rows, kout, g.reduction, g.c, *g.outs, *g.kernel, *g.strides,
-        *_output_strides(out), weight_rows.stride(0),
-        HAS_BIAS=bias is not None,
-        CHANNELS_LAST_COLUMNS=channels_last_columns,
-        RUN=contiguous_run(g),
-        INPUT_PRECISION=_precision(x.dtype, allow_tf32),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    key = ("forward", _meta(x), _meta(weight_rows), _meta(bias), _meta(out), tuple(kernel),
+           channels_last_columns, allow_tf32)  # fmt: skip
+
+    def prepare() -> PreparedLaunch | None:
+        outs = tuple(out.shape[2:])
+        g = PatchGeometry.of(x, outs, kernel, channels_last_columns)
+        kout = weight_rows.shape[0]
+        _check("out", out, (g.n, kout, *outs), x)
+        _check("weight_rows", weight_rows, (kout, g.reduction), x)
+        if weight_rows.stride(1) != 1:
+            raise ValueError(
+                f"weight_rows with strides {weight_rows.stride()}: expected dense rows"
+            )
+        if bias is not None:
+            _check("bias", bias, (kout,), x)
+        if g.rows == 0 or kout == 0:
+            return None
+        cfg = FORWARD_TILES[x.dtype]
+        grid = (triton.cdiv(g.rows, cfg.block_m) * triton.cdiv(kout, cfg.block_n),)
+        # A missing bias is never read (HAS_BIAS); the weight stands in for the pointer.
+        bias_slot = TensorSlot(2) if bias is not None else TensorSlot(1)
+        args = (
+            TensorSlot(0), TensorSlot(1), bias_slot, TensorSlot(3),
+            g.rows, kout, g.reduction, g.c, *g.outs, *g.kernel, *g.strides,
+            *_output_strides(out), weight_rows.stride(0),
+        )  # fmt: skip
+        constants = {
+            "HAS_BIAS": bias is not None,
+            "CHANNELS_LAST_COLUMNS": channels_last_columns,
+            "RUN": contiguous_run(g),
+            "INPUT_PRECISION": _precision(x.dtype, allow_tf32),
+            "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+            "GROUP_M": 8,
+        }  # fmt: skip
+        return PreparedLaunch(_forward_kernel, grid, args, constants, cfg.launch_options(),
+                              x.device, {"do_not_specialize": _FORWARD_ARGS})  # fmt: skip
+
+    launch = _launches.get(key, prepare)
+    if launch is not None:
+        launch(x, weight_rows, bias, out)
     return out
 
 
@@ -397,28 +298,40 @@ def patch_gemm_backward_data(
 ) -> torch.Tensor:
     """Write dY @ W into the patch positions of dx [N, C, S..] (any strides); positions
     no patch covers are left as they are. Returns dx."""
-    outs = tuple(grad_output.shape[2:])
-    g = PatchGeometry.of(dx, outs, kernel, channels_last_columns)
-    kout = grad_output.shape[1]
-    _check("grad_output", grad_output, (g.n, kout, *outs), dx)
-    _check("weight_rows", weight_rows, (kout, g.reduction), dx)
-    if weight_rows.stride(1) != 1:
-        raise ValueError(f"weight_rows with strides {weight_rows.stride()}: expected dense rows")
-    if g.rows == 0 or g.reduction == 0:
-        return dx
-    cfg = DGRAD_TILES[dx.dtype]
-    grid = (triton.cdiv(g.rows, cfg.block_m), triton.cdiv(g.reduction, cfg.block_n))
-    launch = compiled(_dgrad_kernel, dx.device, do_not_specialize=_FORWARD_ARGS)
-    launch[grid](
-        grad_output, weight_rows, dx,
-        g.rows, kout, g.reduction, g.c, *g.outs, *g.kernel, *g.strides,
-        *_output_strides(grad_output), weight_rows.stride(0),
-        CHANNELS_LAST_COLUMNS=channels_last_columns,
-        RUN=contiguous_run(g),
-        INPUT_PRECISION=_precision(dx.dtype, allow_tf32),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    key = ("backward_data", _meta(grad_output), _meta(weight_rows), _meta(dx), tuple(kernel),
+           channels_last_columns, allow_tf32)  # fmt: skip
+
+    def prepare() -> PreparedLaunch | None:
+        outs = tuple(grad_output.shape[2:])
+        g = PatchGeometry.of(dx, outs, kernel, channels_last_columns)
+        kout = grad_output.shape[1]
+        _check("grad_output", grad_output, (g.n, kout, *outs), dx)
+        _check("weight_rows", weight_rows, (kout, g.reduction), dx)
+        if weight_rows.stride(1) != 1:
+            raise ValueError(
+                f"weight_rows with strides {weight_rows.stride()}: expected dense rows"
+            )
+        if g.rows == 0 or g.reduction == 0:
+            return None
+        cfg = DGRAD_TILES[dx.dtype]
+        grid = (triton.cdiv(g.rows, cfg.block_m), triton.cdiv(g.reduction, cfg.block_n))
+        args = (
+            TensorSlot(0), TensorSlot(1), TensorSlot(2),
+            g.rows, kout, g.reduction, g.c, *g.outs, *g.kernel, *g.strides,
+            *_output_strides(grad_output), weight_rows.stride(0),
+        )  # fmt: skip
+        constants = {
+            "CHANNELS_LAST_COLUMNS": channels_last_columns,
+            "RUN": contiguous_run(g),
+            "INPUT_PRECISION": _precision(dx.dtype, allow_tf32),
+            "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+        }  # fmt: skip
+        return PreparedLaunch(_dgrad_kernel, grid, args, constants, cfg.launch_options(),
+                              dx.device, {"do_not_specialize": _FORWARD_ARGS})  # fmt: skip
+
+    launch = _launches.get(key, prepare)
+    if launch is not None:
+        launch(grad_output, weight_rows, dx)
     return dx
 
 
@@ -442,32 +355,56 @@ def patch_gemm_weight_grad(
 ) -> torch.Tensor:
     """dW as fp32 rows [K, Kred] in the column order, from dY [N, K, O..] and x (any
     strides each), the reduction over M cut into ``splits`` fp32 partials."""
+    if splits < 1:
+        raise ValueError(f"splits={splits}: expected at least 1")
+    key = ("weight_grad", _meta(grad_output), _meta(x), tuple(kernel), channels_last_columns,
+           splits, allow_tf32)  # fmt: skip
+    launch, (parts, kout, reduction) = _launches.get(
+        key,
+        lambda: _prepare_weight_grad(grad_output, x, kernel, channels_last_columns, splits,
+                                     allow_tf32),
+    )  # fmt: skip
+    if launch is None:
+        return torch.zeros(kout, reduction, dtype=torch.float32, device=x.device)
+    # Every element of every partial is written: each split owns a non-empty M range.
+    partials = torch.empty(parts, kout, reduction, dtype=torch.float32, device=x.device)
+    launch(grad_output, x, partials)
+    return partials[0] if parts == 1 else partials.sum(0)
+
+
+def _prepare_weight_grad(
+    grad_output: torch.Tensor,
+    x: torch.Tensor,
+    kernel: tuple[int, ...],
+    channels_last_columns: bool,
+    splits: int,
+    allow_tf32: bool,
+) -> tuple[PreparedLaunch | None, tuple[int, int, int]]:
+    """The launch and (partials, K, Kred) of a weight gradient; no launch when empty."""
     outs = tuple(grad_output.shape[2:])
     g = PatchGeometry.of(x, outs, kernel, channels_last_columns)
     kout = grad_output.shape[1]
     _check("grad_output", grad_output, (g.n, kout, *outs), x)
-    if splits < 1:
-        raise ValueError(f"splits={splits}: expected at least 1")
     cfg = WGRAD_TILES[x.dtype]
     per_split = triton.cdiv(triton.cdiv(max(g.rows, 1), splits), cfg.block_m) * cfg.block_m
-    splits = triton.cdiv(max(g.rows, 1), per_split)
+    parts = triton.cdiv(max(g.rows, 1), per_split)
     if not (g.rows and kout and g.reduction):
-        return torch.zeros(kout, g.reduction, dtype=torch.float32, device=x.device)
-    # Every element of every partial is written: each split owns a non-empty M range.
-    partials = torch.empty(splits, kout, g.reduction, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(kout, cfg.block_n), triton.cdiv(g.reduction, cfg.block_k), splits)
-    launch = compiled(_wgrad_kernel, x.device, do_not_specialize=_WGRAD_ARGS)
-    launch[grid](
-        grad_output, x, partials,
+        return None, (parts, kout, g.reduction)
+    grid = (triton.cdiv(kout, cfg.block_n), triton.cdiv(g.reduction, cfg.block_k), parts)
+    args = (
+        TensorSlot(0), TensorSlot(1), TensorSlot(2),
         g.rows, kout, g.reduction, g.c, *g.outs, *g.kernel, *g.strides,
         *_output_strides(grad_output), per_split,
-        CHANNELS_LAST_COLUMNS=channels_last_columns,
-        RUN=contiguous_run(g),
-        INPUT_PRECISION=_precision(x.dtype, allow_tf32),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return partials[0] if splits == 1 else partials.sum(0)
+    constants = {
+        "CHANNELS_LAST_COLUMNS": channels_last_columns,
+        "RUN": contiguous_run(g),
+        "INPUT_PRECISION": _precision(x.dtype, allow_tf32),
+        "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+    }  # fmt: skip
+    launch = PreparedLaunch(_wgrad_kernel, grid, args, constants, cfg.launch_options(),
+                            x.device, {"do_not_specialize": _WGRAD_ARGS})  # fmt: skip
+    return launch, (parts, kout, g.reduction)
 
 
 __all__ = [

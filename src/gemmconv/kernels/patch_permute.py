@@ -7,12 +7,10 @@ reduction padded to ``ld`` columns of zeros in the same pass (a 16-byte aligned
 leading dimension keeps the following GEMM on its fast kernels). Its inverse
 writes a column gradient back into dx.
 
-Indexing (every problem is seen as 3-D; missing leading dimensions have size 1):
-row m = ((n*O1 + o1)*O2 + o2)*O3 + o3, and column k = ((c*R1 + r1)*R2 + r2)*R3 + r3
-for the channels-first column order or ((r1*R2 + r2)*R3 + r3)*C + c for the
-channels-last one. The element is x[n, c, o1*R1 + r1, o2*R2 + r2, o3*R3 + r3]. Row
-and column offsets are computed once per tile edge and added, so the inner work is
-one load and one store per element.
+The index map is kernels/patch_index.py's: row and column offsets are computed once
+per tile edge and added, so the inner work is one load and one store per element.
+Launches are prepared once per operand geometry (kernels/launch.py), so a repeated
+call costs a dictionary lookup and the launch itself.
 """
 
 from __future__ import annotations
@@ -23,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gemmconv.kernels import compiled
+from gemmconv.kernels.launch import LaunchCache, PreparedLaunch, TensorSlot
+from gemmconv.kernels.patch_index import patch_columns, patch_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,54 +102,10 @@ def _permute_kernel(
     Otherwise (scatter): dst (the strided tensor) <- src[M, LD] columns 0..KRED-1."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-
-    o3 = m % O3
-    rest = m // O3
-    o2 = rest % O2
-    rest = rest // O2
-    o1 = rest % O1
-    n = rest // O1
-    row_off = n.to(tl.int64) * SN + (o1 * R1).to(tl.int64) * S1 + (o2 * R2).to(tl.int64) * S2
-    if RUN > 0 and CHANNELS_LAST_COLUMNS:
-        row_off += (o3 * RUN).to(tl.int64) * SC  # R3 * S3 == RUN * SC: known alignment
-    elif RUN > 0:
-        row_off += (o3 * RUN).to(tl.int64) * S3  # RUN == R3
-    else:
-        row_off += (o3 * R3).to(tl.int64) * S3
-
-    if RUN > 0:
-        # The innermost RUN columns are contiguous in memory (r3 of a channels-first x,
-        # (r3, c) of a channels-last one): keeping them one modulo apart lets Triton see
-        # the contiguity and issue vector loads and stores.
-        inner = k % RUN
-        outer = k // RUN
-        r2 = outer % R2
-        outer = outer // R2
-        if CHANNELS_LAST_COLUMNS:
-            col_off = inner.to(tl.int64) * SC + outer.to(tl.int64) * S1 + r2.to(tl.int64) * S2
-        else:
-            r1 = outer % R1
-            c = outer // R1
-            col_off = inner.to(tl.int64) * S3 + c.to(tl.int64) * SC + r1.to(tl.int64) * S1
-            col_off += r2.to(tl.int64) * S2
-    elif CHANNELS_LAST_COLUMNS:
-        c = k % C
-        rest_k = k // C
-        r3 = rest_k % R3
-        rest_k = rest_k // R3
-        r2 = rest_k % R2
-        r1 = rest_k // R2
-        col_off = c.to(tl.int64) * SC + r1.to(tl.int64) * S1 + r2.to(tl.int64) * S2
-        col_off += r3.to(tl.int64) * S3
-    else:
-        r3 = k % R3
-        rest_k = k // R3
-        r2 = rest_k % R2
-        rest_k = rest_k // R2
-        r1 = rest_k % R1
-        c = rest_k // R1
-        col_off = c.to(tl.int64) * SC + r1.to(tl.int64) * S1 + r2.to(tl.int64) * S2
-        col_off += r3.to(tl.int64) * S3
+    _, _, _, _, row_off = patch_rows(
+        m, O1, O2, O3, R1, R2, R3, SN, SC, S1, S2, S3, CHANNELS_LAST_COLUMNS, RUN
+    )
+    col_off = patch_columns(k, C, R1, R2, R3, SC, S1, S2, S3, CHANNELS_LAST_COLUMNS, RUN)
 
     strided = row_off[:, None] + col_off[None, :]
     dense = m[:, None].to(tl.int64) * LD + k[None, :]
@@ -196,28 +151,36 @@ def _blocks(ld: int) -> tuple[int, int]:
     return 8192 // block_k, block_k
 
 
-def _launch(src: torch.Tensor, dst: torch.Tensor, g: PatchGeometry, ld: int, gather: bool) -> None:
-    block_m, block_k = _blocks(ld)
+def _prepare(
+    strided: torch.Tensor, dense: torch.Tensor, g: PatchGeometry, gather: bool
+) -> PreparedLaunch | None:
+    """The launch moving between ``strided`` (x or dx) and ``dense`` ([M, ld]); None
+    when there is nothing to move."""
+    ld = _check_dense(dense, g, "out" if gather else "columns")
+    if dense.dtype != strided.dtype or dense.device != strided.device:
+        name = "out" if gather else "columns"
+        raise ValueError(
+            f"{name} is {dense.dtype} on {dense.device}; expected {strided.dtype} on "
+            f"{strided.device}"
+        )
     cover = ld if gather else g.reduction
+    if not (g.rows and cover):
+        return None
+    block_m, block_k = _blocks(ld)
     grid = (triton.cdiv(g.rows, block_m), triton.cdiv(cover, block_k))
-    kernel = compiled(_permute_kernel, src.device, do_not_specialize=_GEOMETRY_ARGS)
-    kernel[grid](
-        src,
-        dst,
-        g.rows,
-        g.reduction,
-        ld,
-        g.c,
-        *g.outs,
-        *g.kernel,
-        *g.strides,
-        CHANNELS_LAST_COLUMNS=g.channels_last_columns,
-        RUN=contiguous_run(g),
-        GATHER=gather,
-        BLOCK_M=block_m,
-        BLOCK_K=block_k,
-        num_warps=4,
-    )
+    src, dst = (TensorSlot(0), TensorSlot(1)) if gather else (TensorSlot(1), TensorSlot(0))
+    args = (src, dst, g.rows, g.reduction, ld, g.c, *g.outs, *g.kernel, *g.strides)
+    constants = {
+        "CHANNELS_LAST_COLUMNS": g.channels_last_columns,
+        "RUN": contiguous_run(g),
+        "GATHER": gather,
+        "BLOCK_M": block_m,
+        "BLOCK_K": block_k,
+    }
+    return PreparedLaunch(
+        _permute_kernel, grid, args, constants, {"num_warps": 4}, strided.device,
+        {"do_not_specialize": _GEOMETRY_ARGS},
+    )  # fmt: skip
 
 
 def _check_dense(buffer: torch.Tensor, g: PatchGeometry, name: str) -> int:
@@ -230,6 +193,33 @@ def _check_dense(buffer: torch.Tensor, g: PatchGeometry, name: str) -> int:
     return buffer.shape[1]
 
 
+_launches = LaunchCache()
+
+
+def _move(
+    strided: torch.Tensor,
+    dense: torch.Tensor,
+    outs: tuple[int, ...],
+    kernel: tuple[int, ...],
+    channels_last_columns: bool,
+    gather: bool,
+) -> None:
+    # Everything the launch fixes is in the key, so a hit needs no checks.
+    key = (
+        strided.shape, strided.stride(), strided.dtype, strided.device,
+        dense.shape, dense.stride(), dense.dtype, dense.device,
+        tuple(outs), tuple(kernel), channels_last_columns, gather,
+    )  # fmt: skip
+
+    def prepare() -> PreparedLaunch | None:
+        g = PatchGeometry.of(strided, outs, kernel, channels_last_columns)
+        return _prepare(strided, dense, g, gather)
+
+    launch = _launches.get(key, prepare)
+    if launch is not None:
+        launch(strided, dense)
+
+
 def gather_patches(
     x: torch.Tensor,
     outs: tuple[int, ...],
@@ -239,12 +229,7 @@ def gather_patches(
 ) -> torch.Tensor:
     """Write the column matrix of ``x`` into ``out`` [M, ld]: every row one patch in the
     given column order, columns beyond C*prod(R) set to zero. Returns ``out``."""
-    g = PatchGeometry.of(x, outs, kernel, channels_last_columns)
-    ld = _check_dense(out, g, "out")
-    if out.dtype != x.dtype or out.device != x.device:
-        raise ValueError(f"out is {out.dtype} on {out.device}; expected {x.dtype} on {x.device}")
-    if g.rows and ld:
-        _launch(x, out, g, ld, gather=True)
+    _move(x, out, outs, kernel, channels_last_columns, gather=True)
     return out
 
 
@@ -258,14 +243,7 @@ def scatter_patches(
     """The inverse of gather_patches: write columns [M, ld] (the first C*prod(R) of
     each row) back into the patch positions of ``dx`` [N, C, S..]. Positions no patch
     covers are left as they are. Returns ``dx``."""
-    g = PatchGeometry.of(dx, outs, kernel, channels_last_columns)
-    ld = _check_dense(columns, g, "columns")
-    if columns.dtype != dx.dtype or columns.device != dx.device:
-        raise ValueError(
-            f"columns are {columns.dtype} on {columns.device}; expected {dx.dtype} on {dx.device}"
-        )
-    if g.rows and g.reduction:
-        _launch(columns, dx, g, ld, gather=False)
+    _move(dx, columns, outs, kernel, channels_last_columns, gather=False)
     return dx
 
 

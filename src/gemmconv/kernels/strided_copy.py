@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemmconv.kernels import compiled
+from gemmconv.kernels.launch import LaunchCache, PreparedLaunch, TensorSlot
 
 # Grid axis 1 (the batch) is limited to 65535 programs by CUDA.
 MAX_BATCH = 65535
@@ -109,36 +109,40 @@ def strided_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return _launch(dst, src, src.shape[-1])
 
 
+_launches = LaunchCache()
+
+
 def _launch(dst: torch.Tensor, src: torch.Tensor, src_cols: int) -> torch.Tensor:
     # The grid covers dst; src contributes its strides and its last-dim extent.
     d3, s3 = _as_3d(dst), _as_3d(src)
+    key = (d3.shape, d3.stride(), s3.shape, s3.stride(), d3.dtype, d3.device, src_cols)
+    launch = _launches.get(key, lambda: _prepare(d3, s3, src_cols))
+    if launch is not None:
+        launch(s3, d3)
+    return dst
+
+
+def _prepare(d3: torch.Tensor, s3: torch.Tensor, src_cols: int) -> PreparedLaunch | None:
     batch, rows, cols = d3.shape
     if batch == 0 or rows == 0 or cols == 0:
-        return dst
+        return None
     if batch > MAX_BATCH:
         raise ValueError(f"batch {batch}: expected at most {MAX_BATCH}")
     block_i, block_j = 64, 64
     grid = (triton.cdiv(rows, block_i) * triton.cdiv(cols, block_j), batch)
-    kernel = compiled(
-        _strided_copy_kernel, dst.device, do_not_specialize=("ROWS", "COLS", "SRC_COLS")
-    )
-    kernel[grid](
-        s3,
-        d3,
-        rows,
-        cols,
-        src_cols,
-        *s3.stride(),
-        *d3.stride(),
-        SRC_I_ALIGN=_stride_alignment(s3.stride(1), s3.element_size()),
-        SRC_J_ALIGN=_stride_alignment(s3.stride(2), s3.element_size()),
-        DST_I_ALIGN=_stride_alignment(d3.stride(1), d3.element_size()),
-        DST_J_ALIGN=_stride_alignment(d3.stride(2), d3.element_size()),
-        BLOCK_I=block_i,
-        BLOCK_J=block_j,
-        num_warps=4,
-    )
-    return dst
+    args = (TensorSlot(0), TensorSlot(1), rows, cols, src_cols, *s3.stride(), *d3.stride())
+    constants = {
+        "SRC_I_ALIGN": _stride_alignment(s3.stride(1), s3.element_size()),
+        "SRC_J_ALIGN": _stride_alignment(s3.stride(2), s3.element_size()),
+        "DST_I_ALIGN": _stride_alignment(d3.stride(1), d3.element_size()),
+        "DST_J_ALIGN": _stride_alignment(d3.stride(2), d3.element_size()),
+        "BLOCK_I": block_i,
+        "BLOCK_J": block_j,
+    }
+    return PreparedLaunch(
+        _strided_copy_kernel, grid, args, constants, {"num_warps": 4}, d3.device,
+        {"do_not_specialize": ("ROWS", "COLS", "SRC_COLS")},
+    )  # fmt: skip
 
 
 def _word_dtype(*tensors: torch.Tensor) -> torch.dtype | None:

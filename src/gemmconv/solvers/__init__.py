@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from gemmconv.solvers.base import ConvTensors, Solver
 from gemmconv.solvers.im2col import Im2colSolver
-from gemmconv.solvers.implicit_patch import ImplicitPatchSolver
-from gemmconv.solvers.padded_patch import PaddedPatchSolver
-from gemmconv.solvers.patch import PatchSolver, PointOutputSolver
+from gemmconv.solvers.patch import (
+    ImplicitPatchSolver,
+    PaddedPatchSolver,
+    PatchSolver,
+    PointOutputSolver,
+    TritonPatchSolver,
+)
 from gemmconv.solvers.pointwise import PointwiseSolver, StridedPointwiseSolver
-from gemmconv.solvers.triton_patch import TritonPatchSolver
 from gemmconv.solvers.vendor import VendorSolver
 
 SOLVERS: tuple[Solver, ...] = (

@@ -154,17 +154,39 @@ class Solver:
     def gemm_is_aligned(self, problem: ConvProblem) -> bool:
         return (problem.gemm_k * problem.element_size) % 16 == 0
 
-    def estimate_ms(self, problem: ConvProblem, rates: DeviceRates | None = None) -> float:
+    def host_launches(self, problem: ConvProblem) -> int:
+        """Launches the host issues per call (the GEMMs and copies, plus the result's
+        allocation)."""
+        return self.gemm_launches(problem) + 1
+
+    def host_ms(self, problem: ConvProblem, rates: DeviceRates | None = None) -> float:
+        """Host time of one call on the eager road."""
         rates = rates or rates_for(problem.device_type)
+        return self.host_launches(problem) * rates.host_launch_us / 1000.0
+
+    def call_ms(self, problem: ConvProblem, rates: DeviceRates | None = None) -> float:
+        """What one call costs in a steady stream of calls: device and host time
+        overlap on a GPU (the host queues ahead), and add up on a CPU."""
+        rates = rates or rates_for(problem.device_type)
+        device, host = self.estimate_ms(problem, rates), self.host_ms(problem, rates)
+        return max(device, host) if rates.host_overlaps_device else device + host
+
+    def estimate_ms(self, problem: ConvProblem, rates: DeviceRates | None = None) -> float:
+        """Device time of one call: the work, and the gaps between its launches."""
+        rates = rates or rates_for(problem.device_type)
+        launch_ms = self.gemm_launches(problem) * rates.launch_us / 1000.0
+        return self.work_ms(problem, rates) + launch_ms
+
+    def work_ms(self, problem: ConvProblem, rates: DeviceRates) -> float:
+        """The GEMM (flops at the matrix rate or bytes at the bandwidth, whichever is
+        longer) and every byte copied besides it."""
         flop_ms = problem.flops() / rates.matrix_rate(_math_mode(problem))
         if not self.gemm_is_aligned(problem):
             # Unaligned reductions run on slower GEMM kernels (DeviceRates says how much).
             flop_ms *= rates.unaligned_slowdown
         byte_ms = problem.min_bytes() / rates.bytes_per_ms()
         gemm_ms = max(flop_ms, byte_ms)
-        copy_ms = self.copied_bytes(problem) / rates.bytes_per_ms()
-        launch_ms = self.gemm_launches(problem) * rates.launch_us / 1000.0
-        return gemm_ms + copy_ms + launch_ms
+        return gemm_ms + self.copied_bytes(problem) / rates.bytes_per_ms()
 
     # ---- execution ----------------------------------------------------------
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from gemmconv.precision import reduction_bmm
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors, Solver
-from gemmconv.solvers.patch import permute_slowdown
+from gemmconv.solvers.patch.cost import torch_permute_slowdown
 from gemmconv.solvers.views import result_buffer
 
 
@@ -75,7 +75,8 @@ class Im2colSolver(Solver):
         # The column buffer and the padded input are each written and read once; y (or
         # dY) is reordered between group-major and the tensor's layout. The gather and
         # the reorder are copies through permuted views (slower than a plain copy on GPUs).
-        reorder = (2 * self._col_bytes(p) + 2 * self._dy_bytes(p)) * permute_slowdown(p.device_type)
+        slowdown = torch_permute_slowdown(p.device_type)
+        reorder = (2 * self._col_bytes(p) + 2 * self._dy_bytes(p)) * slowdown
         moved = int(reorder) + 2 * self._padded_bytes(p)
         if p.direction is Direction.BACKWARD_DATA:
             # Each tap's accumulation reads and writes its slice of the fp32 dx buffer.

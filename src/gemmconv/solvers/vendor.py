@@ -47,11 +47,14 @@ class VendorSolver(Solver):
     # torch.use_deterministic_algorithms, as F.conv* does.
     uses_cublas = False
 
-    def estimate_ms(self, problem: ConvProblem, rates=None) -> float:
-        return super().estimate_ms(problem, rates) / vendor_efficiency(problem)
+    def work_ms(self, problem: ConvProblem, rates) -> float:
+        return super().work_ms(problem, rates) / vendor_efficiency(problem)
 
     def gemm_is_aligned(self, problem: ConvProblem) -> bool:
         return True
+
+    def host_launches(self, problem: ConvProblem) -> int:
+        return 1  # one aten call, which allocates its own result
 
     def _args(self, p: ConvProblem):
         return (list(p.stride), list(p.padding), list(p.dilation), False, [0] * p.dims, p.groups)

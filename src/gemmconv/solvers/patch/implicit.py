@@ -1,10 +1,10 @@
 """Patch class as implicit GEMMs in Triton: no column buffer, no copies of x, y or dY.
 
 All three directions run gemmconv.kernels.patch_gemm, which gathers the patches
-inside the GEMM's loads, masks the unaligned reduction tail instead of padding it,
-stores y in the requested layout with the bias fused, scatters dx in the
-backward-data epilogue, and splits the weight gradient's reduction into fp32
-partials.
+inside the GEMM's loads (in the problem's column order), masks the unaligned
+reduction tail instead of padding it, stores y in the requested layout with the bias
+fused, scatters dx in the backward-data epilogue, and splits the weight gradient's
+reduction into fp32 partials.
 """
 
 from __future__ import annotations
@@ -13,13 +13,17 @@ import math
 
 import torch
 
-from gemmconv.device_rates import rates_for
-from gemmconv.kernels import triton_available
-from gemmconv.memory_format import Layout
+from gemmconv.device_rates import DeviceRates, rates_for
 from gemmconv.precision import convolutions_allow_tf32
 from gemmconv.problem import ConvProblem, Direction
-from gemmconv.solvers.base import ConvTensors, Solver, _math_mode
-from gemmconv.solvers.patch import patch_class_reasons
+from gemmconv.solvers.base import ConvTensors, _math_mode
+from gemmconv.solvers.patch.cost import gathered_run_bytes
+from gemmconv.solvers.patch.family import PatchFamilySolver
+from gemmconv.solvers.patch.mapping import (
+    channels_last_columns,
+    column_layout,
+    covered_extent,
+)
 from gemmconv.solvers.views import result_buffer, store_weight_rows, weight_rows, zero_outside
 
 # Fraction of cuBLAS's matrix rate the Triton GEMM with gathered A loads reaches on
@@ -33,7 +37,7 @@ IMPLICIT_GEMM_EFFICIENCY = 0.5
 # (same file: ViT-B/16 1.73 ms, CLIP-L/14 3.83 ms, point 3D 1.22 ms for 0.04-0.11 ms
 # of cuBLAS-rate flops); fitted to those rows.
 IMPLICIT_WGRAD_EFFICIENCY = 0.035
-# Gathered loads reached the rate above only on contiguous runs of this many bytes;
+# Gathered loads reached the rates above only on contiguous runs of this many bytes;
 # shorter runs waste the rest of each memory transaction. Fitted to the same file:
 # channels-first rows (runs of R bytes) ran at 0.3-0.6x of their channels-last twins
 # (runs of R*C), ViT-B/16 (32-byte runs) at 0.6x, DiT-XL/2 (4-byte runs) at 0.5x.
@@ -44,40 +48,43 @@ FULL_RATE_RUN_BYTES = 64
 IMPLICIT_OUTPUT_STORE_SLOWDOWN = 3.0
 # Programs per multiprocessor the split weight-gradient reduction aims for.
 WGRAD_PROGRAMS_PER_SM = 2
+# The interpreter (CPU tests) runs programs one by one: a few splits, so that the
+# split path is exercised.
+INTERPRETER_PROGRAMS = 8
 
 
 def _device_programs(device: torch.device) -> int:
+    """Programs the split weight-gradient reduction aims for on ``device``."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return WGRAD_PROGRAMS_PER_SM * sms
-    return 8  # the interpreter (tests): a few splits, so the split path is exercised
+    return INTERPRETER_PROGRAMS
 
 
-class ImplicitPatchSolver(Solver):
-    id = "patch_implicit"
-    dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
-    devices = frozenset({"cuda"})
-    # Triton GEMMs only; the split weight-gradient reduction sums fp32 partials in a
-    # fixed order (no atomics), so it is reproducible.
-    uses_cublas = False
+def _costed_programs(rates: DeviceRates) -> int:
+    """The programs the cost model assumes: by the rates' multiprocessor count, or
+    where they carry none, as on the device this process runs kernels on."""
+    if rates.multiprocessors is not None:
+        return WGRAD_PROGRAMS_PER_SM * rates.multiprocessors
+    return _device_programs(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
-    def problem_reasons(self, p: ConvProblem) -> list[str]:
-        reasons = patch_class_reasons(p)
-        if not triton_available():
-            reasons.append("triton is not installed")
-        return reasons
+
+class ImplicitGemmSolver(PatchFamilySolver):
+    needs_triton = True
 
     # ---- cost ---------------------------------------------------------------
 
-    def _splits(self, p: ConvProblem) -> int:
+    def _partials_bytes(self, p: ConvProblem, rates: DeviceRates) -> int:
+        """The weight gradient's fp32 partials and their sum."""
+        if p.direction is not Direction.BACKWARD_WEIGHTS:
+            return 0
         from gemmconv.kernels.patch_gemm import wgrad_splits
 
-        return wgrad_splits(p.gemm_m, p.k, p.gemm_k, p.dtype, WGRAD_PROGRAMS_PER_SM * 132)
+        splits = wgrad_splits(p.gemm_m, p.k, p.gemm_k, p.dtype, _costed_programs(rates))
+        return (splits + 1) * p.k * p.gemm_k * 4
 
     def workspace_bytes(self, p: ConvProblem) -> int:
-        if p.direction is Direction.BACKWARD_WEIGHTS:
-            return (self._splits(p) + 1) * p.k * p.gemm_k * 4
-        return 0
+        return self._partials_bytes(p, rates_for(p.device_type))
 
     def copied_bytes(self, p: ConvProblem) -> int:
         # The fp32 partials are written once and read once by their sum.
@@ -89,14 +96,9 @@ class ImplicitPatchSolver(Solver):
             base = IMPLICIT_WGRAD_EFFICIENCY
         else:
             base = IMPLICIT_GEMM_EFFICIENCY
-        # The contiguous run of one gathered patch row: a kernel row in channels-first,
-        # a kernel row of all channels in channels-last.
-        run = p.kernel[-1] * p.element_size
-        if p.layout is Layout.CHANNELS_LAST:
-            run *= p.c
-        return base * min(1.0, run / FULL_RATE_RUN_BYTES)
+        return base * min(1.0, gathered_run_bytes(p) / FULL_RATE_RUN_BYTES)
 
-    def estimate_ms(self, p: ConvProblem, rates=None) -> float:
+    def estimate_ms(self, p: ConvProblem, rates: DeviceRates | None = None) -> float:
         rates = rates or rates_for(p.device_type)
         flop_ms = p.flops() / rates.matrix_rate(_math_mode(p)) / self.efficiency(p)
         if not self.gemm_is_aligned(p):
@@ -106,7 +108,7 @@ class ImplicitPatchSolver(Solver):
             output_bytes = math.prod(p.output_shape) * p.element_size
             moved += (IMPLICIT_OUTPUT_STORE_SLOWDOWN - 1.0) * output_bytes
         byte_ms = moved / rates.bytes_per_ms()
-        extra_ms = self.copied_bytes(p) / rates.bytes_per_ms()
+        extra_ms = 2 * self._partials_bytes(p, rates) / rates.bytes_per_ms()
         launches = 2 if p.direction is Direction.BACKWARD_WEIGHTS else 1
         return max(flop_ms, byte_ms) + extra_ms + launches * rates.launch_us / 1000.0
 
@@ -116,9 +118,8 @@ class ImplicitPatchSolver(Solver):
         from gemmconv.kernels.patch_gemm import patch_gemm_forward
 
         y = result_buffer(p, t.input, out)
-        wm = weight_rows(t.weight, p.layout).contiguous()
-        channels_last = p.layout is Layout.CHANNELS_LAST
-        return patch_gemm_forward(t.input, wm, t.bias, p.kernel, channels_last, out=y,
+        wm = weight_rows(t.weight, column_layout(p)).contiguous()
+        return patch_gemm_forward(t.input, wm, t.bias, p.kernel, channels_last_columns(p), out=y,
                                   allow_tf32=convolutions_allow_tf32())  # fmt: skip
 
     def backward_data(
@@ -127,11 +128,10 @@ class ImplicitPatchSolver(Solver):
         from gemmconv.kernels.patch_gemm import patch_gemm_backward_data
 
         dx = result_buffer(p, t.grad_output, out)
-        zero_outside(dx, tuple(o * r for o, r in zip(p.output_spatial, p.kernel)))
-        wm = weight_rows(t.weight, p.layout).contiguous()
-        channels_last = p.layout is Layout.CHANNELS_LAST
-        return patch_gemm_backward_data(t.grad_output, wm, p.kernel, channels_last, dx,
-                                        allow_tf32=convolutions_allow_tf32())  # fmt: skip
+        zero_outside(dx, covered_extent(p))
+        wm = weight_rows(t.weight, column_layout(p)).contiguous()
+        return patch_gemm_backward_data(t.grad_output, wm, p.kernel, channels_last_columns(p),
+                                        dx, allow_tf32=convolutions_allow_tf32())  # fmt: skip
 
     def backward_weights(
         self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None
@@ -141,8 +141,7 @@ class ImplicitPatchSolver(Solver):
         x = t.input
         dw = result_buffer(p, x, out)
         splits = wgrad_splits(p.gemm_m, p.k, p.gemm_k, p.dtype, _device_programs(x.device))
-        channels_last = p.layout is Layout.CHANNELS_LAST
-        rows32 = patch_gemm_weight_grad(t.grad_output, x, p.kernel, channels_last, splits,
-                                        allow_tf32=convolutions_allow_tf32())  # fmt: skip
-        store_weight_rows(dw, rows32.to(p.dtype), p.layout)
+        rows32 = patch_gemm_weight_grad(t.grad_output, x, p.kernel, channels_last_columns(p),
+                                        splits, allow_tf32=convolutions_allow_tf32())  # fmt: skip
+        store_weight_rows(dw, rows32.to(p.dtype), column_layout(p))
         return dw

@@ -1,0 +1,201 @@
+"""The eager road: gemmconv.conv* in plain eager code, without the custom-op dispatcher.
+
+The custom ops (gemmconv.ops) are what torch.compile, torch.export, fx, jit tracing,
+torch.func transforms and dispatch modes see. In plain eager code their wrapper is
+pure cost: on the H200's host it added about 100 us per call, and argument checks,
+autocast and padding resolution another 80 us, to convolutions whose kernels run in
+tens of microseconds. Here a call is one dictionary lookup on everything those steps
+depend on (operand metadata, convolution arguments, autocast and selection state),
+then the very implementation the ops run: the forward plan directly under no_grad,
+and inside a torch.autograd.Function when a gradient is needed, whose backward calls
+the backward ops' implementations (or the custom ops themselves when the backward is
+being differentiated, so double backward keeps their autograd formulas).
+
+Anything this road does not cover (an argument that cannot be hashed, 'same' padding
+that pads the input first, a tensor subclass, a device other than cpu/cuda) takes
+the custom-op road, which checks and computes everything afresh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from gemmconv import dispatch, ops
+from gemmconv.memory_format import Layout
+from gemmconv.problem import Direction
+from gemmconv.solvers.views import bias_grad
+from gemmconv.transform_state import transforms_active
+
+
+def road_is_open(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a call may take the eager road: nothing is tracing, transforming or
+    intercepting it, and the operands are plain CPU or CUDA tensors.
+
+    Compilation is asked first: under dynamo the answer is a constant and the rest
+    is never traced."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (
+        torch._C._is_tracing()
+        or transforms_active()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._has_torch_function((input, weight, bias))
+        or not (input.is_cuda or input.is_cpu)
+    )
+
+
+class _Call:
+    """What one distinct eager call needs besides its tensors."""
+
+    __slots__ = ("plan", "unbatched", "conv_args", "input_size", "weight_size",
+                 "channels_last", "vendor_forward", "_vendor_gradients")  # fmt: skip
+
+    def __init__(self, plan: ops.Plan, unbatched: bool, conv_args: tuple, input: torch.Tensor,
+                 weight: torch.Tensor) -> None:  # fmt: skip
+        self.plan = plan
+        self.unbatched = unbatched
+        self.conv_args = conv_args  # stride, padding, dilation (lists), groups
+        self.input_size = list(input.shape)
+        self.weight_size = list(weight.shape)
+        self.channels_last = plan.problem.layout is Layout.CHANNELS_LAST
+        self.vendor_forward = plan.solver.id == "vendor"
+        self._vendor_gradients: bool | None = None
+
+    def vendor_gradients(self) -> bool:
+        """Whether both backward directions also go to the vendor. Asked only when a
+        call needs gradients, so inference never decides (or benchmarks) them."""
+        if self._vendor_gradients is None:
+            problem = dataclasses.replace(self.plan.problem, has_bias=False)
+            self._vendor_gradients = all(
+                dispatch.choose(problem.with_direction(d)).solver == "vendor"
+                for d in (Direction.BACKWARD_DATA, Direction.BACKWARD_WEIGHTS)
+            )
+        return self._vendor_gradients
+
+    def vendor_arguments(self) -> tuple:
+        """aten.convolution's arguments after input, weight and bias."""
+        stride, padding, dilation, groups = self.conv_args
+        return stride, padding, dilation, False, [0] * len(stride), groups
+
+
+# Bounded like the ops' plans; emptied by dispatch.clear_cache() with the choices.
+_CALLS_MAX = 4096
+_calls: dict[tuple, _Call | None] = dispatch.dependent_cache()
+
+
+def convolve(
+    dims: int,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: object,
+    padding: object,
+    dilation: object,
+    groups: object,
+) -> torch.Tensor | None:
+    """The convolution on the eager road, or None where the road does not cover the
+    call (the caller then takes the custom-op road). Operands are already cast as
+    autocast would (the cast is autograd's business, outside this road)."""
+    try:
+        key = (
+            dims,
+            input.shape,
+            input.stride(),
+            input.dtype,
+            input.device,
+            weight.shape,
+            weight.stride(),
+            weight.dtype,
+            weight.device,
+            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
+            stride,
+            padding,
+            dilation,
+            groups,
+            dispatch.selection_key(),
+        )
+        call = _calls[key]
+    except TypeError:  # an argument that cannot be hashed (a list): the op road
+        return None
+    except KeyError:
+        call = _new_call(dims, input, weight, bias, stride, padding, dilation, groups)
+        if len(_calls) >= _CALLS_MAX:
+            _calls.clear()
+        _calls[key] = call
+    if call is None:
+        return None
+    if call.unbatched:
+        input = input.unsqueeze(0)
+    needs_grad = torch.is_grad_enabled() and (
+        input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if call.vendor_forward and (not needs_grad or call.vendor_gradients()):
+        # Where every direction goes to the vendor (tiny problems, where one launch
+        # beats any GEMM path on host time), torch's own convolution with its own
+        # fused backward is the cheapest road to the same kernels.
+        y = torch.convolution(input, weight, bias, *call.vendor_arguments())
+    elif needs_grad:
+        y = _EagerConvolution.apply(input, weight, bias, call)
+    else:
+        y = ops.run_forward(call.plan, input, weight, bias)
+    return y.squeeze(0) if call.unbatched else y
+
+
+def _new_call(dims, input, weight, bias, stride, padding, dilation, groups) -> _Call | None:
+    """Check the arguments (raising as F.conv* would) and build the call's plan; None
+    for a call the road does not cover."""
+    from gemmconv.functional import resolve_arguments
+
+    resolved = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)
+    if resolved.input_padding:
+        return None  # 'same' with an odd total pads the input first: the op road does it
+    unbatched = input.dim() == dims + 1
+    if unbatched:
+        input = input.unsqueeze(0)
+    conv_args = (list(resolved.stride), list(resolved.padding), list(resolved.dilation), groups)
+    plan = ops.forward_plan(input, weight, bias, *conv_args)
+    return _Call(plan, unbatched, conv_args, input, weight)
+
+
+class _EagerConvolution(torch.autograd.Function):
+    """The forward plan, with the backward directions as its gradient."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, call: _Call):  # type: ignore[override]
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # Keep only what the backward reads: the input for dW, the weight for dx.
+        ctx.save_for_backward(input if need_dw else None, weight if need_dx else None)
+        ctx.call = call
+        return ops.run_forward(call.plan, input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        input, weight = ctx.saved_tensors
+        call: _Call = ctx.call
+        # Differentiating the backward (create_graph=True) needs the custom ops, whose
+        # own autograd formulas make double backward work.
+        differentiable = torch.is_grad_enabled()
+        data_op = torch.ops.gemmconv.conv_backward_data if differentiable else ops.backward_data
+        weights_op = (
+            torch.ops.gemmconv.conv_backward_weights if differentiable else ops.backward_weights
+        )
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = data_op(grad_output, weight, call.input_size, *call.conv_args, call.channels_last)
+        if ctx.needs_input_grad[1]:
+            dw = weights_op(
+                grad_output, input, call.weight_size, *call.conv_args, call.channels_last
+            )
+        if ctx.needs_input_grad[2]:
+            db = bias_grad(grad_output, out_channels=call.weight_size[0])
+        return dx, dw, db, None
+
+
+def clear() -> None:
+    """Forget every eager call (dispatch.clear_cache() does this too)."""
+    _calls.clear()
+
+
+__all__ = ["clear", "convolve", "road_is_open"]

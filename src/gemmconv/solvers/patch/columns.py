@@ -1,0 +1,168 @@
+"""Column sources: where a patch solver's column matrix comes from, and how the column
+gradient goes back into dx.
+
+A source makes the [rows, ld] column matrix of x (ld >= Kred, the columns beyond Kred
+zeros), writes the first Kred columns of a column gradient back into dx's patch
+positions, and says what that costs:
+
+- ViewColumns: x's own memory where it already is the column matrix (point-output,
+  nothing cropped), else torch's copy through the permuted patch view; never padded.
+  Backward-data writes the GEMM's result straight into dx where dx's memory allows.
+- TorchCopyColumns: always an explicit buffer (padded where the solver pads), filled
+  by torch's copy through the permuted view.
+- TritonCopyColumns: the same buffer filled by one Triton pass
+  (kernels/patch_permute.py), the padding written in the same pass; point-output rows
+  are copied as whole rows in 8-byte words.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gemmconv.memory_format import Layout
+from gemmconv.problem import ConvProblem, Direction
+from gemmconv.solvers.patch.cost import gathered_run_bytes, torch_permute_slowdown
+from gemmconv.solvers.patch.mapping import (
+    VECTOR_BYTES,
+    channels_last_columns,
+    column_layout,
+    patches,
+    patches_are_views,
+)
+from gemmconv.solvers.views import try_view
+
+# The Triton permutation pass (kernels/patch_permute.py) against a plain copy: the
+# strided side is read in short runs (R elements), so allow a quarter more time.
+TRITON_PERMUTE_SLOWDOWN = 1.25
+# Its scatter (backward-data), when the contiguous run of a patch row is not a whole
+# number of 16-byte vectors, stores element by element. On an H200
+# (bench/results/h200.json, torch 2.11) it moved about 280 GB/s in the channels-first
+# column order, 15x behind a plain copy (point 2D/3D and ConvNeXt downsample
+# backward-data rows), and about 1 TB/s in the channels-last one, 4x (point 2D,
+# 84-byte runs); fitted to those rows.
+TRITON_UNALIGNED_SCATTER_SLOWDOWN = {Layout.CHANNELS_FIRST: 15.0, Layout.CHANNELS_LAST: 4.0}
+# Point-output rows copied as 8-byte words (pad_rows): 22.4 MB in 11 us on an H200,
+# about 2 TB/s against 4.2 for a plain copy (bench/results/h200_levers_layouts_run1.json).
+WORD_COPY_SLOWDOWN = 2.0
+
+
+class ColumnSource:
+    # Kernel launches of the gather or the scatter, beyond the GEMM's.
+    launches = 1
+
+    def buffer_bytes(self, p: ConvProblem, ld: int) -> int:
+        """Bytes of the column buffer it allocates for the whole problem."""
+        return p.gemm_m * ld * p.element_size
+
+    def slowdown(self, p: ConvProblem) -> float:
+        """Time per byte of its gather or scatter, relative to a plain device copy."""
+        raise NotImplementedError
+
+    def gather(
+        self, x: torch.Tensor, p: ConvProblem, ld: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The column matrix [rows, ld] of ``x`` (all samples or a slice of them), in
+        ``out`` when given."""
+        raise NotImplementedError
+
+    def scatter(self, dcol: torch.Tensor, p: ConvProblem, dx: torch.Tensor) -> None:
+        """Write the first Kred columns of ``dcol`` [rows, ld] into dx's patch positions."""
+        raise NotImplementedError
+
+    def in_place_target(self, dx: torch.Tensor, p: ConvProblem, ld: int) -> torch.Tensor | None:
+        """dx's patch positions as [M, ld] when a GEMM can write them directly."""
+        return None
+
+
+class TorchCopyColumns(ColumnSource):
+    def slowdown(self, p: ConvProblem) -> float:
+        return torch_permute_slowdown(p.device_type)
+
+    def gather(
+        self, x: torch.Tensor, p: ConvProblem, ld: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        col = _buffer(x, p, ld, out)
+        if ld > p.gemm_k:
+            col[:, p.gemm_k :].zero_()
+        source = patches(x, p)
+        col[:, : p.gemm_k].view(source.shape).copy_(source)
+        return col
+
+    def scatter(self, dcol: torch.Tensor, p: ConvProblem, dx: torch.Tensor) -> None:
+        target = patches(dx, p)
+        target.copy_(dcol[:, : p.gemm_k].view(target.shape))
+
+
+class ViewColumns(TorchCopyColumns):
+    # Costed as the GEMM's launch alone: where the view needs a copy, its bytes are
+    # counted (copied_bytes) but not its launch, as the immediate picks were tuned.
+    launches = 0
+
+    def buffer_bytes(self, p: ConvProblem, ld: int) -> int:
+        return 0 if patches_are_views(p) else super().buffer_bytes(p, ld)
+
+    def gather(
+        self, x: torch.Tensor, p: ConvProblem, ld: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if out is not None or ld != p.gemm_k:
+            return super().gather(x, p, ld, out)
+        return patches(x, p).reshape(-1, p.gemm_k)  # a view where x's memory allows
+
+    def in_place_target(self, dx: torch.Tensor, p: ConvProblem, ld: int) -> torch.Tensor | None:
+        if ld != p.gemm_k:
+            return None
+        return try_view(patches(dx, p), p.gemm_m, p.gemm_k)
+
+
+class TritonCopyColumns(ColumnSource):
+    def slowdown(self, p: ConvProblem) -> float:
+        if patches_are_views(p):
+            return WORD_COPY_SLOWDOWN
+        if p.direction is Direction.BACKWARD_DATA and gathered_run_bytes(p) % VECTOR_BYTES:
+            return TRITON_UNALIGNED_SCATTER_SLOWDOWN[column_layout(p)]
+        return TRITON_PERMUTE_SLOWDOWN
+
+    def gather(
+        self, x: torch.Tensor, p: ConvProblem, ld: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        from gemmconv.kernels.patch_permute import gather_patches
+        from gemmconv.kernels.strided_copy import pad_rows
+
+        col = _buffer(x, p, ld, out)
+        x_rows = _whole_sample_rows(x, p)
+        if x_rows is not None:
+            # Point-output: every row of col is a whole row of x. Copied in 8-byte words
+            # (a 588-element bf16 row is 147 of them) instead of 2-byte patch runs.
+            return pad_rows(col, x_rows)
+        return gather_patches(x, p.output_spatial, p.kernel, channels_last_columns(p), out=col)
+
+    def scatter(self, dcol: torch.Tensor, p: ConvProblem, dx: torch.Tensor) -> None:
+        from gemmconv.kernels.patch_permute import scatter_patches
+        from gemmconv.kernels.strided_copy import pad_rows
+
+        dx_rows = _whole_sample_rows(dx, p)
+        if dx_rows is not None:
+            pad_rows(dx_rows, dcol[:, : p.gemm_k])
+            return
+        scatter_patches(dcol, p.output_spatial, p.kernel, channels_last_columns(p), dx)
+
+
+def _buffer(x: torch.Tensor, p: ConvProblem, ld: int, out: torch.Tensor | None) -> torch.Tensor:
+    if out is not None:
+        return out
+    return x.new_empty(x.shape[0] * math.prod(p.output_spatial), ld)
+
+
+def _whole_sample_rows(t: torch.Tensor, p: ConvProblem) -> torch.Tensor | None:
+    """``t`` as its column matrix [N, Kred] without a copy, where patches are whole
+    samples (point-output, nothing cropped)."""
+    if not patches_are_views(p):
+        return None
+    return try_view(patches(t, p), t.shape[0], p.gemm_k)
+
+
+VIEW_COLUMNS = ViewColumns()
+TORCH_COPY_COLUMNS = TorchCopyColumns()
+TRITON_COPY_COLUMNS = TritonCopyColumns()

@@ -1,0 +1,147 @@
+"""The eager road (gemmconv.eager): plain eager calls skip the custom-op dispatcher and
+get the same answers; anything that traces, transforms or intercepts takes the ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gemmconv
+from gemmconv import eager
+
+from conftest import GemmconvOpLog
+
+# jit.trace warns about the argument checks' Python comparisons of traced sizes.
+pytestmark = pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+
+
+def _operands(seed: int, channels_last: bool = False, bias: bool = True):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(3, 4, 12, 12, generator=gen, dtype=torch.float64) * 2 - 1
+    w = torch.rand(6, 4, 3, 3, generator=gen, dtype=torch.float64) * 2 - 1
+    b = torch.rand(6, generator=gen, dtype=torch.float64) * 2 - 1 if bias else None
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    return x, w, b
+
+
+def _grads(conv, x, w, b, **kw):
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    b = None if b is None else b.detach().requires_grad_()
+    y = conv(x, w, b, **kw)
+    dy = torch.rand(y.shape, generator=torch.Generator().manual_seed(7), dtype=y.dtype)
+    leaves = [t for t in (x, w, b) if t is not None]
+    return y, torch.autograd.grad(y, leaves, dy)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["cf", "cl"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize(
+    "kw", [{"stride": 3}, {"stride": 1}, {"stride": 2, "padding": 1}], ids=["patch", "s1", "pad"]
+)
+def test_eager_road_matches_torch_in_every_direction(channels_last, bias, kw):
+    x, w, b = _operands(1, channels_last, bias)
+    if kw == {"stride": 1}:
+        w = w[:, :, :1, :1].contiguous()  # a 1x1: the pointwise solver
+    eager.clear()
+    y, grads = _grads(gemmconv.conv2d, x, w, b, **kw)
+    assert eager._calls, "the call did not take the eager road"
+    y_ref, grads_ref = _grads(F.conv2d, x, w, b, **kw)
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    assert y.stride() == y_ref.stride()
+    for got, want in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_second_call_reuses_the_first_calls_plan(monkeypatch):
+    x, w, b = _operands(2)
+    gemmconv.conv2d(x, w, b, stride=3)
+    built = []
+    original = eager._new_call
+    monkeypatch.setattr(eager, "_new_call", lambda *a: built.append(a) or original(*a))
+    for seed in (3, 4):
+        x2, w2, b2 = _operands(seed)
+        y = gemmconv.conv2d(x2, w2, b2, stride=3)
+        torch.testing.assert_close(y, F.conv2d(x2, w2, b2, stride=3), rtol=1e-12, atol=1e-12)
+    assert built == []
+    gemmconv.conv2d(x.to(memory_format=torch.channels_last), w, b, stride=3)
+    assert len(built) == 1  # other strides: another plan
+
+
+def test_calls_the_road_does_not_cover_take_the_ops_and_agree():
+    x, w, b = _operands(5)
+    eager.clear()
+    # A list argument (unhashable) and 'same' with an even kernel (pads the input first).
+    for kw in ({"stride": [3, 3]}, {"padding": "same"}):
+        weight = w if "stride" in kw else w[:, :, :2, :2].contiguous()
+        y, grads = _grads(gemmconv.conv2d, x, weight, b, **kw)
+        y_ref, grads_ref = _grads(F.conv2d, x, weight, b, **kw)
+        torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+        for got, want in zip(grads, grads_ref, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert all(call is None for call in eager._calls.values())
+
+
+def test_a_dispatch_mode_sees_the_custom_ops():
+    x, w, b = _operands(6)
+    gemmconv.conv2d(x, w, b, stride=3)  # the eager road first, then under a mode
+    x.requires_grad_()
+    with GemmconvOpLog() as log:
+        gemmconv.conv2d(x, w, b, stride=3).sum().backward()
+    assert log.calls == ["conv_forward", "conv_backward_data"]
+
+
+def test_tracing_takes_the_ops():
+    x, w, b = _operands(7)
+
+    def f(x):
+        return gemmconv.conv2d(x, w, b, stride=3)
+
+    traced = torch.jit.trace(f, (x,), check_trace=False)
+    assert "gemmconv::conv_forward" in str(traced.graph)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f)(x)
+    assert "gemmconv.conv_forward" in gm.code
+
+
+def test_forward_mode_and_meta_tensors_close_the_road():
+    x, w, b = _operands(8)
+    with torch.autograd.forward_ad.dual_level():
+        assert not eager.road_is_open(x, w, b)
+    meta = x.to("meta")
+    assert not eager.road_is_open(meta, w.to("meta"), None)
+    y = gemmconv.conv2d(meta, w.to("meta"), None, stride=3)
+    assert y.device.type == "meta" and y.shape == (3, 6, 4, 4)
+
+
+def test_errors_on_the_eager_road_are_torchs():
+    x, w, b = _operands(9)
+    with pytest.raises(RuntimeError, match="bias of shape"):
+        gemmconv.conv2d(x, w, b[:3], stride=3)
+    with pytest.raises(TypeError, match="input is a list"):
+        gemmconv.conv2d([1.0], w, b)
+    with pytest.raises(TypeError, match="bias is a str"):
+        gemmconv.conv2d(x, w, "bias")
+
+
+def test_saved_tensors_modified_in_place_are_caught_as_by_torch():
+    x, w, b = _operands(10)
+    w = w.detach().requires_grad_()
+    xg = x.clone().requires_grad_()
+    y = gemmconv.conv2d(xg * 1.0, w, b, stride=3)
+    with torch.no_grad():
+        w.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_unbatched_and_autocast_on_the_eager_road():
+    x, w, b = _operands(11)
+    y = gemmconv.conv2d(x[0], w, b, stride=3)
+    torch.testing.assert_close(y, F.conv2d(x[0], w, b, stride=3), rtol=1e-12, atol=1e-12)
+    xf, wf, bf = x.float(), w.float(), b.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_ours = gemmconv.conv2d(xf, wf, bf, stride=3)
+        y_torch = F.conv2d(xf, wf, bf, stride=3)
+    assert y_ours.dtype == y_torch.dtype == torch.bfloat16
+    torch.testing.assert_close(y_ours.float(), y_torch.float(), rtol=2e-2, atol=2e-2)
