@@ -405,20 +405,21 @@ def test_problem_arithmetic_does_not_overflow_on_huge_sizes():
     assert problem.min_bytes() > 2**33
 
 
+@pytest.mark.parametrize("memory_format", [torch.channels_last, torch.contiguous_format],
+                         ids=["cl", "cf"])  # fmt: skip
 @pytest.mark.parametrize(
     ("channels", "out_channels"), [(147, 64), (16, 16), (5, 3)], ids=["wide", "edge", "skinny"]
 )
 def test_cpu_fp32_weight_gradient_within_twice_the_vendors_error(
-    channels, out_channels, monkeypatch
+    channels, out_channels, memory_format, monkeypatch
 ):
-    # 32768 rows of reduction through pointwise's one GEMM: wide enough results run
-    # it in fp32, the skinny one (which an fp32 GEMM sums almost sequentially: about
-    # 4x the vendor's error at this length) in fp64 (precision.py).
+    # 32768 rows of reduction through pointwise's one GEMM (channels-first operands
+    # are copied to rows for it on the CPU): wide enough results run it in fp32, the
+    # skinny one (which an fp32 GEMM sums almost sequentially: about 4x the vendor's
+    # error at this length) in fp64 (precision.py).
     monkeypatch.setenv("GEMMCONV_SOLVER", "pointwise")
     gen = torch.Generator().manual_seed(channels)
-    x = (torch.rand(2, channels, 128, 128, generator=gen) * 2 - 1).to(
-        memory_format=torch.channels_last
-    )
+    x = (torch.rand(2, channels, 128, 128, generator=gen) * 2 - 1).to(memory_format=memory_format)
     w = torch.rand(out_channels, channels, 1, 1, generator=gen) * 2 - 1
     dy = torch.rand(2, out_channels, 128, 128, generator=gen) * 2 - 1
     w.requires_grad_()
