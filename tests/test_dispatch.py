@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -578,3 +579,28 @@ def test_gpu_measured_rates_are_plausible():
     rates = measure_rates(torch.cuda.current_device())
     assert rates.matrix_tflops["bf16"] > rates.matrix_tflops["tf32"] > rates.matrix_tflops["fp32"]
     assert 100.0 < rates.bandwidth_gbs < 20_000.0
+
+
+def test_the_tf32_flag_is_part_of_the_selection_state(monkeypatch):
+    fp32 = ConvProblem.from_sizes(4, 3, 8, (8, 8), 4, stride=4, device_type="cuda")
+    bf16 = dataclasses.replace(fp32, dtype=torch.bfloat16)
+    decided = []
+    original = dispatch._decide_collectively
+    monkeypatch.setattr(
+        dispatch, "_decide_collectively", lambda *a: decided.append(a) or original(*a)
+    )
+    saved = torch.backends.cudnn.allow_tf32
+    try:
+        states, keys = [], []
+        for flag in (True, False, True):
+            torch.backends.cudnn.allow_tf32 = flag
+            states.append(dispatch.selection_state())
+            keys.append(dispatch.database_key(fp32))
+            with gemmconv.find_mode("immediate"):
+                dispatch.choose(fp32)
+            assert dispatch.database_key(bf16) == bf16.key()  # only fp32's math mode varies
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    assert [s.allow_tf32 for s in states] == [True, False, True]
+    assert keys == [f"{fp32.key()}-tf32", f"{fp32.key()}-ieee", f"{fp32.key()}-tf32"]
+    assert len(decided) == 2  # one choice per flag value, the third call a cache hit

@@ -403,3 +403,30 @@ def test_problem_arithmetic_does_not_overflow_on_huge_sizes():
     assert problem.gemm_m == 50_000 * 14 * 14
     assert problem.flops() == 2 * 50_000 * 196 * 768 * 768
     assert problem.min_bytes() > 2**33
+
+
+@pytest.mark.parametrize("memory_format", [torch.channels_last, torch.contiguous_format],
+                         ids=["cl", "cf"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("channels", "out_channels"), [(147, 64), (16, 16), (5, 3)], ids=["wide", "edge", "skinny"]
+)
+def test_cpu_fp32_weight_gradient_within_twice_the_vendors_error(
+    channels, out_channels, memory_format, monkeypatch
+):
+    # 32768 rows of reduction through pointwise's one GEMM (channels-first operands
+    # are copied to rows for it on the CPU): wide enough results run it in fp32, the
+    # skinny one (which an fp32 GEMM sums almost sequentially: about 4x the vendor's
+    # error at this length) in fp64 (precision.py).
+    monkeypatch.setenv("GEMMCONV_SOLVER", "pointwise")
+    gen = torch.Generator().manual_seed(channels)
+    x = (torch.rand(2, channels, 128, 128, generator=gen) * 2 - 1).to(memory_format=memory_format)
+    w = torch.rand(out_channels, channels, 1, 1, generator=gen) * 2 - 1
+    dy = torch.rand(2, out_channels, 128, 128, generator=gen) * 2 - 1
+    w.requires_grad_()
+    (ours,) = torch.autograd.grad(gemmconv.conv2d(x, w), w, dy)
+    (vendor,) = torch.autograd.grad(F.conv2d(x, w), w, dy)
+    x64, w64 = x.double(), w.detach().double().requires_grad_()
+    (ref,) = torch.autograd.grad(F.conv2d(x64, w64), w64, dy.double())
+    ours_error, vendor_error = rms_range(ours, ref), rms_range(vendor, ref)
+    assert torch.isfinite(ours).all()
+    assert ours_error <= max(2 * vendor_error, 2.0**-24), (ours_error, vendor_error)

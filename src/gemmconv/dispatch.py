@@ -39,11 +39,13 @@ import os
 import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
 from gemmconv.device_rates import DeviceRates
 from gemmconv.explanation import Explanation, choice_text, slower_than
+from gemmconv.precision import convolutions_allow_tf32
 from gemmconv.problem import DIRECTIONS, ConvProblem
 from gemmconv.solvers import SOLVERS, Solver, get_solver
 from gemmconv.solvers.base import determinism_state
@@ -265,7 +267,7 @@ def _database_hit(problem: ConvProblem, estimated: Choice):
 
     identity = finddb.identity_for(problem.device_type)
     try:
-        hit = finddb.get_db().lookup(problem.key(), identity)
+        hit = finddb.get_db().lookup(database_key(problem), identity)
     except DATABASE_ERRORS as e:
         # The database must never be why a convolution fails: a file locked past its
         # timeout, a full disk or a malformed row is a miss.
@@ -301,7 +303,7 @@ def _decide_by_find(problem: ConvProblem, estimated: Choice, store: bool) -> Cho
             ]
     if store:
         record = finddb.Record(
-            problem.key(),
+            database_key(problem),
             finddb.identity_for(problem.device_type),
             result.best,
             {},
@@ -366,13 +368,24 @@ def _decide_collectively(
 
 # ---- the cached entry points ----------------------------------------------------
 
-_CacheKey = tuple[ConvProblem, FindMode, "str | None", frozenset, tuple[bool, bool]]
-_cache: dict[_CacheKey, Choice] = {}
-_lock = threading.Lock()
+
+class SelectionState(NamedTuple):
+    """Everything besides the problem that a choice depends on, parsed: the mode,
+    forced and disabled solvers, the TF32 flag convolutions follow (it changes fp32
+    estimates and fp32 winners) and the determinism state (it changes which solvers
+    may run). Choices are cached per (problem, state); ``selection_key()`` is its
+    cheap raw form for caches on the per-call path."""
+
+    mode: FindMode
+    forced: str | None
+    disabled: frozenset[str]
+    allow_tf32: bool
+    determinism: tuple[bool, bool]
 
 
-def choose(problem: ConvProblem, solver: str | None = None) -> Choice:
-    """The cached choice for ``problem`` in the current mode; ``solver`` forces one."""
+def selection_state(solver: str | None = None) -> SelectionState:
+    """The current selection state; ``solver`` forces one solver. Raises for a bad
+    setting (an unknown mode or solver id) on every call that sees it."""
     mode = current_find_mode()
     forced = forced_solver(solver)
     disabled = disabled_solvers()
@@ -381,15 +394,35 @@ def choose(problem: ConvProblem, solver: str | None = None) -> Choice:
             f"solver {forced!r} is forced and also listed in GEMMCONV_DISABLE; "
             "expected one or the other"
         )
-    key = (problem, mode, forced, disabled, determinism_state())
+    return SelectionState(mode, forced, disabled, convolutions_allow_tf32(), determinism_state())
+
+
+_cache: dict[tuple[ConvProblem, SelectionState], Choice] = {}
+_lock = threading.Lock()
+
+
+def choose(problem: ConvProblem, solver: str | None = None) -> Choice:
+    """The cached choice for ``problem`` in the current selection state; ``solver``
+    forces one."""
+    state = selection_state(solver)
+    key = (problem, state)
     choice = _cache.get(key)
     if choice is None:
-        choice = _decide_collectively(problem, mode, forced, disabled)
+        choice = _decide_collectively(problem, state.mode, state.forced, state.disabled)
         with _lock:
             _cache[key] = choice
         level = logging.INFO if choice.solver == "vendor" else logging.DEBUG
-        log.log(level, "%s [%s] -> %s", problem.key(), mode.value, choice)
+        log.log(level, "%s [%s] -> %s", problem.key(), state.mode.value, choice)
     return choice
+
+
+def database_key(problem: ConvProblem) -> str:
+    """The find-database key of ``problem``: its own key, and for an fp32 problem on
+    CUDA the math mode its convolutions run in (TF32 or full fp32), which changes the
+    winner and so must not share a row."""
+    if problem.dtype == torch.float32 and problem.device_type == "cuda":
+        return f"{problem.key()}-{'tf32' if convolutions_allow_tf32() else 'ieee'}"
+    return problem.key()
 
 
 def solver_for(problem: ConvProblem, solver: str | None = None) -> Solver:
@@ -462,15 +495,18 @@ def explain_problem(problem: ConvProblem) -> Explanation:
 __all__ = [
     "Choice",
     "FindMode",
+    "SelectionState",
     "SolverNotApplicable",
     "choose",
     "clear_cache",
     "current_find_mode",
+    "database_key",
     "decide",
     "dependent_cache",
     "explain_problem",
     "find_mode",
     "selection_key",
+    "selection_state",
     "set_find_mode",
     "solver_for",
 ]
