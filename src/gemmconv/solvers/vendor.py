@@ -23,7 +23,10 @@ VENDOR_EFFICIENCY_SMALL_PATCH = 0.33
 # Small patches channels-first: DiT-XL/2 and ConvNeXt downsample (2x2) reached 0.12-0.25
 # of the floor on an H200 in every direction (bench/results/h200.json).
 VENDOR_EFFICIENCY_SMALL_PATCH_CHANNELS_FIRST = 0.2
-VENDOR_EFFICIENCY_LARGE_PATCH = 0.1
+# Large patches (16 taps or more): cuDNN reached 0.007-0.45 of the floor over the 48
+# such rows of the H200 suite (bench/results/h200.json), 0.038 at the median (0.024
+# for the point 2D forward). The CPU's kernels were not measured per row: kept at 0.1.
+VENDOR_EFFICIENCY_LARGE_PATCH = {"cuda": 0.04, "cpu": 0.1}
 LARGE_PATCH_TAPS = 16
 
 
@@ -32,7 +35,7 @@ def vendor_efficiency(p: ConvProblem) -> float:
         return VENDOR_EFFICIENCY_POINTWISE
     if p.stride == p.kernel and not any(p.padding) and all(d == 1 for d in p.dilation):
         if math.prod(p.kernel) >= LARGE_PATCH_TAPS:
-            return VENDOR_EFFICIENCY_LARGE_PATCH
+            return VENDOR_EFFICIENCY_LARGE_PATCH.get(p.device_type, 0.1)
         if p.layout is Layout.CHANNELS_FIRST:
             return VENDOR_EFFICIENCY_SMALL_PATCH_CHANNELS_FIRST
         return VENDOR_EFFICIENCY_SMALL_PATCH
