@@ -32,19 +32,6 @@ PATCH_FAMILY = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path, monkeypatch):
-    """A private find database and no selection variables."""
-    from gemmconv import finddb
-
-    monkeypatch.setenv("GEMMCONV_DB", str(tmp_path / "find.sqlite"))
-    for name in ("GEMMCONV_FIND_MODE", "GEMMCONV_SOLVER", "GEMMCONV_DISABLE"):
-        monkeypatch.delenv(name, raising=False)
-    finddb.reset_db()
-    yield
-    finddb.reset_db()
-
-
 @pytest.fixture
 def deterministic():
     """torch.use_deterministic_algorithms(True) for the test, then as it was."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gemmconv
-from gemmconv import dispatch, finddb
+from gemmconv import dispatch, finddb, measure
 from gemmconv import find as find_module
 from gemmconv.device_rates import CPU, H200
 from gemmconv.dispatch import FindMode
@@ -22,22 +22,6 @@ from gemmconv.solvers.patch import PatchSolver
 from gemmconv.solvers.vendor import VendorSolver
 
 from h200_measurements import vendor_measured_competitive
-
-ENV = ("GEMMCONV_FIND_MODE", "GEMMCONV_SOLVER", "GEMMCONV_DISABLE", "GEMMCONV_FIND_VERIFY")
-
-
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path, monkeypatch):
-    """A private find database, no selection variables, no mode left set."""
-    monkeypatch.setenv("GEMMCONV_DB", str(tmp_path / "find.sqlite"))
-    for name in ENV:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    finddb.reset_db()
-    dispatch.set_find_mode(None)
-    yield
-    dispatch.set_find_mode(None)
-    finddb.reset_db()
 
 
 def _patch_problem(direction=Direction.FORWARD, **kw) -> ConvProblem:
@@ -246,8 +230,8 @@ def test_find_with_every_candidate_failing_is_an_error_and_stores_nothing(monkey
 
 def _fast_but_wrong(self, p, t, out):
     # Writes the right shape quickly with wrong values: only verification can tell.
-    out.copy_(torch.ones_like(out))
-    return out
+    ones = torch.ones(p.output_shape, dtype=p.dtype)
+    return ones if out is None else out.copy_(ones)
 
 
 def test_find_verify_drops_a_wrong_candidate(monkeypatch):
@@ -280,12 +264,12 @@ def test_find_does_not_store_a_search_restricted_by_disable(monkeypatch):
 
 def test_find_operands_are_random_and_in_the_problem_layout():
     problem = _patch_problem(layout=Layout.CHANNELS_LAST, direction=Direction.BACKWARD_WEIGHTS)
-    t = find_module.random_operands(problem, torch.device("cpu"))
+    t = measure.operands(problem, torch.device("cpu"))
     assert t.weight is None and t.bias is None
     for x in (t.input, t.grad_output):
         assert x.movedim(1, -1).is_contiguous()
         assert x.abs().min() > 0 or x.std() > 0.4  # uniform(-1, 1), never zeros
-    again = find_module.random_operands(problem, torch.device("cpu"))
+    again = measure.operands(problem, torch.device("cpu"))
     assert torch.equal(t.input, again.input)  # seeded
 
 

@@ -9,12 +9,11 @@ selection is the CPU table of issue 13 (ViT-B/16 at batch 8, the point problem a
 Qwen2-VL's Conv3d at 2048 patches, a ResNet 1x1); ``--quick`` runs tiny versions of
 the same problems for the tests.
 
-    gemmconv bench --api --device cpu     # writes bench/results/cpu.json and cpu.md
+    gemmconv bench --api --device cpu     # writes gemmconv-bench/cpu.json and cpu.md
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -25,14 +24,7 @@ from pathlib import Path
 
 import torch
 
-from gemmconv.api_timing import (
-    CALL_KINDS,
-    linear_applies,
-    operand_sets,
-    public_calls,
-    solvers_of,
-    time_interleaved,
-)
+from gemmconv.api_timing import CALL_KINDS, linear_applies, public_calls, solvers_of
 from gemmconv.bench import (
     DTYPES,
     LAYOUT_NAMES,
@@ -43,7 +35,10 @@ from gemmconv.bench import (
     select_named,
 )
 from gemmconv.bench_report import default_stem
+from gemmconv.measure import operand_sets
 from gemmconv.problem import Direction
+from gemmconv.timing import time_interleaved
+from gemmconv.usage import Parser, UsageError, report_usage_error
 from gemmconv.verify import rms_range, tolerance
 
 KIND_TITLES = {
@@ -107,7 +102,7 @@ def run_row(
     shape = case.tiny if quick else case.full
     p = make_problem(shape, LAYOUT_NAMES[layout_name], DTYPES[dtype_key], device, Direction.FORWARD)
     p = dataclasses.replace(p, has_bias=case.bias)
-    operands = operand_sets(p, device, seed)
+    operands = operand_sets(p, device, seed, every_operand=True)
     calls = public_calls(p, kind, operands)
     disagreement = disagreement_with_torch(calls)
     times = time_interleaved(calls, device, reps=reps)
@@ -300,8 +295,8 @@ def machine_label(device: torch.device) -> str:
     return f"{os.cpu_count()}-core CPU, {model}"
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="gemmconv bench --api", description=__doc__.split("\n")[0])
+def _parser() -> Parser:
+    ap = Parser(prog="gemmconv bench --api", description=__doc__.split("\n")[0])
     ap.add_argument("--api", action="store_true", help="this table (how `gemmconv bench` routes)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--quick", action="store_true", help="tiny problems (the tests run this)")
@@ -330,11 +325,18 @@ def _checked_list(text: str, allowed: Sequence[str], flag: str) -> list[str]:
     values = [v for v in text.split(",") if v]
     bad = [v for v in values if v not in allowed]
     if bad or not values:
-        raise SystemExit(f"--{flag}={text!r}: expected a comma list of {', '.join(allowed)}")
+        raise UsageError(f"--{flag} {text}: expected a comma list of {', '.join(allowed)}")
     return values
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except UsageError as e:
+        return report_usage_error(e, "gemmconv bench --api")
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     device = bench_device(args.device)
     kinds = _checked_list(args.kinds, CALL_KINDS, "kinds")
@@ -344,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cases = api_cases([c for c in args.cases.split(",") if c])
     except ValueError as e:
-        raise SystemExit(f"--cases: {e}") from None
+        raise UsageError(f"--cases: {e}") from None
+    if args.reps is not None and args.reps < 1:
+        raise UsageError(f"--reps {args.reps}: expected a value >= 1")
     reps = args.reps or (5 if device.type == "cpu" else 15)
     machine = args.label or machine_label(device)
     stem = args.name or (
