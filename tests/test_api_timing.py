@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 import types
 
 import pytest
@@ -20,7 +19,6 @@ from gemmconv.bench_api import main as api_main
 from gemmconv.measure import operand_sets
 from gemmconv.memory_format import Layout
 from gemmconv.problem import ConvProblem, Direction
-from gemmconv.timing import time_interleaved
 from gemmconv.verify import rms_range, tolerance
 
 CPU = torch.device("cpu")
@@ -88,54 +86,6 @@ def test_unknown_kind_is_refused_by_name():
     p = PROBLEMS["patch2d_cf"]
     with pytest.raises(ValueError, match=r"kind='bwd'.*fwd, bwd_data"):
         public_calls(p, "bwd", operand_sets(p, CPU, every_operand=True))
-
-
-def test_interleaved_blocks_rotate_and_time_back_to_back_calls():
-    log = []
-
-    def recorder(name, seconds=0.0):
-        def call():
-            log.append(name)
-            if seconds:
-                time.sleep(seconds)
-
-        return call
-
-    calls = {"a": [recorder("a", 0.004)], "b": [recorder("b0"), recorder("b1")]}
-    times = time_interleaved(calls, CPU, reps=3, warmup=1, calls_per_rep=2)
-    # Warm-up: one pass over each implementation's operand sets; then per repetition a
-    # block of 2 calls per implementation, the order rotating, the sets alternating.
-    assert log == ["a", "b0", "b1"] + ["a", "a", "b0", "b1"] + ["b0", "b1", "a", "a"] + [
-        "a", "a", "b0", "b1"
-    ]  # fmt: skip
-    assert times["a"].reps == 3 and times["b"].reps == 3
-    assert 4.0 <= times["a"].median_ms < 40.0  # the sleep, per call, not per block
-    assert times["b"].median_ms < times["a"].median_ms
-
-
-def test_calls_per_block_follows_the_call_time():
-    counts = {"no-op": 0, "slow": 0}
-
-    def no_op():
-        counts["no-op"] += 1
-
-    def slow():
-        counts["slow"] += 1
-        time.sleep(0.03)
-
-    time_interleaved({"no-op": [no_op], "slow": [slow]}, CPU, reps=1, warmup=0)
-    # One sizing call each, then a block of about 20 ms: one slow call, and as many
-    # no-op calls as the bound allows (100).
-    assert counts == {"no-op": 1 + 100, "slow": 1 + 1}
-
-
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [({"reps": 0}, "reps=0: expected at least 1"), ({"reps": 1, "warmup": -1}, "warmup=-1")],
-)
-def test_timing_arguments_are_checked(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        time_interleaved({"a": [lambda: None]}, CPU, **kwargs)
 
 
 def test_api_times_gives_the_suite_columns():
