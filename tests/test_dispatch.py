@@ -504,34 +504,3 @@ def test_rank_zero_decides_for_every_rank(tmp_path):
     assert s0 == local0 == "patch"
     assert local1 != "patch"  # what rank 1 would have run on its own
     assert s1 == s0 and src1 == "rank 0"
-
-
-# ---- peak rates of a device not in the table -------------------------------------------
-
-
-def test_unknown_device_is_measured_once_and_its_rates_kept_in_the_database(monkeypatch):
-    from gemmconv import device_rates
-
-    identity = finddb.Identity("Future GPU", "12.0", torch.__version__, gemmconv.__version__)
-    measured = device_rates.DeviceRates("Future GPU", {"bf16": 1000.0, "fp32": 60.0}, 6000.0, 3.0)
-    calls = []
-
-    def fake_measure(index):
-        calls.append(index)
-        return measured
-
-    monkeypatch.setattr(finddb, "identity_for", lambda device_type, index=None: identity)
-    monkeypatch.setattr(device_rates, "measure_rates", fake_measure)
-    assert device_rates._stored_or_measured(0) == measured
-    assert device_rates._stored_or_measured(0) == measured  # the second comes from the db
-    assert calls == [0]
-    assert finddb.get_db().lookup_rates(identity)["bandwidth_gbs"] == 6000.0
-
-
-@pytest.mark.gpu
-def test_gpu_measured_rates_are_plausible():
-    from gemmconv.device_rates import measure_rates
-
-    rates = measure_rates(torch.cuda.current_device())
-    assert rates.matrix_tflops["bf16"] > rates.matrix_tflops["tf32"] > rates.matrix_tflops["fp32"]
-    assert 100.0 < rates.bandwidth_gbs < 20_000.0

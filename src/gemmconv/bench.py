@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from gemmconv import dispatch
+from gemmconv import device_rates, dispatch
 from gemmconv.linear_rewrite import rewrite_fn
 from gemmconv.long_run import Calls, cpu_seconds, long_run_warning
 from gemmconv.measure import (
@@ -147,6 +147,8 @@ def select_named(items: Sequence, names: Sequence[str] | None, argument: str) ->
 
 @dataclasses.dataclass(frozen=True)
 class MeasuredRates:
+    """The device's peak rates measured in the run (gemmconv.measure.peak_rates)."""
+
     matrix_tflops: dict[str, float]  # "bf16", "fp16", "fp32" (TF32 off)
     bandwidth_gbs: float
 
@@ -169,16 +171,6 @@ def math_mode(dtype: torch.dtype, device_type: str) -> Iterator[None]:
             yield
     finally:
         torch.backends.cudnn.allow_tf32 = saved
-
-
-def measure_rates(
-    device: torch.device, dtypes: Sequence[str], quick: bool, timing: dict
-) -> MeasuredRates:
-    """The peak matrix rate of each row dtype (fp32 with TF32 off) and the copy
-    bandwidth, measured in this run (gemmconv.measure.peak_rates)."""
-    policy = TimingPolicy(warmup=timing["warmup"], reps=timing["reps"])
-    tflops, bandwidth = peak_rates(device, dtypes, policy, quick=quick)
-    return MeasuredRates(matrix_tflops=tflops, bandwidth_gbs=bandwidth)
 
 
 # ---- operands ----------------------------------------------------------------
@@ -399,7 +391,10 @@ def run_suite(
     started = time.time()
     plan = suite_plan(cases, layouts, directions, dtypes)
     row_dtypes = sorted({dtype_key for _, dtype_key, _, _ in plan}, key=list(DTYPES).index)
-    rates = measure_rates(device, row_dtypes, quick, timing)
+    tflops, bandwidth = peak_rates(
+        device, row_dtypes, TimingPolicy(timing["warmup"], timing["reps"]), quick=quick
+    )
+    rates = MeasuredRates(matrix_tflops=tflops, bandwidth_gbs=bandwidth)
     log(
         "rates: "
         + ", ".join(f"{k} {rate_text(v)}" for k, v in rates.matrix_tflops.items())
@@ -581,6 +576,7 @@ def _main(argv: list[str] | None) -> int:
     device = bench_device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device.index or 0)
+    device_rates.prepare(device.type)  # the immediate picks are estimated with its rates
     cases = _pick(args.cases, {c.name: c for c in SUITE}, "cases") or list(SUITE)
     layouts = _pick(args.layouts, LAYOUT_NAMES, "layouts")
     directions = _pick(args.directions, DIRECTION_NAMES, "directions")

@@ -494,11 +494,12 @@ def _check_solver_id(solver_id: str) -> None:
 
 
 def cmd_solvers(args) -> int:
-    from gemmconv import dispatch
+    from gemmconv import device_rates, dispatch
     from gemmconv.solvers import SOLVERS
 
     device = _device(args)
     base = problem_from_args(args, device)
+    device_rates.prepare(device.type)
     rows = []
     for direction in _directions(args.forw):
         problem = base.with_direction(direction)

@@ -41,6 +41,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from gemmconv import device_rates
 from gemmconv.device_rates import DeviceRates
 from gemmconv.explanation import Explanation, choice_text, slower_than
 from gemmconv.finddb import DATABASE_ERRORS
@@ -371,6 +372,9 @@ def choose(problem: ConvProblem, solver: str | None = None) -> Choice:
     key = (problem, mode, forced, disabled, determinism_state())
     choice = _cache.get(key)
     if choice is None:
+        # A device the cost table does not know is calibrated here, before selection,
+        # so that estimating stays pure.
+        device_rates.prepare(problem.device_type)
         choice = _decide_collectively(problem, mode, forced, disabled)
         with _lock:
             _cache[key] = choice

@@ -8,35 +8,27 @@ import math
 
 import torch
 
+from gemmconv.device_rates import DeviceRates, rates_for
 from gemmconv.memory_format import Layout
 from gemmconv.problem import ConvProblem
 from gemmconv.solvers.base import ConvTensors, Solver
 
-# The fraction of the GEMM floor the vendor's general kernels reach, by problem class
-# (measured on an H200, DESIGN.md §7: 1x1 NHWC at the floor; patch embeddings with
-# 14x14 and 16x16 kernels 20-25x off it; small patches and other kernels unmeasured,
-# so in between). The estimate only has to rank the vendor behind a real GEMM where
-# one exists; find measures the truth.
-VENDOR_EFFICIENCY = 0.5
-VENDOR_EFFICIENCY_POINTWISE = 0.8
-VENDOR_EFFICIENCY_SMALL_PATCH = 0.33
-# Small patches channels-first: DiT-XL/2 and ConvNeXt downsample (2x2) reached 0.12-0.25
-# of the floor on an H200 in every direction (bench/results/h200.json).
-VENDOR_EFFICIENCY_SMALL_PATCH_CHANNELS_FIRST = 0.2
-VENDOR_EFFICIENCY_LARGE_PATCH = 0.1
+# Patch embeddings with at least this many kernel taps are "large" in the cost table.
 LARGE_PATCH_TAPS = 16
 
 
-def vendor_efficiency(p: ConvProblem) -> float:
+def vendor_efficiency(p: ConvProblem, rates: DeviceRates) -> float:
+    """The fraction of the GEMM floor the vendor's general kernels reach on ``p``: the
+    device's fitted factor for the problem's class (device_rates.FACTORS)."""
     if all(r == 1 for r in p.kernel):
-        return VENDOR_EFFICIENCY_POINTWISE
+        return rates.factor("vendor_pointwise")
     if p.stride == p.kernel and not any(p.padding) and all(d == 1 for d in p.dilation):
         if math.prod(p.kernel) >= LARGE_PATCH_TAPS:
-            return VENDOR_EFFICIENCY_LARGE_PATCH
+            return rates.factor("vendor_large_patch")
         if p.layout is Layout.CHANNELS_FIRST:
-            return VENDOR_EFFICIENCY_SMALL_PATCH_CHANNELS_FIRST
-        return VENDOR_EFFICIENCY_SMALL_PATCH
-    return VENDOR_EFFICIENCY
+            return rates.factor("vendor_small_patch_channels_first")
+        return rates.factor("vendor_small_patch")
+    return rates.factor("vendor_other")
 
 
 class VendorSolver(Solver):
@@ -47,8 +39,9 @@ class VendorSolver(Solver):
     # torch.use_deterministic_algorithms, as F.conv* does.
     uses_cublas = False
 
-    def estimate_ms(self, problem: ConvProblem, rates=None) -> float:
-        return super().estimate_ms(problem, rates) / vendor_efficiency(problem)
+    def estimate_ms(self, problem: ConvProblem, rates: DeviceRates | None = None) -> float:
+        rates = rates or rates_for(problem.device_type)
+        return super().estimate_ms(problem, rates) / vendor_efficiency(problem, rates)
 
     def gemm_is_aligned(self, problem: ConvProblem) -> bool:
         return True
