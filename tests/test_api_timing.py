@@ -130,7 +130,7 @@ def test_quick_table_writes_every_row_with_same_run_ratios(quick_table):
         "QUICK" in text
         and "| ViT-B/16 patch embed, 2x3x32x32 -> 16, k=s=16 | cf | forward |" in text
     )
-    assert "Target (issue 13): every row >= 0.95 x torch" in text
+    assert "Target: every row >= 0.95 x torch" in text
 
 
 @pytest.mark.parametrize(

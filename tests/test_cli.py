@@ -650,7 +650,8 @@ def test_demo_on_the_gpu_is_fast_and_verified(capsys):
         assert d["speedup"] > 1.0, d
 
 
-# The benchmark suite (issue 5) as driver flag lines, both layouts, every direction.
+# The benchmark suite (gemmconv.bench.SUITE) as driver flag lines, both layouts, every
+# direction.
 SUITE_LINES = [
     "-n 9500 -c 3 -H 14 -W 14 -k 1280 -y 14 -x 14 -u 14 -v 14 --dtype bf16",
     "-n 9500 -c 3 --in-d 2 -H 14 -W 14 -k 1280 --fil-d 2 -y 14 -x 14 --stride-d 2 -u 14 -v 14"
@@ -681,7 +682,7 @@ def _suite_file(tmp_path) -> Path:
 
 @pytest.mark.gpu
 def test_gpu_immediate_is_within_10_percent_of_find_on_the_suite(capsys, tmp_path):
-    """Issue 5's target for the cost model, measured live: on every suite row, the
+    """The cost model's target, measured live: on every suite row, the
     solver immediate mode picks runs within 10% of find's winner, except the rows the
     offline fit records as still missing it (h200_measurements.STILL_OFF). Prints how
     often immediate agrees with find (set GEMMCONV_AGREEMENT_OUT to keep the JSON)."""

@@ -384,7 +384,8 @@ def test_convolution_runs_the_found_solver_and_is_correct(monkeypatch):
 
 # ---- the cost model on the benchmark suite ---------------------------------------------
 
-# The benchmark suite's cases (issue 5): (name, N, C, spatial, K, kernel = stride, dtype).
+# The benchmark suite's cases (gemmconv.bench.SUITE): (name, N, C, spatial, K, kernel =
+# stride, dtype).
 SUITE = [
     ("point 2D", 9500, 3, (14, 14), 1280, (14, 14), torch.bfloat16),
     ("point 3D", 9500, 3, (2, 14, 14), 1280, (2, 14, 14), torch.bfloat16),

@@ -1,5 +1,5 @@
 """The PyTorch integration on CUDA: the model zoo converted in bf16 against the
-unconverted model (forward and every gradient, DESIGN §5's twice-the-vendor rule
+unconverted model (forward and every gradient, gemmconv.verify's twice-the-vendor rule
 against float64), a converted ViT trained with AdamW under autocast, opcheck on CUDA,
 inductor-compiled patch embeds, and a timing of patch-embed forward+backward before
 and after conversion, written to $GEMMCONV_RESULTS_DIR (bench/results for the

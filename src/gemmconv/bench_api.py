@@ -5,7 +5,7 @@ torch's F.conv*, the reshape + F.linear rewrite and gemmconv's public call are t
 side by side as gemmconv.api_timing describes (back-to-back calls, no head start,
 interleaved, median), with gemmconv's default selection. Ratios are torch_ms /
 gemmconv_ms and linear_ms / gemmconv_ms: above 1 gemmconv is faster. The default
-selection is the CPU table of issue 13 (ViT-B/16 at batch 8, the point problem at 950,
+selection is the CPU table (ViT-B/16 at batch 8, the point problem at 950,
 Qwen2-VL's Conv3d at 2048 patches, a ResNet 1x1); ``--quick`` runs tiny versions of
 the same problems for the tests.
 
@@ -49,7 +49,7 @@ KIND_TITLES = {
     "fwd_wgrad": "forward+weight-gradient",
 }
 DEFAULT_KINDS = ("fwd", "fwd_bwd", "bwd_weights")
-# Issue 13's CPU target: every row at least this fast as torch and as the rewrite.
+# The CPU target: every row at least this fast as torch and as the rewrite.
 NOT_SLOWER = 0.95
 # Implementations agree when their results are within this many of the dtype's
 # tolerances of torch's (each differs from the exact result by up to one tolerance).
@@ -219,7 +219,7 @@ def _solver_text(r: dict) -> str:
 
 
 def slower_rows(results: dict) -> list[str]:
-    """Rows under NOT_SLOWER x torch or x the rewrite (issue 13's CPU target)."""
+    """Rows under NOT_SLOWER x torch or x the rewrite (the CPU target)."""
     return [
         f"{r['case']}/{r['layout']}/{r['kind']}"
         for r in results["rows"]
@@ -258,7 +258,7 @@ def markdown(results: dict) -> str:
     slower = slower_rows(results)
     lines += [
         "",
-        f"Target (issue 13): every row >= {NOT_SLOWER} x torch and >= {NOT_SLOWER} x linear. "
+        f"Target: every row >= {NOT_SLOWER} x torch and >= {NOT_SLOWER} x linear. "
         f"Rows below it: {len(slower)} of {len(results['rows'])}"
         + (f" ({', '.join(slower)})" if slower else ""),
     ]

@@ -43,7 +43,7 @@ from gemmconv.e2e_scenarios import (
 from gemmconv.usage import Parser, UsageError, report_usage_error
 from gemmconv.verify import rms_range
 
-# Issue 13's targets on the better of the two converted variants.
+# The end-to-end targets, on the better of the two converted variants.
 NOT_SLOWER_THAN_LINEAR = 1.005  # the noise of a median of 20 steps
 NOT_SLOWER_THAN_TORCH = 1.01
 MUST_BEAT_TORCH = frozenset({

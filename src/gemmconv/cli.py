@@ -66,7 +66,7 @@ CONV_DEFAULTS = {
     "batch": 100, "in_channels": 3, "in_h": 32, "in_w": 32, "out_channels": 32,
     "fil_h": 3, "fil_w": 3, "iterations": 10,
 }  # fmt: skip
-# The headline case: a point-output patch embedding (DESIGN.md §7).
+# The headline case: a point-output patch embedding (the suite's point2d case).
 DEMO_DEFAULTS = {
     "batch": 9500, "in_channels": 3, "in_h": 14, "in_w": 14, "out_channels": 1280,
     "fil_h": 14, "fil_w": 14, "stride_h": 14, "stride_w": 14, "iterations": 100,
