@@ -57,7 +57,7 @@ from gemmconv.problem import ConvProblem, Direction, dtype_name
 from gemmconv.progress import progress_bar
 from gemmconv.solvers import SOLVERS, ConvTensors, get_solver
 from gemmconv.timing import time_ms
-from gemmconv.usage import Parser, UsageError, report_usage_error
+from gemmconv.usage import Parser, UsageError, reports_usage_errors
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAYOUT_NAMES = {"cf": Layout.CHANNELS_FIRST, "cl": Layout.CHANNELS_LAST}
@@ -561,14 +561,8 @@ def _foreseen_cpu_seconds(plan: Plan, quick: bool, timing: dict) -> float:
     return seconds
 
 
+@reports_usage_errors("gemmconv bench")
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return _main(argv)
-    except UsageError as e:
-        return report_usage_error(e, "gemmconv bench")
-
-
-def _main(argv: list[str] | None) -> int:
     from gemmconv.bench_report import default_stem, write_results
 
     args = _parser().parse_args(argv)

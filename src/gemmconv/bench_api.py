@@ -38,7 +38,7 @@ from gemmconv.bench_report import default_stem
 from gemmconv.measure import operand_sets
 from gemmconv.problem import Direction
 from gemmconv.timing import time_interleaved
-from gemmconv.usage import Parser, UsageError, report_usage_error
+from gemmconv.usage import Parser, UsageError, reports_usage_errors
 from gemmconv.verify import rms_range, tolerance
 
 KIND_TITLES = {
@@ -329,14 +329,8 @@ def _checked_list(text: str, allowed: Sequence[str], flag: str) -> list[str]:
     return values
 
 
+@reports_usage_errors("gemmconv bench --api")
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return _main(argv)
-    except UsageError as e:
-        return report_usage_error(e, "gemmconv bench --api")
-
-
-def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     device = bench_device(args.device)
     kinds = _checked_list(args.kinds, CALL_KINDS, "kinds")

@@ -40,7 +40,7 @@ from gemmconv.e2e_scenarios import (
     prepare_variant,
     scenarios,
 )
-from gemmconv.usage import Parser, UsageError, report_usage_error
+from gemmconv.usage import Parser, UsageError, reports_usage_errors
 from gemmconv.verify import rms_range
 
 # The end-to-end targets, on the better of the two converted variants.
@@ -373,14 +373,8 @@ def _parser() -> Parser:
     return ap
 
 
+@reports_usage_errors("gemmconv bench --models")
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return _main(argv)
-    except UsageError as e:
-        return report_usage_error(e, "gemmconv bench --models")
-
-
-def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     device = bench_device(args.device)
     for flag, value in (("--steps", args.steps), ("--warmup", args.warmup)):

@@ -56,21 +56,23 @@ class VendorSolver(Solver):
     def backward_data(
         self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None
     ) -> torch.Tensor:
-        # convolution_backward reads the input only for its shape (as torch.nn.grad does).
-        x_like = t.input if t.input is not None else _placeholder(t.grad_output, p.input_shape)
-        dx, _, _ = torch.ops.aten.convolution_backward(
-            t.grad_output, x_like, t.weight, None, *self._args(p), [True, False, False]
-        )
-        return _deliver(dx, out)
+        return _deliver(self._backward(p, t, input_grad=True), out)
 
     def backward_weights(
         self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None
     ) -> torch.Tensor:
-        w_like = t.weight if t.weight is not None else _placeholder(t.grad_output, p.weight_shape)
-        _, dw, _ = torch.ops.aten.convolution_backward(
-            t.grad_output, t.input, w_like, None, *self._args(p), [False, True, False]
+        return _deliver(self._backward(p, t, input_grad=False), out)
+
+    def _backward(self, p: ConvProblem, t: ConvTensors, input_grad: bool) -> torch.Tensor:
+        # convolution_backward reads the operand whose gradient it computes only for its
+        # shape (as torch.nn.grad does), so a direction's absent operand is a placeholder.
+        x = t.input if t.input is not None else _placeholder(t.grad_output, p.input_shape)
+        w = t.weight if t.weight is not None else _placeholder(t.grad_output, p.weight_shape)
+        mask = [input_grad, not input_grad, False]
+        dx, dw, _ = torch.ops.aten.convolution_backward(
+            t.grad_output, x, w, None, *self._args(p), mask
         )
-        return _deliver(dw, out)
+        return dx if input_grad else dw
 
 
 def _placeholder(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
