@@ -68,6 +68,9 @@ def test_conv_json_is_complete_and_consistent(capsys):
         assert d["time_ms"] > 0 and d["vendor_ms"] > 0
         assert d["speedup"] == pytest.approx(d["vendor_ms"] / d["time_ms"])
         assert d["tflops"] > 0 and d["gbs"] > 0
+        # On the CPU a call's time and its device time are one measurement.
+        assert (d["device_ms"], d["vendor_device_ms"]) == (d["time_ms"], d["vendor_ms"])
+        assert d["reps"] == 2
 
 
 @pytest.mark.parametrize(
@@ -491,6 +494,7 @@ def test_tune_finds_every_problem_of_a_file(capsys, tmp_path):
     for r in results:
         assert r["solver"] == min(r["times_ms"], key=r["times_ms"].__getitem__)
         assert r["time_ms"] == min(r["times_ms"].values())
+        assert r["device_times_ms"] == r["times_ms"]  # one measurement on the CPU
     assert [r["problem"].rsplit("-", 2)[-2] for r in results] == [
         "forward",
         "forward",

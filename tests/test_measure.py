@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -171,3 +172,31 @@ def test_find_stores_the_fastest_call_and_keeps_device_times_beside_it(monkeypat
     assert "1 ms a call (3 ms device time)" in choice.reason
     record = finddb.get_db().lookup(problem.key(), finddb.identity_for("cpu"))
     assert record.solver == "im2col" and math.isclose(record.time_ms, 1.0)
+
+
+# ---- on the GPU -----------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_candidate_has_a_call_time_and_a_device_time():
+    cuda = torch.device("cuda")
+    p = ConvProblem.from_sizes(64, 3, 64, (32, 32), 4, stride=4, dtype=torch.bfloat16,
+                               device_type="cuda")  # fmt: skip
+    assert len(measure.operand_sets(p, cuda)) == measure.MAX_OPERAND_SETS  # a small problem
+    (m,) = measure.measure_solvers(p, [get_solver("patch")], verify=True)
+    assert m.ok and m.verdict.ok
+    assert m.call is not m.device and m.call_ms > 0 and m.device_ms > 0
+
+
+@pytest.mark.gpu
+def test_the_suite_on_cuda_has_what_users_pay_beside_device_time(tmp_path):
+    from gemmconv.bench import main
+
+    argv = ["--device", "cuda", "--quick", "--cases", "point2d,vit_b16", "--dtypes", "bf16",
+            "--out", str(tmp_path), "--name", "gpu", "--no-plot"]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "gpu.json").read_text())["rows"]
+    assert len(rows) == 2 * 2 * 3
+    for r in rows:
+        assert min(r["api_ms"], r["vendor_api_ms"], r["linear_api_ms"], r["gemmconv_ms"]) > 0
+        assert all(c["call_ms"] > 0 for c in r["candidates"].values() if c["ok"])
