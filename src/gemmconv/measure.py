@@ -34,7 +34,8 @@ from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors, Solver
 from gemmconv.solvers.views import result_buffer
 from gemmconv.timing import Timing, time_interleaved, time_ms
-from gemmconv.verify import Verdict, judge, reference
+from gemmconv.verify import Verdict, reference
+from gemmconv.verify import judge as judge_result
 
 log = logging.getLogger("gemmconv.measure")
 
@@ -178,7 +179,7 @@ class Judge:
         self.vendor_result = VendorSolver().run(problem, tensors)
 
     def __call__(self, result: torch.Tensor) -> Verdict:
-        return judge(self.problem, result, self.reference, self.vendor_result)
+        return judge_result(self.problem, result, self.reference, self.vendor_result)
 
 
 def _reference(problem: ConvProblem, tensors: ConvTensors) -> torch.Tensor:
