@@ -1,9 +1,14 @@
-"""Why `gemmconv tune` timed patch_triton 2-4x slower than the suite did on some rows:
-times one solver on one problem the ways the two paths do (find's operands and result
-buffer, the suite's operands), lists the kernels of each with the profiler, and
-measures the host time per call.
+"""Where a solver's call time and its device time part, on a few suite problems.
 
-    PYTHONPATH=src python3 bench/find_gap.py --out DIR
+Find decides on what a call costs back to back; the suite's device time hides the host
+behind a head start. For one solver (default patch_triton, whose channels-first rows
+path is host-heavy) this measures both the way find does (gemmconv.measure), the host
+time of one call on its own, and lists the kernels of a call with the profiler, so a
+gap between the two times can be traced to launches or to kernels. It once served to
+find why `gemmconv tune` and the suite timed patch_triton differently
+(bench/results/h200_find_gap_before_run*.json).
+
+    PYTHONPATH=src python3 bench/find_gap.py --out DIR [--solver ID]
 """
 
 from __future__ import annotations
@@ -15,12 +20,10 @@ from pathlib import Path
 
 import torch
 
-from gemmconv import find
-from gemmconv.bench import make_operands
+from gemmconv import measure
 from gemmconv.memory_format import Layout
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers import get_solver
-from gemmconv.timing import time_ms
 
 CASES = {
     "vit_b16-cf-bwd_weights": ((256, 3, 768, (224, 224), (16, 16)), Direction.BACKWARD_WEIGHTS),
@@ -30,7 +33,7 @@ CASES = {
 }
 
 
-def _kernels(fn) -> list[tuple[str, float]]:
+def _kernels(fn) -> list[tuple[str, float, int]]:
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -60,30 +63,19 @@ def _host_ms(fn, calls: int = 40) -> float:
     return elapsed * 1000.0 / calls
 
 
-def _case(p: ConvProblem, solver, device: torch.device) -> dict:
-    find_ops = find.random_operands(p, device)
-    out = find.result_like(p, find_ops)
-    bench_ops = make_operands(p, device, seed=0)
-    variants = {
-        "find_operands_with_out": lambda: solver.run(p, find_ops, out=out),
-        "find_operands_no_out": lambda: solver.run(p, find_ops),
-        "bench_operands_no_out": lambda: solver.run(p, bench_ops),
-        "bench_operands_with_out": lambda: solver.run(p, bench_ops, out=out),
+def _case(p: ConvProblem, solver) -> dict:
+    (m,) = measure.measure_solvers(p, [solver], verify=True)
+    if not m.ok:
+        return {"skipped": m.skipped}
+    tensors = measure.operands(p, measure.problem_device(p))
+    call = lambda: solver.run(p, tensors)  # noqa: E731 - the call the custom ops make
+    return {
+        "call_ms": m.call_ms,
+        "device_ms": m.device_ms,
+        "verdict": str(m.verdict),
+        "host_ms_per_call": _host_ms(call),
+        "kernels": _kernels(call),
     }
-    row = {
-        "dy_strides": None if find_ops.grad_output is None else find_ops.grad_output.stride(),
-        "bench_dy_strides": None
-        if bench_ops.grad_output is None
-        else bench_ops.grad_output.stride(),
-        "out_strides": out.stride(),
-    }
-    for label, fn in variants.items():
-        row[label + "_ms"] = time_ms(fn, device=device, warmup=5, reps=25).median_ms
-    row["find_best_ms"] = find.find_best(p, [solver]).best_ms
-    row["host_ms_per_call"] = _host_ms(variants["bench_operands_no_out"])
-    row["kernels_find_with_out"] = _kernels(variants["find_operands_with_out"])
-    row["kernels_bench_no_out"] = _kernels(variants["bench_operands_no_out"])
-    return row
 
 
 def main() -> None:
@@ -91,7 +83,6 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--solver", default="patch_triton")
     args = ap.parse_args()
-    device = torch.device("cuda")
     solver = get_solver(args.solver)
     report = {"device": torch.cuda.get_device_name(), "solver": args.solver, "cases": {}}
     for name, ((n, c, k, spatial, kernel), direction) in CASES.items():
@@ -99,9 +90,9 @@ def main() -> None:
             n, c, k, spatial, kernel, stride=kernel, layout=Layout.CHANNELS_FIRST,
             dtype=torch.bfloat16, device_type="cuda", direction=direction,
         )  # fmt: skip
-        row = _case(p, solver, device)
+        row = _case(p, solver)
         report["cases"][name] = row
-        print(name, {k: v for k, v in row.items() if k.endswith("_ms")}, flush=True)
+        print(name, {k: v for k, v in row.items() if k.endswith("_ms") or k == "skipped"})
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "find_gap.json").write_text(json.dumps(report, indent=1) + "\n")
 

@@ -15,7 +15,8 @@ Variants, each trained from the same initial weights on the same data:
 - ``converted``: ``gemmconv.convert(model)``, torch's output layout;
 - ``converted_channels_last``: ``gemmconv.convert(model, memory_format=torch.channels_last)``
   (token-major output), reported as not available where ``convert`` has no such argument;
-- ``linear``: the patch embed rewritten as reshape + F.linear (linear_patch_embed.py).
+- ``linear``: the patch embed rewritten as reshape + F.linear
+  (gemmconv.linear_patch_embed, the end-to-end benchmark's rewrite).
 
 Each runs under DDP and under FSDP2 (``fully_shard`` on every block, then the root).
 A step is zero_grad, forward under bf16 autocast, cross-entropy, backward, a fused
@@ -30,7 +31,9 @@ follow torch's within bf16 noise; with find on and an empty database, only rank 
 runs the find and no rank's first step waits for more than that one find.
 
 Rank 0 writes ``<out>/<name>.json`` and ``.md`` after every run, so a run cut short
-keeps its rows. The exit status is 1 when a check fails.
+keeps its rows; ``--out`` defaults to ./gemmconv-bench, and the committed runs in
+bench/results are written only when ``--out`` names that folder. The exit status is 1
+when a check fails.
 """
 
 from __future__ import annotations
@@ -54,7 +57,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from linear_patch_embed import use_linear_patch_embed
 from multi_gpu_checks import find_not_blocking, loss_curves, params_equal, same_solvers
 from multi_gpu_report import add_ratios, verdict, write_results
 
@@ -62,6 +64,7 @@ import gemmconv
 from gemmconv import dispatch
 from gemmconv.bench import environment
 from gemmconv.bench_report import default_stem
+from gemmconv.linear_patch_embed import replace_patch_convs
 
 VARIANTS = ("torch", "linear", "converted", "converted_channels_last")
 CONVERTED = ["converted", "converted_channels_last"]
@@ -203,10 +206,10 @@ def apply_variant(variant: str, model: torch.nn.Module, wrapper: str) -> str:
     if variant == "torch":
         return "timm model unchanged"
     if variant == "linear":
-        try:
-            return f"{use_linear_patch_embed(model)} -> reshape + F.linear"
-        except ValueError as e:
-            raise VariantNotAvailable(str(e)) from None
+        names = replace_patch_convs(model)
+        if not names:
+            raise VariantNotAvailable(f"{type(model).__name__} has no patch convolution")
+        return f"{', '.join(names)} -> reshape + F.linear"
     if variant == "converted":
         return _swapped(gemmconv.convert(model))
     if not convert_accepts_memory_format():
@@ -410,7 +413,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="nccl" if torch.cuda.is_available() else "gloo",
         help="nccl: one GPU per process; gloo: CPU processes",
     )
-    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="a folder")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("gemmconv-bench"),
+        help="a folder (the committed runs: bench/results, written only when named)",
+    )
     parser.add_argument("--name", help="file stem (default <device>x<ranks>_distributed)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=900.0, help="for every collective")

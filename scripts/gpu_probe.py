@@ -1,7 +1,8 @@
-"""A quick look at the headline case on the GPU: each applicable solver vs vendor, per direction.
+"""A quick look at three suite problems on the GPU: every applicable solver, per direction.
 
-Used while developing, before the full bench suite: prints the median time (CUDA events,
-L2 flushed) of every applicable solver and its verification verdict.
+Used while developing, before the full bench suite: each solver measured as find
+measures it (gemmconv.measure: verified against float64 and the vendor, then its call
+time back to back and its device time), beside its cost estimate.
 """
 
 from __future__ import annotations
@@ -10,14 +11,11 @@ import sys
 
 import torch
 
-from gemmconv import ConvProblem, ConvTensors, Direction, Layout
+from gemmconv import ConvProblem, Direction, Layout, measure
 from gemmconv.solvers import SOLVERS
-from gemmconv.timing import time_ms
-from gemmconv.verify import verify
 
 
 def main() -> int:
-    dtype = torch.bfloat16
     cases = [
         ("point2d", dict(n=9500, c=3, k=1280, spatial=(14, 14), kernel=14, stride=14)),
         ("vit_b16", dict(n=256, c=3, k=768, spatial=(224, 224), kernel=16, stride=16)),
@@ -27,35 +25,21 @@ def main() -> int:
         for layout in Layout:
             for direction in Direction:
                 p = ConvProblem.from_sizes(
-                    **sizes, layout=layout, dtype=dtype, device_type="cuda", direction=direction
-                )
-                g = torch.Generator(device="cuda").manual_seed(0)
-
-                def rand(shape, lay=layout):
-                    t = torch.rand(shape, device="cuda", generator=g, dtype=torch.float32)
-                    t = (t * 2 - 1).to(dtype)
-                    if lay is Layout.CHANNELS_LAST:
-                        t = t.contiguous(memory_format=torch.channels_last)
-                    return t
-
-                t = ConvTensors(
-                    input=rand(p.input_shape),
-                    weight=rand(p.weight_shape),
-                    grad_output=rand(p.output_shape),
-                )
-                for s in SOLVERS:
-                    if s.not_supported_reasons(p):
+                    **sizes, layout=layout, dtype=torch.bfloat16, device_type="cuda",
+                    direction=direction,
+                )  # fmt: skip
+                applicable = [s for s in SOLVERS if s.is_applicable(p)]
+                for m in measure.measure_solvers(p, applicable, verify=True):
+                    label = f"{name:11s} {layout.value:14s} {direction.value:16s} {m.solver:18s}"
+                    if not m.ok:
+                        print(f"{label} SKIPPED {m.skipped}", flush=True)
                         continue
-                    try:
-                        tm = time_ms(lambda s=s: s.run(p, t), device="cuda", reps=20)
-                        v = verify(p, t, s.run(p, t), compare_vendor=False)
-                        print(
-                            f"{name:11s} {layout.value:14s} {direction.value:16s} {s.id:18s}"
-                            f" {tm.median_ms:8.4f} ms est {s.estimate_ms(p):8.4f}  {v}",
-                            flush=True,
-                        )
-                    except Exception as e:  # noqa: BLE001 - a probe reports and goes on
-                        print(f"{name} {layout.value} {direction.value} {s.id} ERROR {e}")
+                    estimate = next(s for s in applicable if s.id == m.solver).estimate_ms(p)
+                    print(
+                        f"{label} call {m.call_ms:8.4f} ms device {m.device_ms:8.4f} ms "
+                        f"est {estimate:8.4f}  {m.verdict}",
+                        flush=True,
+                    )
     return 0
 
 

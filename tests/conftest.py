@@ -1,5 +1,6 @@
-"""Shared test fixtures: seeded random operands, NaN-filled outputs, the gpu marker, a
-log of the gemmconv ops that run, a progress bar that records its count."""
+"""Shared test fixtures: every test's clean selection state, seeded random operands,
+NaN-filled outputs, the gpu marker, a log of the gemmconv ops that run, a progress bar
+that records its count."""
 
 from __future__ import annotations
 
@@ -21,13 +22,33 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dispatch_cache():
-    from gemmconv import dispatch
+# The environment variables that steer solver selection.
+SELECTION_ENV = (
+    "GEMMCONV_FIND_MODE",
+    "GEMMCONV_SOLVER",
+    "GEMMCONV_DISABLE",
+    "GEMMCONV_FIND_VERIFY",
+)
 
+
+@pytest.fixture(autouse=True)
+def isolated_selection(tmp_path, monkeypatch):
+    """Every test selects from a clean slate: a private find database (the test's
+    tmp_path/find.sqlite, never the user's), no selection variables, no find mode left
+    set, cudnn.benchmark off (so the default mode is database), no cached choices."""
+    from gemmconv import dispatch, finddb
+
+    monkeypatch.setenv("GEMMCONV_DB", str(tmp_path / "find.sqlite"))
+    for name in SELECTION_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    finddb.reset_db()
+    dispatch.set_find_mode(None)
     dispatch.clear_cache()
     yield
     dispatch.clear_cache()
+    dispatch.set_find_mode(None)
+    finddb.reset_db()
 
 
 @pytest.fixture
@@ -41,9 +62,6 @@ def work_costs_only(monkeypatch):
 
     monkeypatch.setattr(device_rates, "CPU", dataclasses.replace(device_rates.CPU,
                         launch_us=0.0, host_launch_us=0.0))  # fmt: skip
-    device_rates.rates_for.cache_clear()
-    yield
-    device_rates.rates_for.cache_clear()
 
 
 def random_in(shape, layout: Layout, dtype, device, generator) -> torch.Tensor:

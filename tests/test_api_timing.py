@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 import types
 
 import pytest
@@ -15,15 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from gemmconv import cli
-from gemmconv.api_timing import (
-    CALL_KINDS,
-    api_times,
-    linear_applies,
-    operand_sets,
-    public_calls,
-    time_interleaved,
-)
+from gemmconv.api_timing import CALL_KINDS, api_times, linear_applies, public_calls
 from gemmconv.bench_api import main as api_main
+from gemmconv.measure import operand_sets
 from gemmconv.memory_format import Layout
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.verify import rms_range, tolerance
@@ -65,7 +58,7 @@ PROBLEMS = {
 @pytest.mark.parametrize("name", list(PROBLEMS))
 def test_every_timed_call_computes_its_kind(name, kind):
     p = PROBLEMS[name]
-    (operands,) = operand_sets(p, CPU, seed=3)
+    (operands,) = operand_sets(p, CPU, seed=3, every_operand=True)
     assert operands.input.abs().min() > 0 and operands.grad_output.abs().min() > 0
     calls = public_calls(p, kind, [operands])
     assert set(calls) == ({"torch", "linear", "gemmconv"} if linear_applies(p)
@@ -84,7 +77,7 @@ def test_every_timed_call_computes_its_kind(name, kind):
 
 def test_forward_runs_without_a_graph():
     p = PROBLEMS["patch2d_cf"]
-    calls = public_calls(p, "fwd", operand_sets(p, CPU))
+    calls = public_calls(p, "fwd", operand_sets(p, CPU, every_operand=True))
     for implementation, (call,) in calls.items():
         assert not call().requires_grad, implementation
 
@@ -92,55 +85,7 @@ def test_forward_runs_without_a_graph():
 def test_unknown_kind_is_refused_by_name():
     p = PROBLEMS["patch2d_cf"]
     with pytest.raises(ValueError, match=r"kind='bwd'.*fwd, bwd_data"):
-        public_calls(p, "bwd", operand_sets(p, CPU))
-
-
-def test_interleaved_blocks_rotate_and_time_back_to_back_calls():
-    log = []
-
-    def recorder(name, seconds=0.0):
-        def call():
-            log.append(name)
-            if seconds:
-                time.sleep(seconds)
-
-        return call
-
-    calls = {"a": [recorder("a", 0.004)], "b": [recorder("b0"), recorder("b1")]}
-    times = time_interleaved(calls, CPU, reps=3, warmup=1, calls_per_rep=2)
-    # Warm-up: one pass over each implementation's operand sets; then per repetition a
-    # block of 2 calls per implementation, the order rotating, the sets alternating.
-    assert log == ["a", "b0", "b1"] + ["a", "a", "b0", "b1"] + ["b0", "b1", "a", "a"] + [
-        "a", "a", "b0", "b1"
-    ]  # fmt: skip
-    assert times["a"].reps == 3 and times["b"].reps == 3
-    assert 4.0 <= times["a"].median_ms < 40.0  # the sleep, per call, not per block
-    assert times["b"].median_ms < times["a"].median_ms
-
-
-def test_calls_per_block_follows_the_call_time():
-    counts = {"no-op": 0, "slow": 0}
-
-    def no_op():
-        counts["no-op"] += 1
-
-    def slow():
-        counts["slow"] += 1
-        time.sleep(0.03)
-
-    time_interleaved({"no-op": [no_op], "slow": [slow]}, CPU, reps=1, warmup=0)
-    # One sizing call each, then a block of about 20 ms: one slow call, and as many
-    # no-op calls as the bound allows (100).
-    assert counts == {"no-op": 1 + 100, "slow": 1 + 1}
-
-
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [({"reps": 0}, "reps=0: expected at least 1"), ({"reps": 1, "warmup": -1}, "warmup=-1")],
-)
-def test_timing_arguments_are_checked(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        time_interleaved({"a": [lambda: None]}, CPU, **kwargs)
+        public_calls(p, "bwd", operand_sets(p, CPU, every_operand=True))
 
 
 def test_api_times_gives_the_suite_columns():
@@ -185,14 +130,23 @@ def test_quick_table_writes_every_row_with_same_run_ratios(quick_table):
         "QUICK" in text
         and "| ViT-B/16 patch embed, 2x3x32x32 -> 16, k=s=16 | cf | forward |" in text
     )
-    assert "Target (issue 13): every row >= 0.95 x torch" in text
+    assert "Target: every row >= 0.95 x torch" in text
 
 
-def test_bad_table_flags_exit_with_the_flag_named(tmp_path):
-    with pytest.raises(SystemExit, match="--kinds='fwd,backward'"):
-        api_main(["--device", "cpu", "--kinds", "fwd,backward", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match=r"--cases: cases=\['vit'\]: unknown"):
-        api_main(["--device", "cpu", "--cases", "vit", "--out", str(tmp_path)])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--kinds", "fwd,backward"], "--kinds fwd,backward: expected a comma list of fwd"),
+        (["--cases", "vit"], "--cases: cases=['vit']: unknown"),
+        (["--reps", "0"], "--reps 0: expected a value >= 1"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_bad_table_flags_are_one_usage_line_naming_the_flag(argv, message, tmp_path, capsys):
+    assert api_main(["--device", "cpu", "--out", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gemmconv bench --api: error: ") and err.count("\n") == 1, err
+    assert message in err
 
 
 @pytest.mark.parametrize(
@@ -221,7 +175,7 @@ def test_quick_table_on_cuda_every_kind_agrees(tmp_path):
 def test_api_times_on_cuda_rotates_operands_past_the_l2():
     p = ConvProblem.from_sizes(n=64, c=3, k=768, spatial=(224, 224), kernel=16, stride=16,
                                dtype=torch.bfloat16, device_type="cuda")  # fmt: skip
-    sets = operand_sets(p, torch.device("cuda"))
+    sets = operand_sets(p, torch.device("cuda"), every_operand=True)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     assert len(sets) == 8 or sum(s.nbytes for s in sets) >= 2 * l2
     columns = api_times(p, "cuda", reps=5)

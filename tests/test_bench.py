@@ -10,16 +10,10 @@ import pytest
 import torch
 
 from gemmconv import Direction, Layout, bench, bench_report, progress
-from gemmconv.bench import (
-    SUITE,
-    Shape,
-    main,
-    make_operands,
-    make_problem,
-    rewrite_fn,
-    suite_cases,
-)
+from gemmconv.bench import SUITE, Shape, main, make_problem, suite_cases
 from gemmconv.bench_report import default_stem, rate_text, speedup_figure
+from gemmconv.linear_rewrite import rewrite_fn
+from gemmconv.measure import operands
 from gemmconv.solvers.vendor import VendorSolver
 from gemmconv.verify import reference, rms_range
 
@@ -29,6 +23,7 @@ REQUIRED = {
     "case", "layout", "direction", "dtype", "solver", "vendor_ms", "linear_ms",
     "gemmconv_ms", "floor_ms", "rms_error", "immediate_solver", "immediate_gap",
     "extra_bytes", "largest_operand_bytes", "flop_floor_ms", "byte_floor_ms",
+    "api_ms", "vendor_api_ms", "linear_api_ms", "find_solver",
 }  # fmt: skip
 
 
@@ -78,13 +73,54 @@ def test_ratios_and_floor_follow_from_the_times(quick_run):
         assert r["immediate_gap"] == pytest.approx(
             r["candidates"][r["immediate_solver"]]["ms"] / r["gemmconv_ms"] - 1
         )
+        # find's own pick is the fastest by what a call costs; on the CPU the call time
+        # and the device time are one measurement
+        calls = {s: c["call_ms"] for s, c in r["candidates"].items() if c["ok"]}
+        assert r["find_solver"] == min(calls, key=calls.__getitem__)
+        assert all(c["call_ms"] == c["ms"] for c in r["candidates"].values())
+
+
+def test_every_row_has_what_users_pay_beside_device_time(quick_run):
+    _, out = quick_run
+    data = json.loads((out / "cpu.json").read_text())
+    assert data["timing"]["api"] == {"reps": 2, "block_ms": 0.5}
+    for r in data["rows"]:
+        assert min(r["api_ms"], r["vendor_api_ms"], r["linear_api_ms"]) > 0, r
+    md = (out / "cpu.md").read_text()
+    table = md[md.index("## What users pay per call (api_ms)") : md.index("## Device time")]
+    assert table.count("\n| point2d |") == 18
+    targets = md[md.index("## Targets") :]
+    assert "- what users pay (api_ms): geometric mean of linear/gemmconv " in targets
+    assert "- what users pay (api_ms): rows under 0.97 x vendor or x linear: " in targets
+
+
+def test_api_targets_are_counted_on_the_rows():
+    from gemmconv.bench_report import summary
+
+    def row(case, api, vendor, linear):
+        return {
+            "case": case, "layout": "cf", "direction": "fwd", "dtype": "bf16",
+            "api_ms": api, "vendor_api_ms": vendor, "linear_api_ms": linear,
+            "floor_ratio": 0.5, "speedup_vs_vendor": 2.0, "speedup_vs_linear": 2.0,
+            "immediate_gap": 0.0, "memory_ok": True, "gemmconv_ms": 1.0, "candidates": {},
+        }  # fmt: skip
+
+    results = {"rows": [row("a", 1.0, 4.0, 2.0), row("b", 1.0, 0.5, 2.0),
+                        row("c", 1.0, 2.0, 0.96)]}  # fmt: skip
+    stats = summary(results)
+    assert stats["api_slower_than_vendor_or_linear"] == ["b/cf/fwd/bf16", "c/cf/fwd/bf16"]
+    assert stats["api_linear_geomean"] == pytest.approx((2.0 * 2.0 * 0.96) ** (1 / 3))
+    assert stats["api_vendor_geomean"] == pytest.approx((4.0 * 0.5 * 2.0) ** (1 / 3))
+    old = summary({"rows": [{k: v for k, v in r.items() if "api" not in k}
+                            for r in results["rows"]]})  # fmt: skip
+    assert old["api_rows"] == 0 and old["api_linear_geomean"] is None
 
 
 def test_markdown_table_and_optional_plot(quick_run):
     _, out = quick_run
     md = (out / "cpu.md").read_text()
     data = json.loads((out / "cpu.json").read_text())
-    assert md.count("\n| point2d |") == 18
+    assert md.count("\n| point2d |") == 2 * 18  # the public-call table and the device table
     assert "## Targets" in md and "geometric mean of floor/gemmconv" in md
     assert "QUICK" in md
     assert data["summary"]["rows"] == len(data["rows"])
@@ -97,7 +133,7 @@ def test_a_cpu_report_says_what_was_measured(quick_run):
     vendor, and matrix rates in a unit that shows them."""
     _, out = quick_run
     md = (out / "cpu.md").read_text()
-    header = md[: md.index("| case |")]
+    header = md[md.index("## Device time") : md.index("| case | layout | dir | dtype | solver")]
     assert "time.perf_counter, no cache flush" in header and "vendor = aten CPU" in header
     assert "CUDA events" not in header and "cuDNN" not in header
     assert "0.0 TFLOP/s" not in header and "GFLOP/s" in header
@@ -199,7 +235,7 @@ REWRITE_SHAPES = [
 )
 def test_linear_rewrite_computes_the_convolution(shape, layout, direction):
     p = make_problem(shape, layout, torch.float32, torch.device("cpu"), direction)
-    t = make_operands(p, torch.device("cpu"), seed=3)
+    t = operands(p, torch.device("cpu"), seed=3)
     result = rewrite_fn(p, t)()
     assert tuple(result.shape) == tuple(VendorSolver().run(p, t).shape)
     assert rms_range(result, reference(p, t)) < 1e-6

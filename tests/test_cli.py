@@ -19,23 +19,9 @@ from gemmconv.solvers.im2col import Im2colSolver
 
 from conftest import RecordingBar
 
-ENV = ("GEMMCONV_FIND_MODE", "GEMMCONV_SOLVER", "GEMMCONV_DISABLE", "GEMMCONV_FIND_VERIFY")
 # A small patch-class problem: patch, im2col and vendor apply in every direction.
 PATCH = "-n 4 -c 3 -H 8 -W 8 -k 16 -y 4 -x 4 -u 4 -v 4 -i 2 --warmup 0".split()
 SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("GEMMCONV_DB", str(tmp_path / "find.sqlite"))
-    for name in ENV:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    finddb.reset_db()
-    dispatch.set_find_mode(None)
-    yield
-    dispatch.set_find_mode(None)
-    finddb.reset_db()
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -82,6 +68,9 @@ def test_conv_json_is_complete_and_consistent(capsys):
         assert d["time_ms"] > 0 and d["vendor_ms"] > 0
         assert d["speedup"] == pytest.approx(d["vendor_ms"] / d["time_ms"])
         assert d["tflops"] > 0 and d["gbs"] > 0
+        # On the CPU a call's time and its device time are one measurement.
+        assert (d["device_ms"], d["vendor_device_ms"]) == (d["time_ms"], d["vendor_ms"])
+        assert d["reps"] == 2
 
 
 @pytest.mark.parametrize(
@@ -142,12 +131,12 @@ def test_dtype_auto_is_fp32_on_the_cpu(capsys):
 
 
 def _wrong_result(self, p, t, out):
-    out.copy_(torch.ones_like(out))
-    return out
+    ones = torch.ones(p.output_shape, dtype=p.dtype)
+    return ones if out is None else out.copy_(ones)
 
 
 def _leaves_output_unwritten(self, p, t, out):
-    return out
+    return torch.empty(p.output_shape, dtype=p.dtype) if out is None else out
 
 
 @pytest.mark.parametrize("broken", [_wrong_result, _leaves_output_unwritten])
@@ -505,6 +494,7 @@ def test_tune_finds_every_problem_of_a_file(capsys, tmp_path):
     for r in results:
         assert r["solver"] == min(r["times_ms"], key=r["times_ms"].__getitem__)
         assert r["time_ms"] == min(r["times_ms"].values())
+        assert r["device_times_ms"] == r["times_ms"]  # one measurement on the CPU
     assert [r["problem"].rsplit("-", 2)[-2] for r in results] == [
         "forward",
         "forward",
@@ -664,7 +654,8 @@ def test_demo_on_the_gpu_is_fast_and_verified(capsys):
         assert d["speedup"] > 1.0, d
 
 
-# The benchmark suite (issue 5) as driver flag lines, both layouts, every direction.
+# The benchmark suite (gemmconv.bench.SUITE) as driver flag lines, both layouts, every
+# direction.
 SUITE_LINES = [
     "-n 9500 -c 3 -H 14 -W 14 -k 1280 -y 14 -x 14 -u 14 -v 14 --dtype bf16",
     "-n 9500 -c 3 --in-d 2 -H 14 -W 14 -k 1280 --fil-d 2 -y 14 -x 14 --stride-d 2 -u 14 -v 14"
@@ -695,7 +686,7 @@ def _suite_file(tmp_path) -> Path:
 
 @pytest.mark.gpu
 def test_gpu_immediate_is_within_10_percent_of_find_on_the_suite(capsys, tmp_path):
-    """Issue 5's target for the cost model, measured live: on every suite row, the
+    """The cost model's target, measured live: on every suite row, the
     solver immediate mode picks runs within 10% of find's winner, except the rows the
     offline fit records as still missing it (h200_measurements.STILL_OFF). Prints how
     often immediate agrees with find (set GEMMCONV_AGREEMENT_OUT to keep the JSON)."""

@@ -18,31 +18,14 @@ import pytest
 import torch
 
 import gemmconv
-from gemmconv import ConvProblem, Direction, Layout, dispatch, get_solver, solvers
+from gemmconv import ConvProblem, Direction, dispatch, get_solver, solvers
 from gemmconv.solvers import SOLVERS
 from gemmconv.solvers.base import cublas_is_reproducible
 from gemmconv.solvers.patch import PatchSolver
 
-from solver_cases import GEOMETRIES, Geometry, operands, problem_for
+from solver_cases import case_id, operands, problem_for, solver_matrix
 
 DIRECTIONS = (Direction.FORWARD, Direction.BACKWARD_DATA, Direction.BACKWARD_WEIGHTS)
-PATCH_FAMILY = [
-    *GEOMETRIES["patch"],
-    Geometry("unaligned", spatial=(11, 7, 5), kernel=(3, 3, 2), stride=(3, 3, 2), c=3),
-]
-
-
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path, monkeypatch):
-    """A private find database and no selection variables."""
-    from gemmconv import finddb
-
-    monkeypatch.setenv("GEMMCONV_DB", str(tmp_path / "find.sqlite"))
-    for name in ("GEMMCONV_FIND_MODE", "GEMMCONV_SOLVER", "GEMMCONV_DISABLE"):
-        monkeypatch.delenv(name, raising=False)
-    finddb.reset_db()
-    yield
-    finddb.reset_db()
 
 
 @pytest.fixture
@@ -68,42 +51,33 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _cases(device_type: str):
-    """(solver, geometry, dims, layout, dtype, direction) for every solver that applies."""
+    """The solver matrix's cases on ``device_type`` that run natively there (fp32; bf16
+    too on CUDA) and that its solver still takes under the flag."""
+    dtypes = {torch.float32, torch.bfloat16} if device_type == "cuda" else {torch.float32}
     cases = []
-    dtypes = (torch.float32, torch.bfloat16) if device_type == "cuda" else (torch.float32,)
-    for solver in SOLVERS:
-        for geometry in GEOMETRIES.get(solver.id, PATCH_FAMILY):
-            for dims in (1, 2, 3):
-                for layout in (Layout.CHANNELS_FIRST, Layout.CHANNELS_LAST):
-                    for dtype in dtypes:
-                        for direction in DIRECTIONS:
-                            p = problem_for(geometry, dims, layout, dtype, device_type, direction)
-                            if solver.is_applicable(p):
-                                cases.append((solver, geometry, dims, layout, dtype, direction))
+    for case in solver_matrix(device_type, dtypes=dtypes):
+        solver, _, geometry, dims, layout, dtype, direction = case
+        p = problem_for(geometry, dims, layout, dtype, device_type, direction)
+        if device_type in solver.devices and solver.is_applicable(p):
+            cases.append(case)
     return cases
 
 
-def _case_id(case) -> str:
-    solver, geometry, dims, layout, dtype, direction = case
-    dt = str(dtype).replace("torch.", "")
-    return f"{solver.id}-{geometry.label}-{dims}d-{layout.value}-{dt}-{direction.value}"
-
-
 def _run_twice_bitwise_equal(case, device_type: str) -> None:
-    solver, geometry, dims, layout, dtype, direction = case
+    solver, _, geometry, dims, layout, dtype, direction = case
     problem = problem_for(geometry, dims, layout, dtype, device_type, direction)
     assert solver.not_supported_reasons(problem) == [], "refused under the flag"
-    seed = zlib.crc32(_case_id(case).encode())
+    seed = zlib.crc32(case_id(case).encode())
     # Fresh operands (fresh allocations, so alignment may differ) with the same values.
     first = solver.run(problem, operands(problem, device_type, seed))
     second = solver.run(problem, operands(problem, device_type, seed))
-    assert _bitwise_equal(first, second), f"{_case_id(case)}: two runs differ"
+    assert _bitwise_equal(first, second), f"{case_id(case)}: two runs differ"
 
 
 CPU_CASES = _cases("cpu")
 
 
-@pytest.mark.parametrize("case", CPU_CASES, ids=[_case_id(c) for c in CPU_CASES])
+@pytest.mark.parametrize("case", CPU_CASES, ids=[case_id(c) for c in CPU_CASES])
 def test_every_cpu_solver_is_bitwise_reproducible(case, deterministic):
     _run_twice_bitwise_equal(case, "cpu")
 

@@ -35,22 +35,6 @@ from gemmconv.solvers.patch import PatchSolver
 STRESS_SECONDS = float(os.environ.get("GEMMCONV_STRESS_SECONDS", "20"))
 STRESS_PROCESSES = 8
 
-ENV = ("GEMMCONV_FIND_MODE", "GEMMCONV_SOLVER", "GEMMCONV_DISABLE", "GEMMCONV_FIND_VERIFY")
-
-
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path, monkeypatch):
-    """A private find database, no selection variables, no mode left set."""
-    monkeypatch.setenv("GEMMCONV_DB", str(tmp_path / "find.sqlite"))
-    for name in ENV:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    finddb.reset_db()
-    dispatch.set_find_mode(None)
-    yield
-    dispatch.set_find_mode(None)
-    finddb.reset_db()
-
 
 # ---- a convolution that exercises every direction ----------------------------------
 

@@ -1,8 +1,10 @@
 """The PyTorch integration on CUDA: the model zoo converted in bf16 against the
-unconverted model (forward and every gradient, DESIGN §5's twice-the-vendor rule
+unconverted model (forward and every gradient, gemmconv.verify's twice-the-vendor rule
 against float64), a converted ViT trained with AdamW under autocast, opcheck on CUDA,
 inductor-compiled patch embeds, and a timing of patch-embed forward+backward before
-and after conversion, written to $GEMMCONV_RESULTS_DIR (default bench/results/)."""
+and after conversion, written to $GEMMCONV_RESULTS_DIR (bench/results for the
+committed run; by default the test's temporary folder, so a test run never overwrites
+a committed file)."""
 
 from __future__ import annotations
 
@@ -237,14 +239,13 @@ TIMING_CASES = {
 }
 
 
-def _results_dir() -> pathlib.Path:
-    default = pathlib.Path(__file__).resolve().parent.parent / "bench" / "results"
+def _results_dir(default: pathlib.Path) -> pathlib.Path:
     path = pathlib.Path(os.environ.get("GEMMCONV_RESULTS_DIR", default))
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def test_patch_embed_forward_backward_timing_before_and_after_convert():
+def test_patch_embed_forward_backward_timing_before_and_after_convert(tmp_path):
     rows = []
     for case, make in TIMING_CASES.items():
         torch.manual_seed(0)
@@ -287,7 +288,7 @@ def test_patch_embed_forward_backward_timing_before_and_after_convert():
         "gemmconv": gemmconv.__version__,
         "timing": "CUDA events, L2 flushed between reps, median of 30 after 5 warm-up",
     }
-    out = _results_dir()
+    out = _results_dir(tmp_path)
     (out / "patch_embed_fwd_bwd.json").write_text(
         json.dumps({"meta": meta, "rows": rows}, indent=2)
     )

@@ -1,4 +1,5 @@
-"""The solver matrix on CUDA in bf16/fp16/fp32 (fp32 with TF32 on and off), against float64."""
+"""The solver matrix on CUDA in bf16/fp16/fp32 (fp32 with TF32 on and off), against float64
+(tests/solver_cases.py generates it, the same as the CPU's)."""
 
 from __future__ import annotations
 
@@ -15,21 +16,17 @@ from solver_cases import case_id, check_case, solver_matrix
 
 pytestmark = pytest.mark.gpu
 
-GPU_CASES = solver_matrix("cuda", dtypes={torch.bfloat16, torch.float16, torch.float32})
+# The TF32 flag changes only fp32 GEMMs: fp32 cases run with it off and on.
+GPU_CASES = [
+    pytest.param(case, tf32, id=case_id(case) + ("-tf32" if tf32 else ""))
+    for case in solver_matrix("cuda", dtypes={torch.bfloat16, torch.float16, torch.float32})
+    for tf32 in ((False, True) if case[5] == torch.float32 else (False,))
+]
 
 
-@pytest.fixture(params=[False, True], ids=["tf32_off", "tf32_on"])
-def conv_tf32(request):
-    saved = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = request.param
-    yield request.param
-    torch.backends.cudnn.allow_tf32 = saved
-
-
-@pytest.mark.parametrize("case", GPU_CASES, ids=[case_id(c) for c in GPU_CASES])
-def test_solver_on_cuda(case, conv_tf32):
-    if case[4] != torch.float32 and conv_tf32:
-        pytest.skip("the TF32 flag only affects fp32")
+@pytest.mark.parametrize(("case", "tf32"), GPU_CASES)
+def test_solver_on_cuda(case, tf32, monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", tf32)
     check_case(case, "cuda", seed=zlib.crc32(case_id(case).encode()))
 
 

@@ -2,10 +2,10 @@
 every parameter gradient match the unconverted model; the report names the patch
 embeds; the converted patch-embed module compiles with fullgraph=True.
 
-Errors are judged as DESIGN §5 says, against the same model in float64: the converted
-model's rms_range error must be within the fp32 tolerance or, where the whole model
-amplifies rounding beyond a single convolution's tolerance, no more than twice the
-error of the unconverted (vendor) model on the same inputs.
+Errors are judged as gemmconv.verify judges them, against the same model in float64:
+the converted model's rms_range error must be within the fp32 tolerance or, where the
+whole model amplifies rounding beyond a single convolution's tolerance, no more than
+twice the error of the unconverted (vendor) model on the same inputs.
 """
 
 from __future__ import annotations

@@ -16,16 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import gemmconv
+from gemmconv.linear_patch_embed import LinearPatchEmbed
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 sys.path.insert(0, str(BENCH))
 
 import multi_gpu  # noqa: E402
-from linear_patch_embed import LinearPatchProjection, use_linear_patch_embed  # noqa: E402
 from multi_gpu_checks import (  # noqa: E402
     find_not_blocking,
     loss_curves,
@@ -201,29 +200,23 @@ def test_find_not_blocking_fails_when_a_rank_finds_or_waits_for_more_than_one_fi
 # ---- the reshape + linear patch embed -------------------------------------------------
 
 
-def test_linear_patch_projection_computes_the_convolution_and_keeps_its_parameters():
+def test_the_linear_variant_rewrites_the_patch_embed_with_its_own_parameters():
+    timm = pytest.importorskip("timm")
     torch.manual_seed(0)
-    conv = torch.nn.Conv2d(3, 8, kernel_size=4, stride=4).double()
-    weight, bias = conv.weight, conv.bias
-    state = {k: v.clone() for k, v in conv.state_dict().items()}
-    x = (torch.rand(2, 3, 13, 10, dtype=torch.float64) * 2 - 1).requires_grad_()
-    y_ref = F.conv2d(x, weight, bias, stride=4)
-    grads_ref = torch.autograd.grad(y_ref.square().sum(), (x, weight, bias))
-
-    linear = LinearPatchProjection(conv)
-    assert linear.weight is weight and linear.bias is bias
-    assert list(linear.state_dict()) == list(state)
-    y = linear(x)
-    assert y.shape == y_ref.shape and y.permute(0, 2, 3, 1).is_contiguous()  # token-major
-    torch.testing.assert_close(y, y_ref)
-    for got, want in zip(torch.autograd.grad(y.square().sum(), (x, weight, bias)), grads_ref):
-        torch.testing.assert_close(got, want)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=1)
+    model.eval()
+    proj = model.patch_embed.proj
+    weight, bias = proj.weight, proj.bias
+    x = torch.rand(2, 3, 32, 32)
+    with torch.no_grad():
+        expected = model(x)
+    assert multi_gpu.apply_variant("linear", model) == "patch_embed.proj -> reshape + F.linear"
+    assert isinstance(model.patch_embed.proj, LinearPatchEmbed)
+    assert model.patch_embed.proj.weight is weight and model.patch_embed.proj.bias is bias
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected)
 
 
-def test_linear_patch_projection_refuses_a_convolution_that_is_not_a_patch_embed():
-    with pytest.raises(ValueError, match=r"stride \(2, 2\) != kernel_size \(4, 4\)"):
-        LinearPatchProjection(torch.nn.Conv2d(3, 8, kernel_size=4, stride=2))
-    with pytest.raises(ValueError, match="padding=\\(1, 1\\)"):
-        LinearPatchProjection(torch.nn.Conv2d(3, 8, kernel_size=4, stride=4, padding=1))
-    with pytest.raises(ValueError, match="no patch_embed.proj"):
-        use_linear_patch_embed(torch.nn.Linear(2, 2))
+def test_the_linear_variant_is_not_available_without_a_patch_convolution():
+    with pytest.raises(multi_gpu.VariantNotAvailable, match="Linear has no patch convolution"):
+        multi_gpu.apply_variant("linear", torch.nn.Linear(2, 2))

@@ -27,7 +27,7 @@ from gemmconv.solvers.base import INT32_MAX
 from gemmconv.verify import reference, rms_range, tolerance
 
 from conftest import random_in
-from solver_cases import GEOMETRIES, Geometry, nan_output, operands, problem_for
+from solver_cases import nan_output, operands, problem_for, solver_matrix
 
 TORCH_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 GEMMCONV_CONV = {1: gemmconv.conv1d, 2: gemmconv.conv2d, 3: gemmconv.conv3d}
@@ -81,42 +81,35 @@ def _assert_same_non_finite(what: str, ours: torch.Tensor, *torch_results: torch
 
 def _torch_results(problem: ConvProblem, tensors: ConvTensors) -> list[torch.Tensor]:
     """torch's answers on the same data: float64, which on the CPU is its direct
-    GEMM path on the zero-padded input, and, where the problem pads, also the
-    problem's own dtype and device (oneDNN or cuDNN). The two differ only where a
-    non-finite weight (or output gradient) meets padding: oneDNN skips the padded
-    taps, the GEMM path multiplies them, and IEEE makes 0 * NaN a NaN."""
+    GEMM path on the zero-padded input, and, where the problem pads or leaves input
+    elements no window reaches, also the problem's own dtype and device (oneDNN or
+    cuDNN). The two differ only where a non-finite weight (or output gradient) meets
+    padding or such an element: one skips those taps, the other multiplies them, and
+    IEEE makes 0 * NaN a NaN."""
     results = [reference(problem, tensors)]
-    if any(problem.padding):
+    if any(problem.padding) or _uncovered_input(problem):
         results.append(get_solver("vendor").run(problem, tensors))
     return results
 
 
-# For the patch-class solvers solver_cases has no geometries of its own for: its
-# patch geometries, and one whose reduction (3 x 3.. x 4 bytes) is never 16-byte
-# aligned, which the padded-reduction solvers require.
-PATCH_FAMILY_GEOMETRIES = [
-    *GEOMETRIES["patch"],
-    Geometry("unaligned", spatial=(11, 7, 5), kernel=(3, 3, 2), stride=(3, 3, 2), c=3),
-]
+def _uncovered_input(p: ConvProblem) -> bool:
+    """Whether the last window ends before the input does in some dimension."""
+    return any(
+        (o - 1) * u + d * (r - 1) + 1 < s
+        for s, o, u, d, r in zip(p.spatial, p.output_spatial, p.stride, p.dilation, p.kernel)
+    )
 
 
 def _poisoned_cases(device_type: str):
-    """(solver id, geometry, dims, layout, direction) for every solver that applies to
-    the geometry on ``device_type``."""
-    cases = []
-    for solver in SOLVERS:
-        solver_id = solver.id
-        for geometry in GEOMETRIES.get(solver_id, PATCH_FAMILY_GEOMETRIES):
-            for dims in (1, 2, 3):
-                for layout in (Layout.CHANNELS_FIRST, Layout.CHANNELS_LAST):
-                    for direction in DIRECTIONS:
-                        problem = problem_for(
-                            geometry, dims, layout, torch.float32, device_type, direction
-                        )
-                        if solver.not_supported_reasons(problem):
-                            continue
-                        cases.append((solver_id, geometry, dims, layout, direction))
-    return cases
+    """(solver id, problem class, geometry, dims, layout, direction): the fp32 cases of
+    the solver matrix on ``device_type`` that run natively there."""
+    return [
+        (solver.id, cls, geometry, dims, layout, direction)
+        for solver, cls, geometry, dims, layout, _, direction in solver_matrix(
+            device_type, dtypes={torch.float32}
+        )
+        if device_type in solver.devices
+    ]
 
 
 def _operands_of(direction: Direction) -> tuple[str, ...]:
@@ -128,8 +121,8 @@ def _operands_of(direction: Direction) -> tuple[str, ...]:
 
 
 def _case_id(case) -> str:
-    solver_id, geometry, dims, layout, direction = case
-    return f"{solver_id}-{geometry.label}-{dims}d-{layout.value}-{direction.value}"
+    solver_id, cls, geometry, dims, layout, direction = case
+    return f"{solver_id}-{cls}.{geometry.label}-{dims}d-{layout.value}-{direction.value}"
 
 
 CPU_POISONED = _poisoned_cases("cpu")
@@ -137,7 +130,7 @@ GPU_POISONED = _poisoned_cases("cuda")
 
 
 def _check_poisoned(case, device_type: str) -> None:
-    solver_id, geometry, dims, layout, direction = case
+    solver_id, _, geometry, dims, layout, direction = case
     solver = get_solver(solver_id)
     problem = problem_for(geometry, dims, layout, torch.float32, device_type, direction)
     seed = zlib.crc32(_case_id(case).encode())

@@ -35,3 +35,25 @@ def test_the_extras_hold_what_the_readme_and_the_bench_use():
     assert "matplotlib" in extras["bench"]  # gemmconv bench's png
     # The tests import the model libraries and Triton (which torch's CPU build lacks).
     assert {"pytest", "hypothesis", "ruff", "gemmconv[models,bench]", "triton"} <= extras["test"]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_the_version_is_written_once_in_the_package():
+    import gemmconv
+
+    assert "version" not in PROJECT and "version" in PROJECT["dynamic"]
+    setuptools = PYPROJECT["tool"]["setuptools"]
+    assert setuptools["dynamic"]["version"] == {"attr": "gemmconv.__version__"}
+    assert re.fullmatch(r"\d+\.\d+\.\d+", gemmconv.__version__)
+
+
+def test_the_package_ships_its_type_hints_and_the_license_it_names():
+    assert (ROOT / "src" / "gemmconv" / "py.typed").is_file()
+    assert "py.typed" in PYPROJECT["tool"]["setuptools"]["package-data"]["gemmconv"]
+    assert PROJECT["license"] == {"text": "Apache-2.0"}
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert "END OF TERMS AND CONDITIONS" in license_text

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import gemmconv
 import gemmconv.nn
-from gemmconv import Direction, dispatch, find, finddb, get_solver
+from gemmconv import Direction, dispatch, finddb, get_solver, measure
 from random_conv import (
     CF,
     CL,
@@ -203,7 +203,7 @@ def test_conv_matches_torch_in_every_selection_mode(mode, tmp_path, monkeypatch)
     candidate timed) with one timed repetition per candidate, so the CPU can afford
     it; database mode reads what a find stored for the same case just before."""
     monkeypatch.setenv("GEMMCONV_DB", str(tmp_path / "find.sqlite"))
-    monkeypatch.setattr(find, "REPS", {**find.REPS, "cpu": (0, 1)})
+    monkeypatch.setitem(measure.DEFAULT_POLICY, "cpu", measure.TimingPolicy(warmup=0, reps=1))
     finddb.reset_db()
     choices: list[dispatch.Choice] = []
     choose = dispatch.choose

@@ -7,7 +7,9 @@ import time
 import pytest
 import torch
 
-from gemmconv.timing import Timing, head_start_cycles, time_ms
+from gemmconv.timing import Timing, head_start_cycles, time_interleaved, time_ms
+
+CPU = torch.device("cpu")
 
 
 def _spin(ms: float):
@@ -121,3 +123,58 @@ def test_cuda_flush_keeps_operands_out_of_l2():
     # The copy moves 32 MiB (~8 us at 4 TB/s); the 256 MiB flush write (~65 us) would
     # show if it were inside the timed region.
     assert cold.median_ms < 0.04
+
+
+# ---- back-to-back calls ------------------------------------------------------
+
+
+def test_interleaved_blocks_rotate_and_time_back_to_back_calls():
+    log = []
+
+    def recorder(name, seconds=0.0):
+        def call():
+            log.append(name)
+            if seconds:
+                time.sleep(seconds)
+
+        return call
+
+    calls = {"a": [recorder("a", 0.004)], "b": [recorder("b0"), recorder("b1")]}
+    times = time_interleaved(calls, CPU, reps=3, warmup=1, calls_per_rep=2)
+    # Warm-up: one pass over each implementation's operand sets; then per repetition a
+    # block of 2 calls per implementation, the order rotating, the sets alternating.
+    assert log == ["a", "b0", "b1"] + ["a", "a", "b0", "b1"] + ["b0", "b1", "a", "a"] + [
+        "a", "a", "b0", "b1"
+    ]  # fmt: skip
+    assert times["a"].reps == 3 and times["b"].reps == 3
+    assert 4.0 <= times["a"].median_ms < 40.0  # the sleep, per call, not per block
+    assert times["b"].median_ms < times["a"].median_ms
+
+
+def test_calls_per_block_follows_the_call_time():
+    counts = {"no-op": 0, "slow": 0}
+
+    def no_op():
+        counts["no-op"] += 1
+
+    def slow():
+        counts["slow"] += 1
+        time.sleep(0.03)
+
+    time_interleaved({"no-op": [no_op], "slow": [slow]}, CPU, reps=1, warmup=0)
+    # One sizing call each, then a block of about 20 ms: one slow call, and as many
+    # no-op calls as the bound allows (100).
+    assert counts == {"no-op": 1 + 100, "slow": 1 + 1}
+    # Blocks of about 75 ms hold two slow calls (of 30 to 50 ms each).
+    counts["slow"] = 0
+    time_interleaved({"slow": [slow]}, CPU, reps=1, warmup=0, block_ms=75.0)
+    assert counts["slow"] == 1 + 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"reps": 0}, "reps=0: expected at least 1"), ({"reps": 1, "warmup": -1}, "warmup=-1")],
+)
+def test_timing_arguments_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        time_interleaved({"a": [lambda: None]}, CPU, **kwargs)

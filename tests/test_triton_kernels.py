@@ -3,8 +3,10 @@
 On the CPU the kernels run in Triton's interpreter (gemmconv.kernels compiles a
 kernel for CPU tensors through it, as TRITON_INTERPRET=1 would), in fp32 and fp16:
 the gather and scatter are pure copies, so they must match torch's permuted views
-exactly. On CUDA (marker gpu) the same checks run compiled, in bf16, fp16 and fp32,
-and the patch_triton solver is checked against the float64 reference.
+exactly. On CUDA (marker gpu) the same checks run compiled, in bf16, fp16 and fp32.
+The solvers built on the kernels are checked against float64 by the solver matrix
+(test_solver_matrix.py, interpreted on the CPU; test_gpu_solvers.py); here only the
+channels-first rows path, in chunks.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from gemmconv.memory_format import empty_in
 from gemmconv.solvers import get_solver
 from gemmconv.solvers.patch import padded_reduction, patches, rows_path
 
-from solver_cases import Geometry, case_id, check_case, problem_for
+from solver_cases import Geometry, check_case, problem_for
 
 # (spatial, kernel): exact tiling, a remainder that no patch reads, point-output.
 SHAPES = {
@@ -216,42 +218,6 @@ def test_strided_copy_refuses_mismatches_with_their_values():
 
 # ---- the solver built on the kernels -----------------------------------------
 
-SOLVER_GEOMETRIES = [
-    # C = 3 and odd kernels: an unaligned reduction in every dtype, so padding is used.
-    Geometry("remainder", spatial=(11, 7, 8), kernel=(5, 3, 3), stride=(5, 3, 3), c=3),
-    Geometry("point", spatial=(5, 3, 3), kernel=(5, 3, 3), stride=(5, 3, 3), c=3),
-    # An aligned reduction (C = 4, kernel 4x2x2 in fp32: 64 bytes): no padding.
-    Geometry("aligned", spatial=(8, 4, 4), kernel=(4, 2, 2), stride=(4, 2, 2), c=4),
-]
-
-
-def _solver_cases(solver_id: str, dtypes):
-    """Every geometry x dims x layout x dtype x direction the solver applies to on CUDA."""
-    solver = get_solver(solver_id)
-    cases = []
-    for g, dims, layout, dtype, direction in itertools.product(
-        SOLVER_GEOMETRIES, (1, 2, 3), list(Layout), dtypes, list(Direction)
-    ):
-        if solver.is_applicable(problem_for(g, dims, layout, dtype, "cuda", direction)):
-            cases.append((solver, g, dims, layout, dtype, direction))
-    return cases
-
-
-CPU_DTYPES = (torch.float32, torch.float16)  # the interpreter's tl.dot is wrong for bf16
-CPU_SOLVER_CASES = _solver_cases("patch_triton", CPU_DTYPES) + _solver_cases(
-    "patch_implicit", CPU_DTYPES
-)
-
-
-@pytest.mark.parametrize("case", CPU_SOLVER_CASES, ids=[case_id(c) for c in CPU_SOLVER_CASES])
-def test_triton_solvers_match_float64_interpreted(case, monkeypatch):
-    # The solver declares CUDA only; on the CPU its kernels run interpreted, so the
-    # mapping is checked here by lifting the device restriction for the test.
-    solver = case[0]
-    monkeypatch.setattr(type(solver), "devices", frozenset({"cpu", "cuda"}))
-    check_case(case, "cpu", seed=zlib.crc32(case_id(case).encode()))
-
-
 ROWS_PATH_CASES = [
     # (spatial, kernel): 3 x 2 and 3 x 3 pixels per sample, a row of them not a multiple
     # of 16 bytes in fp32 or fp16 (an unaligned bmm), so all three directions take it.
@@ -276,7 +242,7 @@ def test_channels_first_rows_path_in_chunks_interpreted(
     g = Geometry("rows", spatial=spatial, kernel=kernel, stride=kernel, c=3, n=3, k=5)
     p = problem_for(g, 2, Layout.CHANNELS_FIRST, dtype, "cpu", direction)
     assert rows_path.applies(p)
-    case = (solver, g, 2, Layout.CHANNELS_FIRST, dtype, direction)
+    case = (solver, "patch", g, 2, Layout.CHANNELS_FIRST, dtype, direction)
     check_case(case, "cpu", seed=zlib.crc32(repr((spatial, direction, dtype)).encode()))
 
 
@@ -391,29 +357,6 @@ def test_gather_large_rows_on_cuda(dtype):
                           torch.device("cuda"), extra_pad=0)  # fmt: skip
 
 
-# 3-D with a remainder (cropping, an unaligned reduction, all three index levels) for
-# every solver x layout x dtype x direction; 2-D point-output and aligned for the
-# solvers whose kernels compile fast (the implicit GEMMs meet those shapes in the
-# bench, which verifies every candidate against float64 too).
-_GPU_SHAPES = {
-    "patch_triton": {("remainder", 3), ("point", 2), ("aligned", 2)},
-    "patch_padded": {("remainder", 3), ("point", 2)},
-    "patch_implicit": {("remainder", 3)},
-}
-GPU_SOLVER_CASES = [
-    case
-    for solver_id, shapes in _GPU_SHAPES.items()
-    for case in _solver_cases(solver_id, GPU_DTYPES)
-    if (case[1].label, case[2]) in shapes
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_SOLVER_CASES, ids=[case_id(c) for c in GPU_SOLVER_CASES])
-def test_patch_solvers_match_float64_on_cuda(case):
-    check_case(case, "cuda", seed=zlib.crc32(case_id(case).encode()))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("direction", list(Direction), ids=lambda d: d.value)
@@ -425,5 +368,5 @@ def test_channels_first_rows_path_on_cuda(spatial, kernel, direction, dtype, chu
     g = Geometry("rows", spatial=spatial, kernel=kernel, stride=kernel, c=3, n=3, k=5)
     p = problem_for(g, 2, Layout.CHANNELS_FIRST, dtype, "cuda", direction)
     assert rows_path.applies(p)
-    case = (get_solver("patch_triton"), g, 2, Layout.CHANNELS_FIRST, dtype, direction)
+    case = (get_solver("patch_triton"), "patch", g, 2, Layout.CHANNELS_FIRST, dtype, direction)
     check_case(case, "cuda", seed=zlib.crc32(repr((spatial, direction, dtype)).encode()))

@@ -9,6 +9,7 @@ from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers import SOLVERS, ConvTensors, get_solver, solver_ids
 from gemmconv.verify import Verdict, verify
 
+# The one place the version is written: pyproject.toml reads it from here.
 __version__ = "0.1.0"
 
 __all__ = [

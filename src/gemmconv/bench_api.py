@@ -5,16 +5,15 @@ torch's F.conv*, the reshape + F.linear rewrite and gemmconv's public call are t
 side by side as gemmconv.api_timing describes (back-to-back calls, no head start,
 interleaved, median), with gemmconv's default selection. Ratios are torch_ms /
 gemmconv_ms and linear_ms / gemmconv_ms: above 1 gemmconv is faster. The default
-selection is the CPU table of issue 13 (ViT-B/16 at batch 8, the point problem at 950,
+selection is the CPU table (ViT-B/16 at batch 8, the point problem at 950,
 Qwen2-VL's Conv3d at 2048 patches, a ResNet 1x1); ``--quick`` runs tiny versions of
 the same problems for the tests.
 
-    gemmconv bench --api --device cpu     # writes bench/results/cpu.json and cpu.md
+    gemmconv bench --api --device cpu     # writes gemmconv-bench/cpu.json and cpu.md
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -25,14 +24,7 @@ from pathlib import Path
 
 import torch
 
-from gemmconv.api_timing import (
-    CALL_KINDS,
-    linear_applies,
-    operand_sets,
-    public_calls,
-    solvers_of,
-    time_interleaved,
-)
+from gemmconv.api_timing import CALL_KINDS, linear_applies, public_calls, solvers_of
 from gemmconv.bench import (
     DTYPES,
     LAYOUT_NAMES,
@@ -43,7 +35,10 @@ from gemmconv.bench import (
     select_named,
 )
 from gemmconv.bench_report import default_stem
+from gemmconv.measure import operand_sets
 from gemmconv.problem import Direction
+from gemmconv.timing import time_interleaved
+from gemmconv.usage import Parser, UsageError, reports_usage_errors
 from gemmconv.verify import rms_range, tolerance
 
 KIND_TITLES = {
@@ -54,7 +49,7 @@ KIND_TITLES = {
     "fwd_wgrad": "forward+weight-gradient",
 }
 DEFAULT_KINDS = ("fwd", "fwd_bwd", "bwd_weights")
-# Issue 13's CPU target: every row at least this fast as torch and as the rewrite.
+# The CPU target: every row at least this fast as torch and as the rewrite.
 NOT_SLOWER = 0.95
 # Implementations agree when their results are within this many of the dtype's
 # tolerances of torch's (each differs from the exact result by up to one tolerance).
@@ -107,7 +102,7 @@ def run_row(
     shape = case.tiny if quick else case.full
     p = make_problem(shape, LAYOUT_NAMES[layout_name], DTYPES[dtype_key], device, Direction.FORWARD)
     p = dataclasses.replace(p, has_bias=case.bias)
-    operands = operand_sets(p, device, seed)
+    operands = operand_sets(p, device, seed, every_operand=True)
     calls = public_calls(p, kind, operands)
     disagreement = disagreement_with_torch(calls)
     times = time_interleaved(calls, device, reps=reps)
@@ -224,7 +219,7 @@ def _solver_text(r: dict) -> str:
 
 
 def slower_rows(results: dict) -> list[str]:
-    """Rows under NOT_SLOWER x torch or x the rewrite (issue 13's CPU target)."""
+    """Rows under NOT_SLOWER x torch or x the rewrite (the CPU target)."""
     return [
         f"{r['case']}/{r['layout']}/{r['kind']}"
         for r in results["rows"]
@@ -263,7 +258,7 @@ def markdown(results: dict) -> str:
     slower = slower_rows(results)
     lines += [
         "",
-        f"Target (issue 13): every row >= {NOT_SLOWER} x torch and >= {NOT_SLOWER} x linear. "
+        f"Target: every row >= {NOT_SLOWER} x torch and >= {NOT_SLOWER} x linear. "
         f"Rows below it: {len(slower)} of {len(results['rows'])}"
         + (f" ({', '.join(slower)})" if slower else ""),
     ]
@@ -300,8 +295,8 @@ def machine_label(device: torch.device) -> str:
     return f"{os.cpu_count()}-core CPU, {model}"
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="gemmconv bench --api", description=__doc__.split("\n")[0])
+def _parser() -> Parser:
+    ap = Parser(prog="gemmconv bench --api", description=__doc__.split("\n")[0])
     ap.add_argument("--api", action="store_true", help="this table (how `gemmconv bench` routes)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--quick", action="store_true", help="tiny problems (the tests run this)")
@@ -330,10 +325,11 @@ def _checked_list(text: str, allowed: Sequence[str], flag: str) -> list[str]:
     values = [v for v in text.split(",") if v]
     bad = [v for v in values if v not in allowed]
     if bad or not values:
-        raise SystemExit(f"--{flag}={text!r}: expected a comma list of {', '.join(allowed)}")
+        raise UsageError(f"--{flag} {text}: expected a comma list of {', '.join(allowed)}")
     return values
 
 
+@reports_usage_errors("gemmconv bench --api")
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     device = bench_device(args.device)
@@ -344,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cases = api_cases([c for c in args.cases.split(",") if c])
     except ValueError as e:
-        raise SystemExit(f"--cases: {e}") from None
+        raise UsageError(f"--cases: {e}") from None
+    if args.reps is not None and args.reps < 1:
+        raise UsageError(f"--reps {args.reps}: expected a value >= 1")
     reps = args.reps or (5 if device.type == "cpu" else 15)
     machine = args.label or machine_label(device)
     stem = args.name or (

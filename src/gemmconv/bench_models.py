@@ -20,7 +20,6 @@ CPU, and the results say so.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import statistics
@@ -41,9 +40,10 @@ from gemmconv.e2e_scenarios import (
     prepare_variant,
     scenarios,
 )
+from gemmconv.usage import Parser, UsageError, reports_usage_errors
 from gemmconv.verify import rms_range
 
-# Issue 13's targets on the better of the two converted variants.
+# The end-to-end targets, on the better of the two converted variants.
 NOT_SLOWER_THAN_LINEAR = 1.005  # the noise of a median of 20 steps
 NOT_SLOWER_THAN_TORCH = 1.01
 MUST_BEAT_TORCH = frozenset({
@@ -345,8 +345,8 @@ def write(results: dict, out_dir: str | Path, stem: str) -> list[Path]:
 # ---- command line --------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="gemmconv bench --models", description=__doc__.split("\n")[0])
+def _parser() -> Parser:
+    ap = Parser(prog="gemmconv bench --models", description=__doc__.split("\n")[0])
     ap.add_argument(
         "--models", action="store_true", help="this benchmark (how `gemmconv bench` routes)"
     )
@@ -373,23 +373,25 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+@reports_usage_errors("gemmconv bench --models")
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     device = bench_device(args.device)
-    if args.steps < 1 or args.warmup < 1:
-        raise SystemExit(f"--steps={args.steps} --warmup={args.warmup}: expected both >= 1")
+    for flag, value in (("--steps", args.steps), ("--warmup", args.warmup)):
+        if value < 1:
+            raise UsageError(f"{flag} {value}: expected a value >= 1")
     try:
         chosen = scenarios([n for n in args.scenarios.split(",") if n])
     except ValueError as e:
-        raise SystemExit(f"--scenarios: {e}") from None
+        raise UsageError(f"--scenarios: {e}") from None
     variants = [v for v in args.variants.split(",") if v]
     if not variants or any(v not in VARIANTS for v in variants):
-        raise SystemExit(
-            f"--variants={args.variants!r}: expected a comma list of {', '.join(VARIANTS)}"
+        raise UsageError(
+            f"--variants {args.variants}: expected a comma list of {', '.join(VARIANTS)}"
         )
     missing = [name for name, version in _versions().items() if version is None]
     if missing:
-        raise SystemExit(
+        raise UsageError(
             f"gemmconv bench --models builds timm and transformers models; "
             f"{', '.join(missing)} not installed (pip install 'gemmconv[models]')"
         )

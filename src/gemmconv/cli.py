@@ -66,7 +66,7 @@ CONV_DEFAULTS = {
     "batch": 100, "in_channels": 3, "in_h": 32, "in_w": 32, "out_channels": 32,
     "fil_h": 3, "fil_w": 3, "iterations": 10,
 }  # fmt: skip
-# The headline case: a point-output patch embedding (DESIGN.md §7).
+# The headline case: a point-output patch embedding (the suite's point2d case).
 DEMO_DEFAULTS = {
     "batch": 9500, "in_channels": 3, "in_h": 14, "in_w": 14, "out_channels": 1280,
     "fil_h": 14, "fil_w": 14, "stride_h": 14, "stride_w": 14, "iterations": 100,
@@ -267,11 +267,14 @@ class DirectionReport:
     solver: str
     reason: str
     source: str
-    time_ms: float | None = None
+    time_ms: float | None = None  # per call, back to back: what a caller pays
     min_ms: float | None = None
+    reps: int | None = None
+    device_ms: float | None = None  # the kernels' time alone, a diagnostic
     tflops: float | None = None
     gbs: float | None = None
     vendor_ms: float | None = None
+    vendor_device_ms: float | None = None
     speedup: float | None = None
     verified: bool = False
     ok: bool | None = None
@@ -329,25 +332,28 @@ def _foreseen_seconds(args, problems: list[ConvProblem], warmup: int) -> float:
 def run_direction(
     args, problem: ConvProblem, device: torch.device, choice, bar: Bar
 ) -> DirectionReport:
-    """Run, verify and time one direction with ``choice``'s solver and the vendor's,
-    advancing ``bar`` by one per convolution (as counted by ``_calls``)."""
-    from gemmconv.find import random_operands, result_like
+    """Run, verify and time one direction with ``choice``'s solver and the vendor's
+    (gemmconv.measure), advancing ``bar`` by one per convolution (as counted by
+    ``_calls``)."""
+    from gemmconv import measure
     from gemmconv.solvers import get_solver
-    from gemmconv.timing import time_ms
-    from gemmconv.verify import verify
 
     solver = get_solver(choice.solver)
-    tensors = random_operands(problem, device, seed=args.seed)
-    out = result_like(problem, tensors)
+    if args.time:  # on CUDA several sets, so the timed calls do not run from the L2 cache
+        sets = measure.operand_sets(problem, device, seed=args.seed)
+    else:
+        sets = [measure.operands(problem, device, seed=args.seed)]
+    tensors = sets[0]
     report = DirectionReport(
         problem.direction.value, problem.key(), choice.solver, choice.reason, choice.source
     )
-    if args.nan:
-        out.fill_(math.nan)  # an element the solver leaves unwritten fails verification
-    result = solver.run(problem, tensors, out=out)
+    judge = measure.Judge(problem, tensors) if args.verify else None
+    out = measure.result_like(problem, tensors)
+    _, verdict, _ = measure.run_checked(
+        problem, solver, tensors, out, judge, nan_fill=bool(args.nan)
+    )
     bar.update(1)
-    if args.verify:
-        verdict = verify(problem, tensors, result)
+    if verdict is not None:
         bar.update(2)
         report.verified, report.ok = True, verdict.ok
         report.rms, report.tol, report.vendor_rms = (
@@ -357,45 +363,44 @@ def run_direction(
         )
         report.verdict = str(verdict)
     if args.time:
-        warmup = _warmup(args, device)
+        policy = measure.TimingPolicy(warmup=_warmup(args, device), reps=args.iterations)
         counter = CallCounter(bar)
-        timing = time_ms(
-            lambda: solver.run(problem, tensors, out=out),
-            device=device,
-            warmup=warmup,
-            reps=args.iterations,
-            setup=counter,
-        )
+        call, device_time = measure.time_solver(problem, solver, sets, policy, setup=counter)
         counter.finish()
-        report.time_ms, report.min_ms = timing.median_ms, timing.min_ms
-        report.tflops = problem.flops() / timing.median_ms / 1e9
-        report.gbs = problem.min_bytes() / timing.median_ms / 1e6
+        report.time_ms, report.min_ms, report.reps = call.median_ms, call.min_ms, call.reps
+        report.device_ms = device_time.median_ms
+        report.tflops = problem.flops() / call.median_ms / 1e9
+        report.gbs = problem.min_bytes() / call.median_ms / 1e6
         if choice.solver == "vendor":
-            report.vendor_ms = timing.median_ms
+            report.vendor_ms, report.vendor_device_ms = report.time_ms, report.device_ms
         else:
             vendor = get_solver("vendor")
-            # The vendor allocates its own result, as it does inside torch.
-            report.vendor_ms = time_ms(
-                lambda: vendor.run(problem, tensors),
-                device=device,
-                warmup=warmup,
-                reps=args.iterations,
-                setup=counter,
-            ).median_ms
+            vendor_call, vendor_device = measure.time_solver(
+                problem, vendor, sets, policy, setup=counter
+            )
             counter.finish()
-        report.speedup = report.vendor_ms / timing.median_ms
+            report.vendor_ms, report.vendor_device_ms = (
+                vendor_call.median_ms,
+                vendor_device.median_ms,
+            )
+        report.speedup = report.vendor_ms / report.time_ms
     return report
 
 
-def _direction_lines(r: DirectionReport, reps: int) -> list[str]:
+def _direction_lines(r: DirectionReport, device: torch.device) -> list[str]:
     title = _DIRECTION_TITLES[Direction(r.direction)]
     lines = [f"{title}: solver {r.solver} ({r.reason})"]
     if r.time_ms is not None:
         lines.append(
-            f"  time {r.time_ms:.4f} ms (median of {reps}, min {r.min_ms:.4f})  "
+            f"  time {r.time_ms:.4f} ms a call (median of {r.reps}, min {r.min_ms:.4f})  "
             f"{r.tflops:.3g} TFLOP/s  {r.gbs:.3g} GB/s"
         )
-        lines.append(f"  vendor {r.vendor_ms:.4f} ms  speed-up {r.speedup:.2f}x")
+        if device.type == "cuda":  # on the CPU the two times are one measurement
+            lines.append(
+                f"  device time {r.device_ms:.4f} ms, vendor {r.vendor_device_ms:.4f} ms "
+                "(diagnostic: the kernels alone, host hidden)"
+            )
+        lines.append(f"  vendor {r.vendor_ms:.4f} ms a call  speed-up {r.speedup:.2f}x")
     if r.verified:
         lines.append(f"  {r.verdict}")
     return lines
@@ -443,7 +448,7 @@ def cmd_conv(args) -> int:
             report = run_direction(args, problem, device, choice, bar)
             reports.append(report)
             if not args.json:
-                for line in _direction_lines(report, args.iterations):
+                for line in _direction_lines(report, device):
                     bar.write(line)
     ok = all(r.ok is not False for r in reports)
     if args.json:
@@ -489,11 +494,12 @@ def _check_solver_id(solver_id: str) -> None:
 
 
 def cmd_solvers(args) -> int:
-    from gemmconv import dispatch
+    from gemmconv import device_rates, dispatch
     from gemmconv.solvers import SOLVERS
 
     device = _device(args)
     base = problem_from_args(args, device)
+    device_rates.prepare(device.type)
     rows = []
     for direction in _directions(args.forw):
         problem = base.with_direction(direction)
@@ -543,11 +549,11 @@ def _bytes_text(n: int) -> str:
 def _find_calls(problem: ConvProblem) -> Calls:
     """The convolutions a find on the CPU makes: each applicable solver once to check
     its result is written, then its warm-up and timed repetitions."""
-    from gemmconv.find import REPS
+    from gemmconv.measure import default_policy
     from gemmconv.solvers import SOLVERS
 
-    warmup, reps = REPS["cpu"]
-    each = 1 + warmup + reps
+    policy = default_policy("cpu")
+    each = 1 + policy.warmup + policy.reps
     applicable = [s.id for s in SOLVERS if s.is_applicable(problem)]
     vendor = "vendor" in applicable
     return Calls(gemm=each * (len(applicable) - vendor), vendor=each * vendor)
@@ -600,10 +606,14 @@ def cmd_tune(args) -> int:
 
 
 def _tune_result(problem: ConvProblem, choice) -> dict:
-    """The find winner beside what immediate mode would have run and how much slower
-    that is (the immediate pick's measured time over the winner's)."""
-    estimates = choice.estimates_ms
-    immediate = min(estimates, key=estimates.__getitem__)  # as dispatch.decide picks
+    """The find winner beside what immediate mode would have run among the same
+    candidates and how much slower that is (the immediate pick's measured call time
+    over the winner's)."""
+    from gemmconv import dispatch
+    from gemmconv.solvers import get_solver
+
+    candidates = [get_solver(sid) for sid in choice.estimates_ms]
+    immediate = dispatch.decide(problem, candidates).solver
     best_ms = choice.times_ms[choice.solver]
     immediate_ms = choice.times_ms.get(immediate)
     return {
@@ -611,6 +621,7 @@ def _tune_result(problem: ConvProblem, choice) -> dict:
         "solver": choice.solver,
         "time_ms": best_ms,
         "times_ms": choice.times_ms,
+        "device_times_ms": choice.device_times_ms,
         "immediate": immediate,
         "agrees": immediate == choice.solver,
         # A pick that failed in find counts as infinitely slow.

@@ -36,25 +36,22 @@ import dataclasses
 import enum
 import logging
 import os
-import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
 
+from gemmconv import device_rates
 from gemmconv.device_rates import DeviceRates
 from gemmconv.explanation import Explanation, choice_text, slower_than
+from gemmconv.finddb import DATABASE_ERRORS
 from gemmconv.precision import convolutions_allow_tf32
 from gemmconv.problem import DIRECTIONS, ConvProblem
 from gemmconv.solvers import SOLVERS, Solver, get_solver
 from gemmconv.solvers.base import determinism_state
 
 log = logging.getLogger("gemmconv.dispatch")
-
-# What a find-database call may raise that must not stop a convolution: sqlite errors
-# (locked past the busy timeout, disk full, I/O), file errors, a record refused.
-DATABASE_ERRORS = (sqlite3.Error, OSError, ValueError)
 
 
 class SolverNotApplicable(RuntimeError):
@@ -75,7 +72,9 @@ class Choice:
     """The outcome of selection for one problem.
 
     ``source`` says where the decision came from: "estimate", "database", "find",
-    "forced" or "rank 0"; ``times_ms`` holds the measured candidates of a find."""
+    "forced" or "rank 0". A find fills ``times_ms`` with each measured candidate's
+    call time, which decided, and ``device_times_ms`` with its device time (a
+    diagnostic; gemmconv.measure says how each is taken)."""
 
     solver: str
     rejected: dict[str, list[str]]
@@ -84,6 +83,7 @@ class Choice:
     mode: str = FindMode.IMMEDIATE.value
     source: str = "estimate"
     times_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    device_times_ms: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         return f"{self.solver} ({self.reason})"
@@ -295,11 +295,11 @@ def _decide_by_find(problem: ConvProblem, estimated: Choice, store: bool) -> Cho
     for cand in result.candidates:
         if cand.solver == result.best:
             continue
-        if cand.time_ms is None:
+        if not cand.ok:
             rejected[cand.solver] = [f"skipped in find: {cand.skipped}"]
         else:
             rejected[cand.solver] = [
-                slower_than("measured", cand.time_ms, result.best_ms, result.best)
+                slower_than("measured", cand.call_ms, result.best_ms, result.best)
             ]
     if store:
         record = finddb.Record(
@@ -318,9 +318,11 @@ def _decide_by_find(problem: ConvProblem, estimated: Choice, store: bool) -> Cho
         estimated,
         solver=result.best,
         rejected=rejected,
-        reason=f"fastest in find, {result.best_ms:.4g} ms",
+        reason=f"fastest in find, {result.best_ms:.4g} ms a call "
+        f"({result.best_device_ms:.4g} ms device time)",
         source="find",
         times_ms=result.times_ms(),
+        device_times_ms=result.device_times_ms(),
     )
 
 
@@ -408,6 +410,9 @@ def choose(problem: ConvProblem, solver: str | None = None) -> Choice:
     key = (problem, state)
     choice = _cache.get(key)
     if choice is None:
+        # A device the cost table does not know is calibrated here, before selection,
+        # so that estimating stays pure.
+        device_rates.prepare(problem.device_type)
         choice = _decide_collectively(problem, state.mode, state.forced, state.disabled)
         with _lock:
             _cache[key] = choice

@@ -52,6 +52,10 @@ except ImportError:  # not POSIX: recovery relies on its re-checks alone
 
 log = logging.getLogger("gemmconv.finddb")
 
+# What a database call may raise that must not stop a convolution: sqlite errors
+# (locked past the busy timeout, disk full, I/O), file errors, a record refused.
+DATABASE_ERRORS = (sqlite3.Error, OSError, ValueError)
+
 SCHEMA_VERSION = 1
 BUSY_TIMEOUT_MS = 30_000
 IN_MEMORY = ":memory:"
@@ -750,6 +754,7 @@ def reset_db() -> None:
 
 
 __all__ = [
+    "DATABASE_ERRORS",
     "FindDb",
     "FindDbError",
     "FindDbWarning",

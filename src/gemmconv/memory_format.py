@@ -158,21 +158,6 @@ def has_strides_of(t: torch.Tensor, layout: Layout) -> bool:
     return all(a == b for a, b, n in zip(t.stride(), want, t.shape) if n != 1)
 
 
-def to_layout(t: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """``t`` dense in ``layout``; returns ``t`` itself when it already is."""
-    if layout is Layout.CHANNELS_FIRST:
-        return t.contiguous()
-    if t.movedim(1, -1).is_contiguous():
-        return t
-    return t.movedim(1, -1).contiguous().movedim(-1, 1)
-
-
-def is_dense_in(t: torch.Tensor, layout: Layout) -> bool:
-    if layout is Layout.CHANNELS_FIRST:
-        return t.is_contiguous()
-    return t.movedim(1, -1).is_contiguous()
-
-
 def empty_in(
     shape: Sequence[int], layout: Layout, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
@@ -181,11 +166,6 @@ def empty_in(
         return torch.empty(tuple(shape), dtype=dtype, device=device)
     n, c, *spatial = shape
     return torch.empty((n, *spatial, c), dtype=dtype, device=device).movedim(-1, 1)
-
-
-def channels_last_view(t: torch.Tensor) -> torch.Tensor:
-    """[N, C, S..] -> [N, S.., C] as a view (dense when ``t`` is channels-last)."""
-    return t.movedim(1, -1)
 
 
 # ---- weight memory formats (convert(memory_format=), gemmconv.nn's memory_format=) ----

@@ -1,19 +1,26 @@
-"""Device-correct timing of a callable: warm-up, one measurement per repetition, median.
+"""Timing of a callable, two ways: device time and the time of back-to-back calls.
 
-On CUDA each repetition is bracketed by a pair of events on the current stream, so the
-time is the GPU's own time for the kernels the callable launched, each launch counted
-once. Between repetitions, outside the timed region, the L2 cache is flushed by
-writing a buffer larger than it, so every repetition reads its operands from memory as
-a real step of a model would. On the CPU each repetition is timed with
+``time_ms`` measures device time (a diagnostic): warm-up, one measurement per
+repetition, median. On CUDA each repetition is bracketed by a pair of events on the
+current stream, so the time is the GPU's own time for the kernels the callable
+launched, each launch counted once. Between repetitions, outside the timed region,
+the L2 cache is flushed by writing a buffer larger than it, so every repetition reads
+its operands from memory as a real step of a model would. On the CPU each repetition is timed with
 ``time.perf_counter`` and nothing is flushed.
 
 On CUDA a spin kernel is queued ahead of each timed repetition, long enough to cover
 twice the host time of one call (measured once after the warm-up), so the events see
-the device's time and not Python's launch overhead; host time is measured apart
-(bench/overhead.py).
+the device's time and not Python's launch overhead. ``setup`` runs before every
+repetition (and warm-up call), outside the timed region: use it to reset an output
+or rotate inputs.
 
-``setup`` runs before every repetition (and warm-up call), outside the timed region:
-use it to reset an output or rotate inputs.
+``time_interleaved`` measures what a caller pays: each repetition times a block of
+``k`` back-to-back calls of one callable and divides by ``k``; nothing runs ahead of
+the block (the device is idle when the first call is launched) and nothing
+synchronises inside it, so the host's launch work counts as it does for a user. On
+CUDA the block is bracketed by two events, on the CPU by time.perf_counter. Several
+callables are interleaved repetition by repetition, their order rotating, so none
+always runs first; each may rotate over several operand sets.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -179,4 +186,85 @@ def _flush_buffer(index: int) -> torch.Tensor:
     return buffer
 
 
-__all__ = ["Timing", "time_ms"]
+# ---- back-to-back calls ------------------------------------------------------------
+
+# A block of back-to-back calls lasts about this long by default (calls of one callable
+# per repetition, between the bounds below).
+DEFAULT_BLOCK_MS = {"cuda": 5.0, "cpu": 20.0}
+_CALLS_PER_BLOCK = (1, 100)
+
+
+def time_interleaved(
+    calls: dict[str, Sequence[Callable[[], object]]],
+    device: torch.device,
+    *,
+    reps: int,
+    warmup: int = 2,
+    calls_per_rep: int | None = None,
+    block_ms: float | None = None,
+) -> dict[str, Timing]:
+    """Per name, milliseconds per call: ``reps`` repetitions of a block of back-to-back
+    calls (rotating over that name's callables, one per operand set), the names
+    interleaved. A block holds ``calls_per_rep`` calls, else as many as last about
+    ``block_ms`` (default DEFAULT_BLOCK_MS), judged from one synchronised pass."""
+    if reps < 1:
+        raise ValueError(f"reps={reps}: expected at least 1")
+    if warmup < 0:
+        raise ValueError(f"warmup={warmup}: expected 0 or more")
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for fns in calls.values():
+        for _ in range(warmup):
+            for fn in fns:
+                fn()
+    target_ms = block_ms if block_ms is not None else DEFAULT_BLOCK_MS[device.type]
+    block = {name: calls_per_rep or _calls_per_block(fns, target_ms, sync)
+             for name, fns in calls.items()}  # fmt: skip
+    names = list(calls)
+    marks: dict[str, list] = {name: [] for name in names}
+    for rep in range(reps):
+        shift = rep % len(names)  # rotate the order: no callable always runs first
+        for name in names[shift:] + names[:shift]:
+            fns, k = calls[name], block[name]
+            sync()  # the device is idle: no head start for the block
+            if cuda:
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                start.record()
+                for i in range(k):
+                    fns[i % len(fns)]()
+                end.record()
+                marks[name].append((start, end))
+            else:
+                begin = time.perf_counter()
+                for i in range(k):
+                    fns[i % len(fns)]()
+                marks[name].append((begin, time.perf_counter()))
+    sync()
+    result = {}
+    for name in names:
+        k = block[name]
+        if cuda:
+            samples = tuple(s.elapsed_time(e) / k for s, e in marks[name])
+        else:
+            samples = tuple((e - s) * 1000.0 / k for s, e in marks[name])
+        result[name] = Timing.from_samples(samples)
+    return result
+
+
+def _calls_per_block(fns: Sequence[Callable[[], object]], target_ms: float, sync) -> int:
+    """Calls that fill a block of about ``target_ms``, from one synchronised pass."""
+    sync()
+    begin = time.perf_counter()
+    for fn in fns:
+        fn()
+    sync()
+    per_call_ms = (time.perf_counter() - begin) * 1000.0 / len(fns)
+    low, high = _CALLS_PER_BLOCK
+    return min(high, max(low, round(target_ms / max(per_call_ms, 1e-6))))
+
+
+__all__ = ["DEFAULT_BLOCK_MS", "Timing", "time_interleaved", "time_ms"]

@@ -9,7 +9,9 @@ caller prints that one line (never argparse's usage block) and picks the status.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
+from collections.abc import Callable
 
 USAGE_EXIT_STATUS = 2
 
@@ -52,4 +54,28 @@ def report_usage_error(error: UsageError, prog: str) -> int:
     return USAGE_EXIT_STATUS
 
 
-__all__ = ["USAGE_EXIT_STATUS", "HelpFormatter", "Parser", "UsageError", "report_usage_error"]
+def reports_usage_errors(prog: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
+    """Decorate a command's ``main`` so that a UsageError it raises is reported as one
+    line under ``prog`` and becomes its exit status 2."""
+
+    def decorate(main: Callable[..., int]) -> Callable[..., int]:
+        @functools.wraps(main)
+        def checked(*args, **kwargs) -> int:
+            try:
+                return main(*args, **kwargs)
+            except UsageError as e:
+                return report_usage_error(e, prog)
+
+        return checked
+
+    return decorate
+
+
+__all__ = [
+    "USAGE_EXIT_STATUS",
+    "HelpFormatter",
+    "Parser",
+    "UsageError",
+    "report_usage_error",
+    "reports_usage_errors",
+]

@@ -148,10 +148,6 @@ def bias_grad(grad_output: torch.Tensor, out_channels: int | None = None) -> tor
     return grad_output.sum(dim=dims, dtype=acc).to(grad_output.dtype)
 
 
-def numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
-
-
 def gemm_into(
     dest: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
