@@ -96,11 +96,13 @@ def test_matches_torch(case, layout, bias):
 @pytest.mark.parametrize("case", [c for c in CASES if c[5]], ids=[c[0] for c in CASES if c[5]])
 def test_eligible_problems_go_to_their_gemm_solver(case, monkeypatch):
     # Whether a GEMM beats the vendor depends on size (on a tiny problem the vendor's
-    # single launch wins); with the vendor out of the way, an eligible problem must
-    # go to the GEMM solver of its class, which no applicability rule refuses.
+    # single launch wins): with the vendor out of the way and a batch large enough
+    # that work, not launches, decides, an eligible problem must go to the GEMM
+    # solver of its class. explain() runs nothing, so the tensors hold no data.
     monkeypatch.setenv("GEMMCONV_DISABLE", "vendor")
     _, dims, xs, ws, kw, expected = case
-    choice = gemmconv.explain(_rand(*xs), _rand(*ws), None, **kw)
+    x = torch.empty(256, *xs[1:])
+    choice = gemmconv.explain(x, torch.empty(ws), None, **kw)
     assert set(choice) == {"forward", "backward_data", "backward_weights"}
     for direction in choice.values():
         assert direction.solver == expected

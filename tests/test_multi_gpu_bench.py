@@ -210,7 +210,9 @@ def test_the_linear_variant_rewrites_the_patch_embed_with_its_own_parameters():
     x = torch.rand(2, 3, 32, 32)
     with torch.no_grad():
         expected = model(x)
-    assert multi_gpu.apply_variant("linear", model) == "patch_embed.proj -> reshape + F.linear"
+    assert (
+        multi_gpu.apply_variant("linear", model, "ddp") == "patch_embed.proj -> reshape + F.linear"
+    )
     assert isinstance(model.patch_embed.proj, LinearPatchEmbed)
     assert model.patch_embed.proj.weight is weight and model.patch_embed.proj.bias is bias
     with torch.no_grad():
@@ -219,4 +221,4 @@ def test_the_linear_variant_rewrites_the_patch_embed_with_its_own_parameters():
 
 def test_the_linear_variant_is_not_available_without_a_patch_convolution():
     with pytest.raises(multi_gpu.VariantNotAvailable, match="Linear has no patch convolution"):
-        multi_gpu.apply_variant("linear", torch.nn.Linear(2, 2))
+        multi_gpu.apply_variant("linear", torch.nn.Linear(2, 2), "ddp")

@@ -291,7 +291,7 @@ def test_rows_path_chunks_where_a_small_limit_is_exceeded_interpreted(direction,
     assert p.largest_operand_bytes() < rows_path.CHUNK_ABOVE_BYTES
     assert rows_path.chunk_samples(p, ld) == 2
     assert solver.gemm_launches(p) == 3 * 2
-    case = (solver, g, 2, Layout.CHANNELS_FIRST, torch.float32, direction)
+    case = (solver, "patch", g, 2, Layout.CHANNELS_FIRST, torch.float32, direction)
     check_case(case, "cpu", seed=zlib.crc32(repr(("small limit", direction)).encode()))
 
 

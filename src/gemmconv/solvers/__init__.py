@@ -16,9 +16,10 @@ from gemmconv.solvers.vendor import VendorSolver
 
 SOLVERS: tuple[Solver, ...] = (
     PointOutputSolver(),
-    PatchSolver(),
+    # Ahead of patch: on a 1x1 stride-1 kernel, which both take, their costs can tie.
     PointwiseSolver(),
     StridedPointwiseSolver(),
+    PatchSolver(),
     PaddedPatchSolver(),
     TritonPatchSolver(),
     ImplicitPatchSolver(),

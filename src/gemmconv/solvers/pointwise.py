@@ -82,7 +82,9 @@ class PointwiseSolver(Solver):
         )
 
     def _rows_copy_bytes(self, p: ConvProblem) -> int:
-        return p.gemm_m * (p.k + p.c) * p.element_size
+        # dY to rows, and x unless its subsample copy already is those rows.
+        channels = p.k if self.subsample_is_copied(p) else p.k + p.c
+        return p.gemm_m * channels * p.element_size
 
     def workspace_bytes(self, p: ConvProblem) -> int:
         ws = self._x_rows_bytes(p) if self.subsample_is_copied(p) else 0
