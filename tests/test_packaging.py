@@ -35,3 +35,5 @@ def test_the_extras_hold_what_the_readme_and_the_bench_use():
     assert "matplotlib" in extras["bench"]  # gemmconv bench's png
     # The tests import the model libraries and Triton (which torch's CPU build lacks).
     assert {"pytest", "hypothesis", "ruff", "gemmconv[models,bench]", "triton"} <= extras["test"]
+    # The export tests write ONNX with both of torch's exporters and run it.
+    assert {"onnx", "onnxscript", "onnxruntime"} <= extras["test"]
