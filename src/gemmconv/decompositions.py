@@ -23,8 +23,6 @@ weight (channels-last from torch's CPU convolution, contiguous from gemmconv).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch._C import DispatchKey
 
@@ -36,15 +34,7 @@ import gemmconv.ops  # noqa: F401  (defines the ops decomposed here)
 _exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 
 
-def _forward(
-    input: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
-) -> torch.Tensor:
+def _forward(input, weight, bias, stride, padding, dilation, groups):
     if not _exporting():
         return NotImplemented
     no_output_padding = [0] * len(stride)
@@ -53,16 +43,11 @@ def _forward(
     )
 
 
+# The backward ops' channels_last flag chose gemmconv's problem layout; the aten forms
+# choose their own from their operands, so they leave it unread.
 def _backward_data(
-    grad_output: torch.Tensor,
-    weight: torch.Tensor,
-    input_size: Sequence[int],
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
-    channels_last: bool,
-) -> torch.Tensor:
+    grad_output, weight, input_size, stride, padding, dilation, groups, channels_last
+):
     if not _exporting():
         return NotImplemented
     # The transposed convolution's output size is fixed up to the input positions the
@@ -81,15 +66,8 @@ def _backward_data(
 
 
 def _backward_weights(
-    grad_output: torch.Tensor,
-    input: torch.Tensor,
-    weight_size: Sequence[int],
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
-    channels_last: bool,
-) -> torch.Tensor:
+    grad_output, input, weight_size, stride, padding, dilation, groups, channels_last
+):
     if not _exporting():
         return NotImplemented
     # convolution_backward reads the weight only for its shape when it computes just
