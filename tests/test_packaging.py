@@ -29,6 +29,12 @@ def test_a_plain_install_brings_numpy():
     assert {"torch", "tqdm", "numpy"} <= _names(PROJECT["dependencies"])
 
 
+def test_the_test_extra_holds_what_the_onnx_export_tests_use():
+    # tests/test_export.py writes ONNX with both of torch's exporters and runs it.
+    test_extra = _names(PROJECT["optional-dependencies"]["test"])
+    assert {"onnx", "onnxscript", "onnxruntime"} <= test_extra
+
+
 def test_the_extras_hold_what_the_readme_and_the_bench_use():
     extras = {name: _names(reqs) for name, reqs in PROJECT["optional-dependencies"].items()}
     assert {"timm", "transformers"} <= extras["models"]  # the README's model examples

@@ -6,7 +6,8 @@ traceable Python. In plain eager code the convolution takes the eager road
 ``gemmconv::conv_forward`` custom op, whose autograd formula (gemmconv.autograd) runs
 the two backward ops, and while a torch.func transform or a forward-AD level is
 active the same op runs through gemmconv.func_transforms, which has the rules those
-need.
+need. Operands with a ``__torch_function__`` (fx's symbolic-tracing Proxy among them)
+and torch-function modes see the public function first, as they see F.conv*.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 import gemmconv.autograd  # noqa: F401  (registers the forward op's backward)
-from gemmconv import eager, func_transforms
+import gemmconv.decompositions  # noqa: F401  (registers the ops' aten forms for export)
+from gemmconv import eager, func_transforms, onnx_symbolic
 from gemmconv.dispatch import Choice, explain_problem
 from gemmconv.problem import ConvProblem
 from gemmconv.transform_state import transforms_active
@@ -83,6 +86,14 @@ def _autocast(*tensors: torch.Tensor | None, device_type: str) -> list[torch.Ten
 
 
 def _conv(dims, input, weight, bias, stride, padding, dilation, groups) -> torch.Tensor:
+    if has_torch_function_variadic(input, weight, bias):
+        # As F.conv* do: fx's symbolic tracing records the public function as one node
+        # (its Proxy has no shapes to run the rest with), and __torch_function__
+        # subclasses and modes see it too.
+        return handle_torch_function(
+            _PUBLIC[dims], (input, weight, bias), input, weight, bias, stride, padding,
+            dilation, groups,
+        )  # fmt: skip
     tensors = isinstance(input, torch.Tensor) and isinstance(weight, torch.Tensor)
     if tensors and (bias is None or isinstance(bias, torch.Tensor)):
         device_type = "cuda" if input.is_cuda else input.device.type
@@ -100,6 +111,7 @@ def _conv(dims, input, weight, bias, stride, padding, dilation, groups) -> torch
         input = input.unsqueeze(0)
     if args.input_padding:
         input = F.pad(input, args.input_padding)
+    onnx_symbolic.register_if_tracing()
     convolve = (
         func_transforms.conv_forward if transforms_active() else torch.ops.gemmconv.conv_forward
     )
@@ -179,6 +191,9 @@ def conv3d(
     which solver runs each direction and why.
     """
     return _conv(3, input, weight, bias, stride, padding, dilation, groups)
+
+
+_PUBLIC = {1: conv1d, 2: conv2d, 3: conv3d}
 
 
 def explain(

@@ -56,13 +56,31 @@ class _GemmConvMixin:
         self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         input, padding = self._padded(input)
-        if not torch.compiler.is_compiling() and not transforms_active():
-            # Remember the input's metadata for solvers(); skipped while tracing,
-            # where it would be a side effect on a symbolic shape, and under torch.func
-            # transforms, which run other problems (vmap folds its batch in).
+        if (
+            not torch.compiler.is_compiling()
+            and not transforms_active()
+            and isinstance(input, torch.Tensor)
+            and not input.is_meta
+        ):
+            # Remember the input's metadata for solvers(); skipped while compiling,
+            # where it would be a side effect on a symbolic shape, under torch.func
+            # transforms, which run other problems (vmap folds its batch in), for fx's
+            # symbolic tracing, whose Proxy has no metadata, and on the meta device,
+            # where no solver runs.
             self._gemmconv_last_input = _SeenInput.of(input)
         return self._gemmconv_fn(
             input, weight, bias, self.stride, padding, self.dilation, self.groups
+        )
+
+    def __prepare_scriptable__(self) -> torch.nn.Module:
+        # torch.jit.script calls this on every submodule before compiling any; a clear
+        # error here beats TorchScript's complaint about the first annotation it meets.
+        raise RuntimeError(
+            f"torch.jit.script cannot compile gemmconv.nn.{type(self).__name__} ({self!r}): "
+            "its convolution runs gemmconv's Python solvers, which TorchScript cannot "
+            "compile. Call gemmconv.revert(model) first to script torch's own "
+            "convolution, or use torch.jit.trace, torch.compile or torch.export, which "
+            "record gemmconv's ops."
         )
 
     def solvers(self, input: torch.Tensor | None = None) -> dict[str, Choice]:

@@ -10,7 +10,8 @@ and asks dispatch for its solver, so solver selection happens when the op runs, 
 any traced graph: a compiled graph holds the op, not a solver, and a new batch size is a
 new dispatch-cache entry, never a recompilation. The fake implementations give the
 shapes and strides the real ones return (the layout F.conv* gives), and the real ones
-guarantee those strides, which compiled code relies on.
+guarantee those strides, which compiled code relies on. gemmconv.decompositions gives
+each op its aten form, which exported programs turn to for portability.
 
 The backward ops take the problem layout as a flag because the forward decides it from
 both operands (channels-last when the input or the weight is), and the backward has only
