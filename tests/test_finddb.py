@@ -401,7 +401,9 @@ def test_a_newer_schema_is_left_in_place_and_not_read(tmp_path):
     with pytest.warns(FindDbWarning, match="schema version '2'.*left in place") as caught:
         assert db.lookup("2d-a", HERE) is None  # its rows mean something else
         db.store(_record("2d-b"))
-    assert len(caught) == 1 and db.in_memory
+    # Only gemmconv's own warnings count: a ResourceWarning of another test's connection
+    # collected meanwhile may be caught here too.
+    assert sum(issubclass(w.category, FindDbWarning) for w in caught) == 1 and db.in_memory
     assert path.read_bytes() == before and not list(tmp_path.glob("*.corrupt-*"))
     with pytest.raises(finddb.FindDbError, match="schema version"):
         FindDb(path, strict=True).records()

@@ -59,7 +59,7 @@ def test_vendor_accepts_everything():
 
 
 def test_core_solver_ids_keep_their_registry_order():
-    core = ["point_output", "patch", "pointwise", "strided_pointwise", "im2col", "vendor"]
+    core = ["point_output", "pointwise", "strided_pointwise", "patch", "im2col", "vendor"]
     assert [s.id for s in SOLVERS if s.id in core] == core
     assert SOLVERS[-1].id == "vendor"
 
