@@ -64,6 +64,15 @@ def work_costs_only(monkeypatch):
                         launch_us=0.0, host_launch_us=0.0))  # fmt: skip
 
 
+def find_db_warnings(caught) -> int:
+    """How many of the warnings a ``pytest.warns`` block caught are the find database's
+    own: a ResourceWarning of another test's connection, collected meanwhile, may be
+    caught there too."""
+    from gemmconv.finddb import FindDbWarning
+
+    return sum(issubclass(w.category, FindDbWarning) for w in caught)
+
+
 def random_in(shape, layout: Layout, dtype, device, generator) -> torch.Tensor:
     """Uniform(-1, 1) values (never zeros) dense in ``layout``."""
     t = empty_in(shape, layout, torch.float32, device)
