@@ -1,9 +1,9 @@
-"""A converted model goes where a torch model goes: torch.export keeps gemmconv's ops
-(for speed) until ``run_decompositions()`` turns them into aten convolutions (for
-portability: the saved program then loads without gemmconv), both ONNX exporters
-write standard Conv nodes, fx's symbolic tracing and the meta device work, jit
-tracing, make_fx and torch.compile record the ops, and torch.jit.script refuses a
-converted convolution with what to do instead."""
+"""A converted model goes where a torch model goes: torch.export records aten
+convolutions (portable: the saved program loads without gemmconv), the ops' own aten
+forms make a graph that calls them directly portable, torch.compile (inductor
+included) keeps the ops, both ONNX exporters write standard Conv nodes, fx's symbolic
+tracing and the meta device work, jit tracing and make_fx record the ops, and
+torch.jit.script refuses a converted convolution with what to do instead."""
 
 from __future__ import annotations
 
@@ -63,29 +63,35 @@ def _targets(graph: torch.fx.Graph) -> set:
 
 
 @pytest.mark.parametrize("memory_format", [None, torch.channels_last], ids=["cf", "cl"])
-def test_export_keeps_the_ops_and_run_decompositions_removes_them(memory_format):
+def test_export_records_portable_aten_convolutions(memory_format):
     model = _torch_model()
     converted = _converted(model, memory_format=memory_format)
     x = _input()
     with torch.no_grad():
         want = model(x)
-
     ep = torch.export.export(converted, (x,))
-    assert torch.ops.gemmconv.conv_forward.default in _targets(ep.graph)
-    torch.testing.assert_close(ep.module()(x), want)
+    for program in (ep, ep.run_decompositions()):
+        targets = _targets(program.graph)
+        assert not targets & GEMMCONV_OPS
+        assert torch.ops.aten.convolution.default in targets
+        torch.testing.assert_close(program.module()(x), want)
 
-    # An empty table, or the default one without gemmconv's ops, keeps them.
-    assert torch.ops.gemmconv.conv_forward.default in _targets(ep.run_decompositions({}).graph)
-    table = torch.export.default_decompositions()
-    for op in GEMMCONV_OPS:
-        del table[op]
-    assert torch.ops.gemmconv.conv_forward.default in _targets(ep.run_decompositions(table).graph)
 
-    portable = ep.run_decompositions()
-    targets = _targets(portable.graph)
-    assert not targets & GEMMCONV_OPS
-    assert torch.ops.aten.convolution.default in targets
-    torch.testing.assert_close(portable.module()(x), want)
+def test_inductor_compiles_a_converted_model_and_keeps_the_ops(monkeypatch):
+    # An aten form registered as the ops' CompositeImplicitAutograd kernel made inductor
+    # refuse them ("both a fallback and a decomp for same op"); the ops must stay
+    # opaque to it and run.
+    converted = _converted(_torch_model())
+    x = _input().requires_grad_()
+    ran = []
+    original = gemmconv.ops.run_forward
+    monkeypatch.setattr(gemmconv.ops, "run_forward", lambda *a: ran.append(1) or original(*a))
+    compiled = torch.compile(converted, fullgraph=True)
+    y = compiled(x)
+    y.sum().backward()
+    with torch.no_grad():
+        torch.testing.assert_close(y, converted(x), rtol=1e-5, atol=1e-6)
+    assert ran, "the compiled graph did not run gemmconv's forward"
 
 
 class _CallOp(torch.nn.Module):
@@ -133,9 +139,12 @@ def test_each_ops_decomposition_computes_the_op(case, channels_last):
             (list(w_shape), *conv_args, channels_last),
         ),
     }
+    portable_table = {**torch.export.default_decompositions(), **gemmconv.decompositions.table()}
     for name, (op, tensors, arguments) in calls.items():
         module = _CallOp(op, *arguments)
-        portable = torch.export.export(module, tensors).run_decompositions()
+        ep = torch.export.export(module, tensors)
+        assert op in _targets(ep.graph), name  # the op itself, called directly, stays
+        portable = ep.run_decompositions(portable_table)
         assert not _targets(portable.graph) & GEMMCONV_OPS, name
         torch.testing.assert_close(
             portable.module()(*tensors), op(*tensors, *arguments), rtol=1e-12, atol=1e-12

@@ -227,7 +227,7 @@ def run_row(
                     for s in applicable]  # fmt: skip
         del out, sets
         immediate = dispatch.decide(p).solver
-        gathers = measure_gathers(p, t, device, timing)
+        gathers = measure_gathers(p, t, device, policy)
         public = api_times(p, device, reps=api["reps"], block_ms=api["block_ms"], seed=seed)
     del judge
     by_id = {m.solver: m for m in measured}
@@ -292,7 +292,7 @@ def _candidate_record(m: Measurement) -> dict:
     }
 
 
-def measure_gathers(p: ConvProblem, t: ConvTensors, device: torch.device, timing: dict):
+def measure_gathers(p: ConvProblem, t: ConvTensors, device: torch.device, policy: TimingPolicy):
     """Lever 3 in isolation: the patch gather x -> padded column buffer, by torch's
     permuted-view copy and by the Triton kernel, in ms and TB/s (bytes read plus
     written). None where it does not apply (not a forward patch problem on CUDA)."""
@@ -318,7 +318,10 @@ def measure_gathers(p: ConvProblem, t: ConvTensors, device: torch.device, timing
     out = {"bytes": moved}
     for name, solver in (("torch", PaddedPatchSolver()), ("triton", triton)):
         gather = solver.columns.gather
-        ms = time_ms(lambda g=gather: g(t.input, p, ld), device=device, **timing).median_ms
+        ms = time_ms(
+            lambda g=gather: g(t.input, p, ld), device=device, warmup=policy.warmup,
+            reps=policy.reps,
+        ).median_ms  # fmt: skip
         out[f"{name}_ms"] = ms
         out[f"{name}_tbs"] = moved / (ms * 1e9)
     return out

@@ -1,9 +1,4 @@
-"""The three custom ops in terms of aten convolutions, for exported programs.
-
-A program from ``torch.export`` keeps the ``gemmconv::`` ops, so it runs gemmconv's
-solvers, and loading it needs gemmconv imported. ``ep.run_decompositions()`` (and the
-ONNX exporter, which runs it) replaces them by the aten ops below, so the program
-loads and runs anywhere torch does, and ONNX gets a standard Conv node:
+"""The three custom ops in terms of aten convolutions: the portable form of a graph.
 
 - ``conv_forward`` -> ``aten.convolution``
 - ``conv_backward_data`` -> ``aten.convolution`` transposed, which is the gradient of
@@ -11,32 +6,29 @@ loads and runs anywhere torch does, and ONNX gets a standard Conv node:
 - ``conv_backward_weights`` -> ``aten.convolution_backward`` with only the weight's
   gradient asked for (the weight itself is then read for its shape alone)
 
-Each is registered as the op's CompositeImplicitAutograd kernel in the Python
-dispatcher, the kernel torch.export's default decomposition table picks up for a
-custom op. Tracers outside export (torch.compile, make_fx, fake tensors, flop
-counters) consult that kernel too; for them it declines (returns NotImplemented), so
-their graphs keep gemmconv's ops and the speed of its solvers. Under export, fake
-tensors also take the forward's output metadata from its aten form, whose shapes and
-strides are the fake implementation's except for a 1-D problem with a transposed
-weight (channels-last from torch's CPU convolution, contiguous from gemmconv).
+Under ``torch.export`` gemmconv.functional records the forward in this aten form, so an
+exported program (and the ONNX model the dynamo exporter makes of it) holds no
+gemmconv op and loads wherever torch does. The functions are not registered as the
+ops' CompositeImplicitAutograd kernels: inductor puts every such kernel in its
+decomposition table and then refuses the op's fallback ("both a fallback and a decomp
+for same op"), which broke torch.compile. A graph that calls the ops themselves is
+made portable with ``ep.run_decompositions({**torch.export.default_decompositions(),
+**gemmconv.decompositions.table()})``.
 """
 
 from __future__ import annotations
 
 import torch
-from torch._C import DispatchKey
 
 import gemmconv.ops  # noqa: F401  (defines the ops decomposed here)
 
-# Whether the op is being traced by torch.export, the one place where the portable
-# graph is wanted (``ep.run_decompositions()`` and ONNX export included). An older
-# torch without the flag keeps the ops everywhere.
-_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+# Whether torch.export is tracing, the one place where the portable graph is wanted;
+# an older torch without the flag keeps the ops everywhere.
+exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 
 
-def _forward(input, weight, bias, stride, padding, dilation, groups):
-    if not _exporting():
-        return NotImplemented
+def conv_forward(input, weight, bias, stride, padding, dilation, groups):
+    """``gemmconv::conv_forward`` as ``aten.convolution``."""
     no_output_padding = [0] * len(stride)
     return torch.ops.aten.convolution.default(
         input, weight, bias, stride, padding, dilation, False, no_output_padding, groups
@@ -45,11 +37,10 @@ def _forward(input, weight, bias, stride, padding, dilation, groups):
 
 # The backward ops' channels_last flag chose gemmconv's problem layout; the aten forms
 # choose their own from their operands, so they leave it unread.
-def _backward_data(
+def conv_backward_data(
     grad_output, weight, input_size, stride, padding, dilation, groups, channels_last
 ):
-    if not _exporting():
-        return NotImplemented
+    """``gemmconv::conv_backward_data`` as a transposed ``aten.convolution``."""
     # The transposed convolution's output size is fixed up to the input positions the
     # forward's stride skipped at the far end; output_padding adds them back (always
     # fewer than the stride, as aten requires).
@@ -65,11 +56,10 @@ def _backward_data(
     )
 
 
-def _backward_weights(
+def conv_backward_weights(
     grad_output, input, weight_size, stride, padding, dilation, groups, channels_last
 ):
-    if not _exporting():
-        return NotImplemented
+    """``gemmconv::conv_backward_weights`` as ``aten.convolution_backward``."""
     # convolution_backward reads the weight only for its shape when it computes just
     # the weight's gradient; an uninitialised tensor of that shape (as small as the
     # result) stands in for it.
@@ -82,10 +72,10 @@ def _backward_weights(
     return grad_weight
 
 
-_DECOMPOSITIONS = {
-    torch.ops.gemmconv.conv_forward.default: _forward,
-    torch.ops.gemmconv.conv_backward_data.default: _backward_data,
-    torch.ops.gemmconv.conv_backward_weights.default: _backward_weights,
-}
-for _op, _decomposition in _DECOMPOSITIONS.items():
-    _op.py_impl(DispatchKey.CompositeImplicitAutograd)(_decomposition)
+def table() -> dict:
+    """The ops' aten forms as a decomposition table (op overload -> function)."""
+    return {
+        torch.ops.gemmconv.conv_forward.default: conv_forward,
+        torch.ops.gemmconv.conv_backward_data.default: conv_backward_data,
+        torch.ops.gemmconv.conv_backward_weights.default: conv_backward_weights,
+    }

@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 import gemmconv.autograd  # noqa: F401  (registers the forward op's backward)
-import gemmconv.decompositions  # noqa: F401  (registers the ops' aten forms for export)
-from gemmconv import eager, func_transforms, onnx_symbolic
+from gemmconv import decompositions, eager, func_transforms, onnx_symbolic
 from gemmconv.dispatch import Choice, explain_problem
 from gemmconv.problem import ConvProblem
 from gemmconv.transform_state import transforms_active
@@ -112,9 +111,12 @@ def _conv(dims, input, weight, bias, stride, padding, dilation, groups) -> torch
     if args.input_padding:
         input = F.pad(input, args.input_padding)
     onnx_symbolic.register_if_tracing()
-    convolve = (
-        func_transforms.conv_forward if transforms_active() else torch.ops.gemmconv.conv_forward
-    )
+    if decompositions.exporting():
+        convolve = decompositions.conv_forward  # an exported program: portable aten
+    elif transforms_active():
+        convolve = func_transforms.conv_forward
+    else:
+        convolve = torch.ops.gemmconv.conv_forward
     y = convolve(
         input, weight, bias, list(args.stride), list(args.padding), list(args.dilation),
         args.groups,
