@@ -22,9 +22,16 @@ import torch
 
 import gemmconv.ops  # noqa: F401  (defines the ops decomposed here)
 
-# Whether torch.export is tracing, the one place where the portable graph is wanted;
-# an older torch without the flag keeps the ops everywhere.
-exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+
+def exporting() -> bool:
+    """Whether torch.export is tracing (its default, non-strict mode), the one place
+    where the portable graph is wanted. Inside a dynamo trace torch 2.11 folds
+    ``is_exporting()`` to True for torch.compile too (a compiled graph then ran
+    torch's convolution on the H200), so a dynamo trace never counts as exporting;
+    an older torch without the flag keeps the ops everywhere."""
+    return _is_exporting() and not torch.compiler.is_dynamo_compiling()
 
 
 def conv_forward(input, weight, bias, stride, padding, dilation, groups):
