@@ -258,22 +258,10 @@ def backward_data(
     channels_last: bool,
 ) -> torch.Tensor:
     """dx of a convolution: what ``gemmconv::conv_backward_data`` computes."""
-    key = (
-        Direction.BACKWARD_DATA,
-        grad_output.shape,
-        grad_output.stride(),
-        weight.shape,
-        weight.stride(),
-        grad_output.dtype,
-        grad_output.device.type,
-        tuple(input_size),
-        tuple(stride),
-        tuple(padding),
-        tuple(dilation),
-        groups,
-        channels_last,
-        dispatch.selection_key(),
-    )
+    key = _backward_key(
+        Direction.BACKWARD_DATA, grad_output, weight, input_size, stride, padding, dilation,
+        groups, channels_last,
+    )  # fmt: skip
 
     def build() -> tuple[ConvProblem, Layout, Sequence[int]]:
         layout = _layout(channels_last)
@@ -315,22 +303,10 @@ def backward_weights(
     channels_last: bool,
 ) -> torch.Tensor:
     """dw of a convolution: what ``gemmconv::conv_backward_weights`` computes."""
-    key = (
-        Direction.BACKWARD_WEIGHTS,
-        grad_output.shape,
-        grad_output.stride(),
-        input.shape,
-        input.stride(),
-        grad_output.dtype,
-        grad_output.device.type,
-        tuple(weight_size),
-        tuple(stride),
-        tuple(padding),
-        tuple(dilation),
-        groups,
-        channels_last,
-        dispatch.selection_key(),
-    )
+    key = _backward_key(
+        Direction.BACKWARD_WEIGHTS, grad_output, input, weight_size, stride, padding, dilation,
+        groups, channels_last,
+    )  # fmt: skip
 
     def build() -> tuple[ConvProblem, Layout, Sequence[int]]:
         layout = _layout(channels_last)
@@ -358,6 +334,29 @@ conv_backward_weights = torch.library.custom_op(
 @conv_backward_weights.register_fake
 def _(grad_output, input, weight_size, stride, padding, dilation, groups, channels_last):
     return empty_in(weight_size, _layout(channels_last), grad_output.dtype, grad_output.device)
+
+
+def _backward_key(
+    direction, grad_output, operand, result_size, stride, padding, dilation, groups, channels_last
+) -> tuple:
+    """The plan key of a backward call: everything its problem is built from, with the
+    metadata of dY and of the other operand (the weight, or the input)."""
+    return (
+        direction,
+        grad_output.shape,
+        grad_output.stride(),
+        operand.shape,
+        operand.stride(),
+        grad_output.dtype,
+        grad_output.device.type,
+        tuple(result_size),
+        tuple(stride),
+        tuple(padding),
+        tuple(dilation),
+        groups,
+        channels_last,
+        dispatch.selection_key(),
+    )
 
 
 def _backward_problem(
