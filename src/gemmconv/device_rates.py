@@ -5,8 +5,8 @@ An entry (``DeviceRates``) holds the device's peak rates — the matrix rate of 
 mode (a large matmul on random data), the copy bandwidth (bytes read plus written), the
 gap a kernel launch adds — and ``factors``: the numbers fitted to a benchmark run of
 the suite on that device, by name (``FACTORS`` lists them). ``source`` says where
-they come from. The H200 entry is fitted to bench/results/h200.json; the tests read
-their copy of that run, tests/data/h200_suite.json, so a new bench run changes
+they come from. The H200 entry is fitted to the suite run kept in
+tests/data/h200_suite.json (the tests read it too), so a new bench run changes
 neither the table nor the tests until someone refits both.
 
 Estimates are pure: ``rates_for`` reads the table, or the rates a process calibrated
@@ -104,8 +104,8 @@ H200 = DeviceRates(
         "vendor_small_patch_channels_first": 0.2,
         "vendor_other": 0.5,
     },
-    source="bench/results/h200.json (NVIDIA H200, torch 2.11, cuDNN 9.19, the suite of "
-    "gemmconv 0.1.0); copy for the tests: tests/data/h200_suite.json",
+    source="tests/data/h200_suite.json (NVIDIA H200, torch 2.11, cuDNN 9.19, the suite of "
+    "gemmconv 0.1.0 before its host-path work)",
 )
 
 # The CPU machines of this project (2 cores): orders of magnitude below any GPU; only

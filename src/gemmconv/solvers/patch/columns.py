@@ -37,8 +37,8 @@ from gemmconv.solvers.views import try_view
 # strided side is read in short runs (R elements), so allow a quarter more time.
 TRITON_PERMUTE_SLOWDOWN = 1.25
 # Its scatter (backward-data), when the contiguous run of a patch row is not a whole
-# number of 16-byte vectors, stores element by element. On an H200
-# (bench/results/h200.json, torch 2.11) it moved about 280 GB/s in the channels-first
+# number of 16-byte vectors, stores element by element. On an H200 (the suite in
+# tests/data/h200_suite.json) it moved about 280 GB/s in the channels-first
 # column order, 15x behind a plain copy (point 2D/3D and ConvNeXt downsample
 # backward-data rows), and about 1 TB/s in the channels-last one, 4x (point 2D,
 # 84-byte runs); fitted to those rows.

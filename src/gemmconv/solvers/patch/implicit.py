@@ -28,7 +28,7 @@ from gemmconv.solvers.views import result_buffer, store_weight_rows, weight_rows
 
 # Fraction of cuBLAS's matrix rate the Triton GEMM with gathered A loads reaches on
 # long contiguous runs and a 16-byte-aligned reduction: 0.47-0.54 on an H200
-# (bench/results/h200.json, torch 2.11: ViT-B/16, SAM ViT-H and VideoMAE channels-last
+# (tests/data/h200_suite.json: ViT-B/16, SAM ViT-H and VideoMAE channels-last
 # forward, 0.14-0.18 ms for 0.08 ms of cuBLAS-rate flops); fitted to those rows. An
 # unaligned reduction costs the device's unaligned_slowdown as for cuBLAS (masked
 # tails, no 16-byte loads: CLIP-L/14 and point 2D, C*R = 588, ran 0.13-0.16).
@@ -43,7 +43,7 @@ IMPLICIT_WGRAD_EFFICIENCY = 0.035
 # (runs of R*C), ViT-B/16 (32-byte runs) at 0.6x, DiT-XL/2 (4-byte runs) at 0.5x.
 FULL_RATE_RUN_BYTES = 64
 # Its forward stores the output tile by tile at about 1.4 TB/s on an H200, 3x slower
-# than a plain copy (bench/results/h200.json, torch 2.11: DiT-XL/2 channels-last forward
+# than a plain copy (tests/data/h200_suite.json: DiT-XL/2 channels-last forward
 # wrote its 151 MB output in 0.105 ms); fitted to that row.
 IMPLICIT_OUTPUT_STORE_SLOWDOWN = 3.0
 # Programs per multiprocessor the split weight-gradient reduction aims for.
