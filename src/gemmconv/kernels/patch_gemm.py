@@ -226,6 +226,14 @@ def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], like: torch.Tenso
         )
 
 
+def _check_weight_rows(
+    weight_rows: torch.Tensor, kout: int, reduction: int, like: torch.Tensor
+) -> None:
+    _check("weight_rows", weight_rows, (kout, reduction), like)
+    if weight_rows.stride(1) != 1:
+        raise ValueError(f"weight_rows with strides {weight_rows.stride()}: expected dense rows")
+
+
 def _meta(t: torch.Tensor | None) -> tuple | None:
     """What a prepared launch fixes about a tensor: sizes, strides, dtype, device."""
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
@@ -253,11 +261,7 @@ def patch_gemm_forward(
         g = PatchGeometry.of(x, outs, kernel, channels_last_columns)
         kout = weight_rows.shape[0]
         _check("out", out, (g.n, kout, *outs), x)
-        _check("weight_rows", weight_rows, (kout, g.reduction), x)
-        if weight_rows.stride(1) != 1:
-            raise ValueError(
-                f"weight_rows with strides {weight_rows.stride()}: expected dense rows"
-            )
+        _check_weight_rows(weight_rows, kout, g.reduction, x)
         if bias is not None:
             _check("bias", bias, (kout,), x)
         if g.rows == 0 or kout == 0:
@@ -306,11 +310,7 @@ def patch_gemm_backward_data(
         g = PatchGeometry.of(dx, outs, kernel, channels_last_columns)
         kout = grad_output.shape[1]
         _check("grad_output", grad_output, (g.n, kout, *outs), dx)
-        _check("weight_rows", weight_rows, (kout, g.reduction), dx)
-        if weight_rows.stride(1) != 1:
-            raise ValueError(
-                f"weight_rows with strides {weight_rows.stride()}: expected dense rows"
-            )
+        _check_weight_rows(weight_rows, kout, g.reduction, dx)
         if g.rows == 0 or g.reduction == 0:
             return None
         cfg = DGRAD_TILES[dx.dtype]
