@@ -1,10 +1,12 @@
 """The eager road: gemmconv.conv* in plain eager code, without the custom-op dispatcher.
 
 The custom ops (gemmconv.ops) are what torch.compile, torch.export, fx, jit tracing,
-torch.func transforms and dispatch modes see. In plain eager code their wrapper is
-pure cost: on the H200's host it added about 100 us per call, and argument checks,
-autocast and padding resolution another 80 us, to convolutions whose kernels run in
-tens of microseconds. Here a call is one dictionary lookup on everything those steps
+torch.func transforms and dispatch modes see. In plain eager code their wrapper, with
+the argument checks, autocast and padding resolution around it, is pure cost: on the
+H200's host it made a tiny convolution 130-290 us slower than torch's
+(bench/results/overhead_h200.md, whose earlier version is in the git history), far
+more than the kernels of most convolutions. Here a call is one dictionary lookup on
+everything those steps
 depend on (operand metadata, convolution arguments, autocast and selection state),
 then the very implementation the ops run: the forward plan directly under no_grad,
 and inside a torch.autograd.Function when a gradient is needed, whose backward calls
