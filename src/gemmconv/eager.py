@@ -6,12 +6,12 @@ the argument checks, autocast and padding resolution around it, is pure cost: on
 H200's host it made a tiny convolution 130-290 us slower than torch's
 (bench/results/overhead_h200.md, whose earlier version is in the git history), far
 more than the kernels of most convolutions. Here a call is one dictionary lookup on
-everything those steps
-depend on (operand metadata, convolution arguments, autocast and selection state),
-then the very implementation the ops run: the forward plan directly under no_grad,
-and inside a torch.autograd.Function when a gradient is needed, whose backward calls
-the backward ops' implementations (or the custom ops themselves when the backward is
-being differentiated, so double backward keeps their autograd formulas).
+everything those steps depend on (operand metadata, convolution arguments, autocast
+and selection state), then the very implementation the ops run: the forward plan
+directly under no_grad, and inside a torch.autograd.Function when a gradient is
+needed, whose backward calls the backward ops' implementations (or the custom ops
+themselves when the backward is being differentiated, so double backward keeps their
+autograd formulas).
 
 Anything this road does not cover (an argument that cannot be hashed, 'same' padding
 that pads the input first, a tensor subclass, a device other than cpu/cuda) takes
