@@ -90,7 +90,8 @@ H200 = DeviceRates(
     # bf16 [9500 x 588] x [588 x 1280] ran 88 us, the same GEMM padded to 592 31 us.
     unaligned_slowdown=2.8,
     # A torch op cost about 10 us of Python and dispatch on the H200's host
-    # (bench/results/overhead_h200.md: a tiny F.conv2d forward, 29 us, is about three).
+    # (bench/results/overhead_h200.md: torch's tiny F.conv2d forward, 40-49 us, is a
+    # few of them).
     host_launch_us=10.0,
     # The vendor's fraction of the floor in the suite run: 1x1 at 0.77-0.92 of it
     # (NHWC backward-data 0.17); patch embeddings of 16 taps or more 0.007-0.45, 0.038

@@ -1,9 +1,9 @@
 """Prepared Triton launches: a kernel bound to every argument but its tensors.
 
 A Triton launch through ``kernel[grid](...)`` binds and specialises every argument
-in Python before the driver call; with a dozen integer arguments that took about
-50 us per launch on the H200's host, more than the kernels it launched on small
-problems. A convolution plan knows every size and stride of its operands once it
+in Python before the driver call; with a dozen integer arguments, calls of a handful
+of such launches spent 0.5-0.95 ms on the H200's host (bench/NOTES.md), more than
+their kernels. A convolution plan knows every size and stride of its operands once it
 is built, so the plan binds them here once: a call then passes only its tensors.
 
 On CUDA the first call goes through Triton's ordinary launch (which compiles) and
