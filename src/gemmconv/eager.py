@@ -51,14 +51,17 @@ def road_is_open(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 class _Call:
     """What one distinct eager call needs besides its tensors."""
 
-    __slots__ = ("plan", "unbatched", "conv_args", "input_size", "weight_size",
-                 "channels_last", "vendor_forward", "_vendor_gradients")  # fmt: skip
+    __slots__ = ("plan", "unbatched", "conv_args", "vendor_arguments", "input_size",
+                 "weight_size", "channels_last", "vendor_forward", "_vendor_gradients")  # fmt: skip
 
     def __init__(self, plan: ops.Plan, unbatched: bool, conv_args: tuple, input: torch.Tensor,
                  weight: torch.Tensor) -> None:  # fmt: skip
         self.plan = plan
         self.unbatched = unbatched
         self.conv_args = conv_args  # stride, padding, dilation (lists), groups
+        # aten.convolution's arguments after input, weight and bias.
+        stride, padding, dilation, groups = conv_args
+        self.vendor_arguments = (stride, padding, dilation, False, [0] * len(stride), groups)
         self.input_size = list(input.shape)
         self.weight_size = list(weight.shape)
         self.channels_last = plan.problem.layout is Layout.CHANNELS_LAST
@@ -75,11 +78,6 @@ class _Call:
                 for d in (Direction.BACKWARD_DATA, Direction.BACKWARD_WEIGHTS)
             )
         return self._vendor_gradients
-
-    def vendor_arguments(self) -> tuple:
-        """aten.convolution's arguments after input, weight and bias."""
-        stride, padding, dilation, groups = self.conv_args
-        return stride, padding, dilation, False, [0] * len(stride), groups
 
 
 # Bounded like the ops' plans; emptied by dispatch.clear_cache() with the choices.
@@ -137,7 +135,7 @@ def convolve(
         # Where every direction goes to the vendor (tiny problems, where one launch
         # beats any GEMM path on host time), torch's own convolution with its own
         # fused backward is the cheapest road to the same kernels.
-        y = torch.convolution(input, weight, bias, *call.vendor_arguments())
+        y = torch.convolution(input, weight, bias, *call.vendor_arguments)
     elif needs_grad:
         y = _EagerConvolution.apply(input, weight, bias, call)
     else:
@@ -156,7 +154,12 @@ def _new_call(dims, input, weight, bias, stride, padding, dilation, groups) -> _
     unbatched = input.dim() == dims + 1
     if unbatched:
         input = input.unsqueeze(0)
-    conv_args = (list(resolved.stride), list(resolved.padding), list(resolved.dilation), groups)
+    conv_args = (
+        list(resolved.stride),
+        list(resolved.padding),
+        list(resolved.dilation),
+        resolved.groups,
+    )
     plan = ops.forward_plan(input, weight, bias, *conv_args)
     return _Call(plan, unbatched, conv_args, input, weight)
 
