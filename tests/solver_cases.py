@@ -265,6 +265,19 @@ def check_run(solver, problem: ConvProblem, tensors, label: str) -> None:
     vendor = VendorSolver().run(problem, tensors)
     verdict = judge(problem, result, reference(problem, tensors), vendor)
     assert verdict.ok, f"{label}: {verdict}"
+    check_prepared(solver, problem, tensors, result, label)
+
+
+def check_prepared(solver, problem: ConvProblem, tensors, result, label: str) -> None:
+    """The solver's prepared run (what eager calls run) gives ``result`` (its own run's,
+    into a NaN-filled output) bit for bit, on its first call and on a second one
+    (Triton launches are prepared by the first). Its memory layout may
+    differ where the solver's own allocation does (ops re-lays it out either way)."""
+    runner = solver.prepare(problem, tensors)
+    for call in ("first", "second"):
+        prepared = runner(tensors)
+        assert prepared.shape == result.shape, f"{label}: {call} prepared call's shape"
+        assert torch.equal(prepared, result), f"{label}: {call} prepared call differs from run"
 
 
 def _shape_attr(direction: Direction) -> str:

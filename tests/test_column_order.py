@@ -184,13 +184,13 @@ def test_the_cost_follows_the_column_order():
 def test_ops_build_the_problems_from_the_inputs_layout(sliced, monkeypatch):
     seen: dict[Direction, tuple[ConvProblem, ConvTensors]] = {}
     patch_cls = type(get_solver("patch"))
-    original = patch_cls.run
+    original = patch_cls.prepare
 
-    def recording(self, problem, tensors, out=None):
+    def recording(self, problem, tensors):
         seen[problem.direction] = (problem, tensors)
-        return original(self, problem, tensors, out)
+        return original(self, problem, tensors)
 
-    monkeypatch.setattr(patch_cls, "run", recording)
+    monkeypatch.setattr(patch_cls, "prepare", recording)
     monkeypatch.setenv("GEMMCONV_SOLVER", "patch")
     wide, w, bias = _tensors(CF, CL, (8, 12), (4, 3), torch.float64, 5)
     # A strided x is dense in no layout: the op copies it, into its own order.

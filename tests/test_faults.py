@@ -29,6 +29,7 @@ import gemmconv
 from gemmconv import dispatch, finddb, solvers
 from gemmconv.finddb import FindDb, FindDbWarning, Record
 from gemmconv.problem import DIRECTIONS, ConvProblem
+from gemmconv.solvers.base import Solver
 from gemmconv.solvers.patch import PatchSolver
 
 from conftest import find_db_warnings
@@ -100,6 +101,8 @@ def _faulty_solver(fault: str) -> PatchSolver:
         {
             "id": f"faulty_{fault}",
             "run": failing,
+            # Prepared runs would bypass the failing run: calls must run it too.
+            "prepare": Solver.prepare,
             "estimate_ms": lambda self, problem, rates=None: 0.0,
         },
     )

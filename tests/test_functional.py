@@ -190,16 +190,16 @@ def test_unbatched_input():
 
 
 def _count_directions(monkeypatch):
-    from gemmconv.solvers.base import Solver
+    import gemmconv.ops
 
     calls = []
-    original = Solver.run
+    original = gemmconv.ops._run
 
-    def spy(self, problem, tensors, out=None):
-        calls.append(problem.direction.value)
-        return original(self, problem, tensors, out)
+    def spy(plan, tensors):
+        calls.append(plan.problem.direction.value)
+        return original(plan, tensors)
 
-    monkeypatch.setattr(Solver, "run", spy)
+    monkeypatch.setattr(gemmconv.ops, "_run", spy)
     return calls
 
 

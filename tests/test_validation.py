@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import gemmconv
+import gemmconv.ops
 from gemmconv.solvers.base import Solver
 
 DIMS = (1, 2, 3)
@@ -260,7 +261,12 @@ def no_kernel_runs(monkeypatch):
     def refuse(self, problem, tensors, out=None):
         raise AssertionError(f"solver {self.id} ran for {problem.key()} before validation")
 
+    def refuse_plan(plan, tensors):
+        refuse(plan.solver, plan.problem, tensors)
+
     monkeypatch.setattr(Solver, "run", refuse)
+    # Calls run their plans' prepared runs, which need not go through Solver.run.
+    monkeypatch.setattr(gemmconv.ops, "_run", refuse_plan)
 
 
 def _torch_error_type(d: int, kwargs: dict) -> type[BaseException]:

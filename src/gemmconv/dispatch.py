@@ -440,13 +440,14 @@ _ENVIRON = getattr(os.environ, "_data", None)
 _ENCODE = getattr(os.environ, "encodekey", None)
 
 
-def _raw_environ(name: str) -> object:
-    if _ENVIRON is None or _ENCODE is None:
-        return os.environ.get(name)
-    return _ENVIRON.get(_ENCODE(name))
-
-
 _SETTINGS = ("GEMMCONV_FIND_MODE", "GEMMCONV_SOLVER", "GEMMCONV_DISABLE", "CUBLAS_WORKSPACE_CONFIG")
+_RAW_SETTINGS = None if _ENCODE is None else tuple(map(_ENCODE, _SETTINGS))
+
+
+def _settings() -> tuple:
+    if _ENVIRON is None or _RAW_SETTINGS is None:
+        return tuple(map(os.environ.get, _SETTINGS))
+    return tuple(map(_ENVIRON.get, _RAW_SETTINGS))
 
 
 def selection_key() -> tuple:
@@ -466,7 +467,7 @@ def selection_key() -> tuple:
         torch._C._get_cudnn_benchmark(),
         torch._C._get_cudnn_allow_tf32(),
         torch._C._get_deterministic_algorithms(),
-        *map(_raw_environ, _SETTINGS),
+        _settings(),
     )
 
 

@@ -52,7 +52,8 @@ class _Call:
     """What one distinct eager call needs besides its tensors."""
 
     __slots__ = ("plan", "unbatched", "conv_args", "vendor_arguments", "input_size",
-                 "weight_size", "channels_last", "vendor_forward", "_vendor_gradients")  # fmt: skip
+                 "weight_size", "channels_last", "vendor_forward", "_vendor_gradients",
+                 "_backward_plans")  # fmt: skip
 
     def __init__(self, plan: ops.Plan, unbatched: bool, conv_args: tuple, input: torch.Tensor,
                  weight: torch.Tensor) -> None:  # fmt: skip
@@ -67,6 +68,7 @@ class _Call:
         self.channels_last = plan.problem.layout is Layout.CHANNELS_LAST
         self.vendor_forward = plan.solver.id == "vendor"
         self._vendor_gradients: bool | None = None
+        self._backward_plans: dict[tuple, ops.Plan] = {}
 
     def vendor_gradients(self) -> bool:
         """Whether both backward directions also go to the vendor. Asked only when a
@@ -79,7 +81,27 @@ class _Call:
             )
         return self._vendor_gradients
 
+    def backward_plan(
+        self, direction: Direction, grad_output: torch.Tensor, operand: torch.Tensor
+    ) -> ops.Plan:
+        """The plan of a backward direction of this call. Everything else its key holds
+        is fixed by the call (the operand is the forward's own weight or input), so
+        it is kept here under dY's strides and dtype and the selection state."""
+        key = (direction, grad_output.stride(), grad_output.dtype, dispatch.selection_key())
+        plan = self._backward_plans.get(key)
+        if plan is None:
+            size = self.input_size if direction is Direction.BACKWARD_DATA else self.weight_size
+            plan = ops.backward_plan(
+                direction, grad_output, operand, size, *self.conv_args, self.channels_last
+            )
+            if len(self._backward_plans) >= _BACKWARD_PLANS_MAX:
+                self._backward_plans.clear()
+            self._backward_plans[key] = plan
+        return plan
 
+
+# dY of one call comes in few layouts (usually one); a bound all the same.
+_BACKWARD_PLANS_MAX = 8
 # Bounded like the ops' plans; emptied by dispatch.clear_cache() with the choices.
 _CALLS_MAX = 4096
 _calls: dict[tuple, _Call | None] = dispatch.dependent_cache()
@@ -179,20 +201,26 @@ class _EagerConvolution(torch.autograd.Function):
     def backward(ctx, grad_output):  # type: ignore[override]
         input, weight = ctx.saved_tensors
         call: _Call = ctx.call
-        # Differentiating the backward (create_graph=True) needs the custom ops, whose
-        # own autograd formulas make double backward work.
-        differentiable = torch.is_grad_enabled()
-        data_op = torch.ops.gemmconv.conv_backward_data if differentiable else ops.backward_data
-        weights_op = (
-            torch.ops.gemmconv.conv_backward_weights if differentiable else ops.backward_weights
-        )
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = data_op(grad_output, weight, call.input_size, *call.conv_args, call.channels_last)
-        if ctx.needs_input_grad[1]:
-            dw = weights_op(
-                grad_output, input, call.weight_size, *call.conv_args, call.channels_last
-            )
+        if torch.is_grad_enabled():
+            # Differentiating the backward (create_graph=True) needs the custom ops,
+            # whose own autograd formulas make double backward work.
+            args = (*call.conv_args, call.channels_last)
+            if ctx.needs_input_grad[0]:
+                dx = torch.ops.gemmconv.conv_backward_data(
+                    grad_output, weight, call.input_size, *args
+                )
+            if ctx.needs_input_grad[1]:
+                dw = torch.ops.gemmconv.conv_backward_weights(
+                    grad_output, input, call.weight_size, *args
+                )
+        else:
+            if ctx.needs_input_grad[0]:
+                plan = call.backward_plan(Direction.BACKWARD_DATA, grad_output, weight)
+                dx = ops.run_backward(plan, grad_output, weight)
+            if ctx.needs_input_grad[1]:
+                plan = call.backward_plan(Direction.BACKWARD_WEIGHTS, grad_output, input)
+                dw = ops.run_backward(plan, grad_output, input)
         if ctx.needs_input_grad[2]:
             db = bias_grad(grad_output, out_channels=call.weight_size[0])
         return dx, dw, db, None

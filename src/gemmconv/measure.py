@@ -12,7 +12,8 @@ bench``) and the scripts under bench/ and scripts/ all measure solvers here.
   result on the same operands (``verify.judge``). Without a reference only the NaN
   check runs.
 - Timing (``TimingPolicy``), two numbers per candidate, each of the call the custom
-  ops make (``solver.run(problem, tensors)``, the result allocated by the call):
+  ops and the eager road make (the solver's prepared run, ``Solver.prepare``, the
+  result allocated by the call):
   ``call_ms``, back-to-back calls with nothing queued ahead of them, as a user makes
   them (``timing.time_interleaved``) — what a call costs, and what find decides on;
   and ``device_ms``, the kernels' own time with the host hidden behind a head start
@@ -230,13 +231,15 @@ def time_solver(
     *,
     setup: Callable[[], object] | None = None,
 ) -> tuple[Timing, Timing]:
-    """(call time, device time) of ``solver.run(problem, tensors)``: the device time
-    on the first operand set (``setup`` runs before each of those calls), the call
-    time rotating over every set. On the CPU one measurement is both."""
+    """(call time, device time) of the solver's prepared run (``solver.prepare``, what
+    an eager call runs): the device time on the first operand set (``setup`` runs
+    before each of those calls), the call time rotating over every set. On the CPU
+    one measurement is both."""
     first = operand_sets[0]
     device = _first_operand(first).device
+    run = solver.prepare(problem, first)
     device_time = time_ms(
-        lambda: solver.run(problem, first),
+        lambda: run(first),
         device=device,
         warmup=policy.warmup,
         reps=policy.reps,
@@ -244,7 +247,7 @@ def time_solver(
     )
     if device.type != "cuda":
         return device_time, device_time
-    calls = [lambda t=t: solver.run(problem, t) for t in operand_sets]
+    calls = [lambda t=t: run(t) for t in operand_sets]
     call_time = time_interleaved(
         {solver.id: calls}, device, reps=policy.call_reps, warmup=1, block_ms=policy.block_ms
     )[solver.id]

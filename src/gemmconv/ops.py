@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import torch
 
@@ -103,17 +102,28 @@ def _as_promised(result: torch.Tensor, layout: Layout, want: tuple[int, ...]) ->
     return out
 
 
-class Plan(NamedTuple):
+class Plan:
     """What a call derives from its operands' metadata and the selection state: built
     once per distinct call, then found in one dict lookup (eager calls of a small
-    convolution would otherwise spend more time here than in its GEMM)."""
+    convolution would otherwise spend more time here than in its GEMM). Its run is
+    prepared on the first call (Solver.prepare), from that call's operands."""
 
-    problem: ConvProblem
-    solver: Solver
-    copy_first: bool  # the first tensor operand is not dense in either layout
-    copy_second: bool
-    result_layout: Layout
-    result_strides: tuple[int, ...]
+    __slots__ = ("problem", "solver", "copy_first", "copy_second", "result_layout",
+                 "result_strides", "runner")  # fmt: skip
+
+    def __init__(
+        self,
+        problem: ConvProblem,
+        solver: Solver,
+        copy_first: bool,  # the first tensor operand is not dense in either layout
+        copy_second: bool,
+        result_layout: Layout,
+        result_strides: tuple[int, ...],
+    ) -> None:
+        self.problem, self.solver = problem, solver
+        self.copy_first, self.copy_second = copy_first, copy_second
+        self.result_layout, self.result_strides = result_layout, result_strides
+        self.runner: Callable[[ConvTensors], torch.Tensor] | None = None
 
 
 # Bounded so that a stream of ever-new shapes cannot grow it without limit; emptied
@@ -165,14 +175,17 @@ def _operands(
 
 
 def _run(plan: Plan, tensors: ConvTensors) -> torch.Tensor:
-    problem, solver = plan.problem, plan.solver
-    if not torch.is_autocast_enabled(problem.device_type):
-        result = solver.run(problem, tensors)
+    runner = plan.runner
+    if runner is None:
+        runner = plan.runner = plan.solver.prepare(plan.problem, tensors)
+    device_type = plan.problem.device_type
+    if not torch.is_autocast_enabled(device_type):
+        result = runner(tensors)
     else:
         # Autocast would re-cast the GEMMs inside a solver (and undo their fp32
         # accumulation); the operands were already cast before the op, as for F.conv*.
-        with torch.autocast(problem.device_type, enabled=False):
-            result = solver.run(problem, tensors)
+        with torch.autocast(device_type, enabled=False):
+            result = runner(tensors)
     return _as_promised(result, plan.result_layout, plan.result_strides)
 
 
@@ -244,104 +257,23 @@ def _(input, weight, bias, stride, padding, dilation, groups):
     return empty_in(shape, forward_output_layout(input, weight, shape), input.dtype, input.device)
 
 
-# ---- backward-data ----------------------------------------------------------
+# ---- the backward directions --------------------------------------------------
 
 
-def backward_data(
+def backward_plan(
+    direction: Direction,
     grad_output: torch.Tensor,
-    weight: torch.Tensor,
-    input_size: Sequence[int],
+    operand: torch.Tensor,
+    result_size: Sequence[int],
     stride: Sequence[int],
     padding: Sequence[int],
     dilation: Sequence[int],
     groups: int,
     channels_last: bool,
-) -> torch.Tensor:
-    """dx of a convolution: what ``gemmconv::conv_backward_data`` computes."""
-    key = _backward_key(
-        Direction.BACKWARD_DATA, grad_output, weight, input_size, stride, padding, dilation,
-        groups, channels_last,
-    )  # fmt: skip
-
-    def build() -> tuple[ConvProblem, Layout, Sequence[int]]:
-        layout = _layout(channels_last)
-        problem = _backward_problem(
-            grad_output, input_size, weight.shape, stride, padding, dilation, groups, layout
-        ).with_direction(Direction.BACKWARD_DATA)
-        dims, dtype, device_type = problem.dims, problem.dtype, problem.device_type
-        return problem, output_layout(layout, dims, dtype, device_type), input_size
-
-    plan = _plan(key, grad_output, weight, build)
-    dy, w = _operands(plan, grad_output, weight)
-    return _run(plan, ConvTensors(grad_output=dy, weight=w))
-
-
-conv_backward_data = torch.library.custom_op(
-    "gemmconv::conv_backward_data", backward_data, mutates_args=(), schema=_BACKWARD_DATA_SCHEMA
-)
-
-
-@conv_backward_data.register_fake
-def _(grad_output, weight, input_size, stride, padding, dilation, groups, channels_last):
-    layout = output_layout(
-        _layout(channels_last), len(input_size) - 2, grad_output.dtype, grad_output.device.type
-    )
-    return empty_in(input_size, layout, grad_output.dtype, grad_output.device)
-
-
-# ---- backward-weights -------------------------------------------------------
-
-
-def backward_weights(
-    grad_output: torch.Tensor,
-    input: torch.Tensor,
-    weight_size: Sequence[int],
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
-    channels_last: bool,
-) -> torch.Tensor:
-    """dw of a convolution: what ``gemmconv::conv_backward_weights`` computes."""
-    key = _backward_key(
-        Direction.BACKWARD_WEIGHTS, grad_output, input, weight_size, stride, padding, dilation,
-        groups, channels_last,
-    )  # fmt: skip
-
-    def build() -> tuple[ConvProblem, Layout, Sequence[int]]:
-        layout = _layout(channels_last)
-        problem = _backward_problem(
-            grad_output, input.shape, weight_size, stride, padding, dilation, groups, layout
-        )
-        problem = dataclasses.replace(
-            problem, direction=Direction.BACKWARD_WEIGHTS, input_layout=input_layout_of(input)
-        )
-        return problem, layout, weight_size
-
-    plan = _plan(key, grad_output, input, build)
-    dy, x = _operands(plan, grad_output, input)
-    return _run(plan, ConvTensors(grad_output=dy, input=x))
-
-
-conv_backward_weights = torch.library.custom_op(
-    "gemmconv::conv_backward_weights",
-    backward_weights,
-    mutates_args=(),
-    schema=_BACKWARD_WEIGHTS_SCHEMA,
-)
-
-
-@conv_backward_weights.register_fake
-def _(grad_output, input, weight_size, stride, padding, dilation, groups, channels_last):
-    return empty_in(weight_size, _layout(channels_last), grad_output.dtype, grad_output.device)
-
-
-def _backward_key(
-    direction, grad_output, operand, result_size, stride, padding, dilation, groups, channels_last
-) -> tuple:
-    """The plan key of a backward call: everything its problem is built from, with the
-    metadata of dY and of the other operand (the weight, or the input)."""
-    return (
+) -> Plan:
+    """The plan of a backward direction: ``operand`` is the weight (backward-data,
+    ``result_size`` the input's) or the input (backward-weights, the weight's)."""
+    key = (
         direction,
         grad_output.shape,
         grad_output.stride(),
@@ -358,24 +290,106 @@ def _backward_key(
         dispatch.selection_key(),
     )
 
+    def build() -> tuple[ConvProblem, Layout, Sequence[int]]:
+        layout = _layout(channels_last)
+        data = direction is Direction.BACKWARD_DATA
+        input_size, weight_size = (
+            (result_size, operand.shape) if data else (operand.shape, result_size)
+        )
+        problem = ConvProblem.from_sizes(
+            n=input_size[0],
+            c=input_size[1],
+            k=weight_size[0],
+            spatial=tuple(input_size[2:]),
+            kernel=tuple(weight_size[2:]),
+            stride=stride,
+            padding=padding,
+            dilation=dilation,
+            groups=groups,
+            layout=layout,
+            dtype=grad_output.dtype,
+            device_type=grad_output.device.type,
+        )
+        if data:
+            dims, dtype, device_type = problem.dims, problem.dtype, problem.device_type
+            problem = problem.with_direction(direction)
+            return problem, output_layout(layout, dims, dtype, device_type), result_size
+        # The weight gradient gathers x in x's own memory order.
+        problem = dataclasses.replace(
+            problem, direction=direction, input_layout=input_layout_of(operand)
+        )
+        return problem, layout, result_size
 
-def _backward_problem(
-    grad_output, input_size, weight_size, stride, padding, dilation, groups, layout
-) -> ConvProblem:
-    return ConvProblem.from_sizes(
-        n=input_size[0],
-        c=input_size[1],
-        k=weight_size[0],
-        spatial=tuple(input_size[2:]),
-        kernel=tuple(weight_size[2:]),
-        stride=stride,
-        padding=padding,
-        dilation=dilation,
-        groups=groups,
-        layout=layout,
-        dtype=grad_output.dtype,
-        device_type=grad_output.device.type,
+    return _plan(key, grad_output, operand, build)
+
+
+def run_backward(plan: Plan, grad_output: torch.Tensor, operand: torch.Tensor) -> torch.Tensor:
+    dy, other = _operands(plan, grad_output, operand)
+    if plan.problem.direction is Direction.BACKWARD_DATA:
+        return _run(plan, ConvTensors(grad_output=dy, weight=other))
+    return _run(plan, ConvTensors(grad_output=dy, input=other))
+
+
+def backward_data(
+    grad_output: torch.Tensor,
+    weight: torch.Tensor,
+    input_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    channels_last: bool,
+) -> torch.Tensor:
+    """dx of a convolution: what ``gemmconv::conv_backward_data`` computes."""
+    plan = backward_plan(
+        Direction.BACKWARD_DATA, grad_output, weight, input_size, stride, padding, dilation,
+        groups, channels_last,
+    )  # fmt: skip
+    return run_backward(plan, grad_output, weight)
+
+
+conv_backward_data = torch.library.custom_op(
+    "gemmconv::conv_backward_data", backward_data, mutates_args=(), schema=_BACKWARD_DATA_SCHEMA
+)
+
+
+@conv_backward_data.register_fake
+def _(grad_output, weight, input_size, stride, padding, dilation, groups, channels_last):
+    layout = output_layout(
+        _layout(channels_last), len(input_size) - 2, grad_output.dtype, grad_output.device.type
     )
+    return empty_in(input_size, layout, grad_output.dtype, grad_output.device)
+
+
+def backward_weights(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    channels_last: bool,
+) -> torch.Tensor:
+    """dw of a convolution: what ``gemmconv::conv_backward_weights`` computes."""
+    plan = backward_plan(
+        Direction.BACKWARD_WEIGHTS, grad_output, input, weight_size, stride, padding,
+        dilation, groups, channels_last,
+    )  # fmt: skip
+    return run_backward(plan, grad_output, input)
+
+
+conv_backward_weights = torch.library.custom_op(
+    "gemmconv::conv_backward_weights",
+    backward_weights,
+    mutates_args=(),
+    schema=_BACKWARD_WEIGHTS_SCHEMA,
+)
+
+
+@conv_backward_weights.register_fake
+def _(grad_output, input, weight_size, stride, padding, dilation, groups, channels_last):
+    return empty_in(weight_size, _layout(channels_last), grad_output.dtype, grad_output.device)
 
 
 OPS = (conv_forward, conv_backward_data, conv_backward_weights)

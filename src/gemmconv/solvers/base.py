@@ -10,8 +10,10 @@ device's bandwidth.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -189,6 +191,15 @@ class Solver:
         return gemm_ms + self.copied_bytes(problem) / rates.bytes_per_ms()
 
     # ---- execution ----------------------------------------------------------
+
+    def prepare(
+        self, problem: ConvProblem, tensors: ConvTensors
+    ) -> Callable[[ConvTensors], torch.Tensor]:
+        """The run of ``problem`` made ready for operands with the sizes, strides,
+        dtypes and device of ``tensors`` (and the same ones None): what an eager
+        call's plan keeps, so that a call repeats only the work that depends on the
+        data. The result is allocated by each call. By default, ``run`` itself."""
+        return functools.partial(self.run, problem)
 
     def run(
         self, problem: ConvProblem, tensors: ConvTensors, out: torch.Tensor | None = None

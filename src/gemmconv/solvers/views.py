@@ -65,6 +65,32 @@ def view_is_possible(
     return view_d == -1
 
 
+def meta_like(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on the meta device with ``t``'s sizes, strides and dtype: the views a
+    solver takes of it are the ones it would take of ``t``, at no cost."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+class ViewRecipe:
+    """One fixed view of a tensor, found once (on a meta tensor of the same sizes and
+    strides) and replayed as a single as_strided call: the chain of movedim, view and
+    permute calls that found it would cost a torch call each, every call."""
+
+    __slots__ = ("size", "stride", "offset")
+
+    def __init__(self, view: torch.Tensor, base: torch.Tensor) -> None:
+        self.size = tuple(view.shape)
+        self.stride = view.stride()
+        self.offset = view.storage_offset() - base.storage_offset()
+
+    @classmethod
+    def of(cls, view: torch.Tensor | None, base: torch.Tensor) -> ViewRecipe | None:
+        return None if view is None else cls(view, base)
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t.as_strided(self.size, self.stride, t.storage_offset() + self.offset)
+
+
 def rows_view(t: torch.Tensor) -> torch.Tensor | None:
     """[N, K, S..] -> [N*prod(S), K] without a copy, when ``t`` is channels-last dense."""
     return try_view(t.movedim(1, -1), -1, t.shape[1])

@@ -21,7 +21,7 @@ import torch
 from gemmconv.precision import reduction_mm
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors
-from gemmconv.solvers.patch import rows_path
+from gemmconv.solvers.patch import prepared, rows_path
 from gemmconv.solvers.patch.columns import ColumnSource
 from gemmconv.solvers.patch.cost import output_rows_bytes, torch_permute_slowdown, uncovered_bytes
 from gemmconv.solvers.patch.family import PatchFamilySolver
@@ -114,6 +114,9 @@ class ColumnGemmSolver(PatchFamilySolver):
         return reduction_aligned and not bmm_unaligned
 
     # ---- the three directions ----------------------------------------------
+
+    def prepare(self, p: ConvProblem, tensors: ConvTensors):
+        return prepared.prepare(self, p, tensors) or super().prepare(p, tensors)
 
     def forward(self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None) -> torch.Tensor:
         x = t.input

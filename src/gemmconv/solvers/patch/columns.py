@@ -131,7 +131,7 @@ class TritonCopyColumns(ColumnSource):
         from gemmconv.kernels.strided_copy import pad_rows
 
         col = _buffer(x, p, ld, out)
-        x_rows = _whole_sample_rows(x, p)
+        x_rows = whole_sample_rows(x, p)
         if x_rows is not None:
             # Point-output: every row of col is a whole row of x. Copied in 8-byte words
             # (a 588-element bf16 row is 147 of them) instead of 2-byte patch runs.
@@ -142,7 +142,7 @@ class TritonCopyColumns(ColumnSource):
         from gemmconv.kernels.patch_permute import scatter_patches
         from gemmconv.kernels.strided_copy import pad_rows
 
-        dx_rows = _whole_sample_rows(dx, p)
+        dx_rows = whole_sample_rows(dx, p)
         if dx_rows is not None:
             pad_rows(dx_rows, dcol[:, : p.gemm_k])
             return
@@ -155,7 +155,7 @@ def _buffer(x: torch.Tensor, p: ConvProblem, ld: int, out: torch.Tensor | None) 
     return x.new_empty(x.shape[0] * math.prod(p.output_spatial), ld)
 
 
-def _whole_sample_rows(t: torch.Tensor, p: ConvProblem) -> torch.Tensor | None:
+def whole_sample_rows(t: torch.Tensor, p: ConvProblem) -> torch.Tensor | None:
     """``t`` as its column matrix [N, Kred] without a copy, where patches are whole
     samples (point-output, nothing cropped)."""
     if not patches_are_views(p):

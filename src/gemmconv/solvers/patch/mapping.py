@@ -126,6 +126,4 @@ def padded_weight_rows(weight: torch.Tensor, layout: Layout, ld: int) -> torch.T
     wm = weight_rows(weight, layout)
     if wm.shape[1] == ld:
         return wm
-    wp = weight.new_zeros(wm.shape[0], ld)
-    wp[:, : wm.shape[1]] = wm
-    return wp
+    return torch.nn.functional.pad(wm, (0, ld - wm.shape[1]))  # one pass, zeros included
