@@ -24,7 +24,7 @@ channels, so batch b's channels of group i sit at (i, b, channel in group).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -32,20 +32,6 @@ from gemmconv.dispatch import log
 from gemmconv.memory_format import Layout, layout_of
 from gemmconv.problem import Direction
 from gemmconv.solvers.views import bias_grad
-
-
-def conv_forward(
-    input: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
-) -> torch.Tensor:
-    """``torch.ops.gemmconv.conv_forward`` with forward-mode, torch.func and vmap rules."""
-    return _Forward.apply(input, weight, bias, stride, padding, dilation, groups)
-
 
 # ---- folding a vmapped batch into a convolution dimension ---------------------------
 
@@ -183,6 +169,11 @@ class _Forward(torch.autograd.Function):
             groups * batch,
         )
         return y.unflatten(1, (batch, -1)), 1
+
+
+# ``torch.ops.gemmconv.conv_forward``, with the same arguments (gemmconv.ops.forward),
+# plus forward-mode, torch.func and vmap rules.
+conv_forward: Callable[..., torch.Tensor] = _Forward.apply
 
 
 class _Backward(torch.autograd.Function):
