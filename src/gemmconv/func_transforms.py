@@ -2,8 +2,9 @@
 
 The custom ops' autograd formulas (gemmconv.autograd) serve plain reverse mode and
 torch.compile, but torch.func cannot run them and they carry no tangents. Here the
-three directions are autograd.Functions with every rule torch.func asks for, each
-computed by the custom ops themselves (so by gemmconv's solvers):
+three directions run through autograd.Functions (one for the forward, one for both
+backward directions) with every rule torch.func asks for, each computed by the
+custom ops themselves (so by gemmconv's solvers):
 
 - ``backward``: the same formulas as gemmconv.autograd, in terms of these Functions,
   so grad of grad (hessian, gradient penalties under torch.func) keeps working.
@@ -70,7 +71,8 @@ def _log_grouped(direction: str, groups: int) -> None:
 
 # ---- the three directions -----------------------------------------------------------
 
-# No gradient for the non-tensor arguments: the forward's four, the backwards' six.
+# No gradient for the non-tensor arguments: the forward's four, and the six after the
+# backward's two tensors (its direction, before them, gets its None on its own).
 _NO_GRAD_FORWARD_ARGUMENTS = (None,) * 4
 _NO_GRAD_BACKWARD_ARGUMENTS = (None,) * 6
 
