@@ -66,27 +66,31 @@ _NO_GRAD_FOR_ARGUMENTS = (None,) * 6
 
 
 def _backward_data_backward(ctx, grad_dx: torch.Tensor):
-    grad_output, weight = ctx.saved_tensors
-    ddy = dw = None
-    if ctx.needs_input_grad[0]:
-        ddy = torch.ops.gemmconv.conv_forward(grad_dx, weight, None, *ctx.conv_args)
-    if ctx.needs_input_grad[1]:
-        dw = torch.ops.gemmconv.conv_backward_weights(
-            grad_output, grad_dx, ctx.operand_size, *ctx.conv_args, ctx.channels_last
-        )
-    return ddy, dw, *_NO_GRAD_FOR_ARGUMENTS
+    return _bilinear_backward(ctx, grad_dx, operand_is_weight=True)
 
 
 def _backward_weights_backward(ctx, grad_dw: torch.Tensor):
-    grad_output, input = ctx.saved_tensors
-    ddy = dx = None
+    return _bilinear_backward(ctx, grad_dw, operand_is_weight=False)
+
+
+def _bilinear_backward(ctx, grad_result: torch.Tensor, operand_is_weight: bool):
+    """The gradients of a backward op f(dy, operand), from the gradient of its result:
+    dy's is a forward convolution and the operand's the other backward op (the module
+    docstring has both identities)."""
+    grad_output, operand = ctx.saved_tensors
+    ddy = d_operand = None
     if ctx.needs_input_grad[0]:
-        ddy = torch.ops.gemmconv.conv_forward(input, grad_dw, None, *ctx.conv_args)
+        x, w = (grad_result, operand) if operand_is_weight else (operand, grad_result)
+        ddy = torch.ops.gemmconv.conv_forward(x, w, None, *ctx.conv_args)
     if ctx.needs_input_grad[1]:
-        dx = torch.ops.gemmconv.conv_backward_data(
-            grad_output, grad_dw, ctx.operand_size, *ctx.conv_args, ctx.channels_last
+        if operand_is_weight:
+            other_backward = torch.ops.gemmconv.conv_backward_weights
+        else:
+            other_backward = torch.ops.gemmconv.conv_backward_data
+        d_operand = other_backward(
+            grad_output, grad_result, ctx.operand_size, *ctx.conv_args, ctx.channels_last
         )
-    return ddy, dx, *_NO_GRAD_FOR_ARGUMENTS
+    return ddy, d_operand, *_NO_GRAD_FOR_ARGUMENTS
 
 
 conv_forward.register_autograd(_forward_backward, setup_context=_forward_setup_context)

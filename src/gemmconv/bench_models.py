@@ -175,19 +175,10 @@ def _versions() -> dict:
     return versions
 
 
-def run(
-    chosen: Sequence[Scenario],
-    device: torch.device,
-    quick: bool,
-    steps: int,
-    warmup: int,
-    variants: Sequence[str] = VARIANTS,
-    time_budget_s: float | None = None,
-    log: Callable[[str], None] = print,
-    on_scenario: Callable[[dict], None] | None = None,
-) -> dict:
-    started = time.time()
-    results = {
+def _empty_results(device: torch.device, quick: bool, steps: int, warmup: int) -> dict:
+    """A run's results before its first scenario: where and how it runs, and the
+    lists the scenarios fill."""
+    return {
         **environment(device),
         **_versions(),
         "quick": quick,
@@ -204,6 +195,21 @@ def run(
         "skipped": [],
         "errors": [],
     }
+
+
+def run(
+    chosen: Sequence[Scenario],
+    device: torch.device,
+    quick: bool,
+    steps: int,
+    warmup: int,
+    variants: Sequence[str] = VARIANTS,
+    time_budget_s: float | None = None,
+    log: Callable[[str], None] = print,
+    on_scenario: Callable[[dict], None] | None = None,
+) -> dict:
+    started = time.time()
+    results = _empty_results(device, quick, steps, warmup)
     for s in chosen:
         if s.cuda_only and device.type != "cuda":
             reason = f"needs CUDA (torch.compile mode {s.compile_mode!r} is run on CUDA only)"

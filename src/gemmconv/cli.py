@@ -28,7 +28,7 @@ import os
 import shlex
 import sqlite3
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -247,6 +247,19 @@ def device_name(device: torch.device) -> str:
 # ---- gemmconv conv / demo ------------------------------------------------------------
 
 
+def _add_json_flag(
+    p: argparse.ArgumentParser | argparse._ArgumentGroup, help: str = "machine-readable output"
+) -> None:
+    """--json, which every command but bench takes."""
+    p.add_argument("--json", action="store_true", help=help)
+
+
+def _add_conv_flags(p: argparse.ArgumentParser, defaults: dict) -> None:
+    """Every flag of conv, defaulting to ``defaults`` (demo takes them all too)."""
+    _add_problem_flags(p, defaults)
+    _add_run_flags(p, defaults["iterations"])
+
+
 def _add_run_flags(p: argparse.ArgumentParser, iterations: int) -> None:
     g = p.add_argument_group("run")
     g.add_argument("-t", "--time", type=int, choices=(0, 1), default=1, help="time 0/1")
@@ -257,7 +270,7 @@ def _add_run_flags(p: argparse.ArgumentParser, iterations: int) -> None:
     g.add_argument("-N", "--nan", type=int, choices=(0, 1), default=1, help="NaN-fill outputs 0/1")
     g.add_argument("-s", "--search", type=int, choices=(0, 1), default=0, help="find 0/1")
     g.add_argument("--seed", type=int, default=0, help="seed of the random operands")
-    g.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_json_flag(g)
 
 
 @dataclasses.dataclass
@@ -771,62 +784,78 @@ _DEMO_DESCRIPTION = (
 )
 
 
+def _add_command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    handler: Callable[[argparse.Namespace], int],
+    help: str,
+    description: str,
+) -> argparse.ArgumentParser:
+    """A subcommand whose parsed arguments main() hands to ``handler``."""
+    command = sub.add_parser(name, help=help, description=description)
+    command.set_defaults(handler=handler)
+    return command
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="gemmconv", description="Run, time and verify GEMM convolutions (MIOpenDriver style)."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    conv = sub.add_parser(
+    conv = _add_command(
+        sub,
         "conv",
+        cmd_conv,
         help="run, time and verify one convolution problem",
         description="Run, time and verify one convolution problem in the chosen directions.",
     )
-    _add_problem_flags(conv, CONV_DEFAULTS)
-    _add_run_flags(conv, CONV_DEFAULTS["iterations"])
-    conv.set_defaults(handler=cmd_conv)
+    _add_conv_flags(conv, CONV_DEFAULTS)
 
-    demo = sub.add_parser(
+    demo = _add_command(
+        sub,
         "demo",
+        cmd_demo,
         help="conv preset to the headline case (9500x3x14x14->1280)",
         description=_DEMO_DESCRIPTION,
     )
-    _add_problem_flags(demo, DEMO_DEFAULTS)
-    _add_run_flags(demo, DEMO_DEFAULTS["iterations"])
-    demo.set_defaults(handler=cmd_demo)
+    _add_conv_flags(demo, DEMO_DEFAULTS)
 
-    solvers = sub.add_parser(
+    solvers = _add_command(
+        sub,
         "solvers",
+        cmd_solvers,
         help="every solver's verdict on a problem",
         description="Every solver's verdict on a problem: applies or why not, workspace, "
         "cost estimate, and the immediate-mode choice. Runs nothing.",
     )
     _add_problem_flags(solvers, CONV_DEFAULTS)
-    solvers.add_argument("--json", action="store_true", help="machine-readable output")
-    solvers.set_defaults(handler=cmd_solvers)
+    _add_json_flag(solvers)
 
-    tune = sub.add_parser(
+    tune = _add_command(
+        sub,
         "tune",
+        cmd_tune,
         help="find over many problems (a file of conv flag lines)",
         description="Find (time every applicable solver) for each problem of a file and "
         "store the winners in the find database.",
     )
     tune.add_argument("file", help="one problem per line, as conv flags; # starts a comment")
-    tune.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_json_flag(tune)
     tune.add_argument("--no-progress", action="store_true", help="no progress bar")
-    tune.set_defaults(handler=cmd_tune)
 
-    db = sub.add_parser(
+    db = _add_command(
+        sub,
         "db",
+        cmd_db,
         help="the find database: show, clear, export, import",
         description="The find database ($GEMMCONV_DB, else the user's cache directory). "
         "clear asks first; --yes skips the question (needed when there is no terminal).",
     )
     db.add_argument("action", choices=("show", "clear", "export", "import"), help="what to do")
     db.add_argument("file", nargs="?", default=None, help="JSON file for export/import")
-    db.add_argument("--json", action="store_true", help="machine-readable output (show)")
+    _add_json_flag(db, help="machine-readable output (show)")
     db.add_argument("--yes", action="store_true", help="clear without asking")
-    db.set_defaults(handler=cmd_db)
 
     sub.add_parser(
         "bench",

@@ -2,8 +2,9 @@
 
 The custom ops' autograd formulas (gemmconv.autograd) serve plain reverse mode and
 torch.compile, but torch.func cannot run them and they carry no tangents. Here the
-three directions are autograd.Functions with every rule torch.func asks for, each
-computed by the custom ops themselves (so by gemmconv's solvers):
+three directions run through autograd.Functions (one for the forward, one for both
+backward directions) with every rule torch.func asks for, each computed by the
+custom ops themselves (so by gemmconv's solvers):
 
 - ``backward``: the same formulas as gemmconv.autograd, in terms of these Functions,
   so grad of grad (hessian, gradient penalties under torch.func) keeps working.
@@ -24,27 +25,14 @@ channels, so batch b's channels of group i sit at (i, b, channel in group).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import torch
 
 from gemmconv.dispatch import log
 from gemmconv.memory_format import Layout, layout_of
+from gemmconv.problem import Direction
 from gemmconv.solvers.views import bias_grad
-
-
-def conv_forward(
-    input: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
-) -> torch.Tensor:
-    """``torch.ops.gemmconv.conv_forward`` with forward-mode, torch.func and vmap rules."""
-    return _Forward.apply(input, weight, bias, stride, padding, dilation, groups)
-
 
 # ---- folding a vmapped batch into a convolution dimension ---------------------------
 
@@ -83,7 +71,8 @@ def _log_grouped(direction: str, groups: int) -> None:
 
 # ---- the three directions -----------------------------------------------------------
 
-# No gradient for the non-tensor arguments: the forward's four, the backwards' six.
+# No gradient for the non-tensor arguments: the forward's four, and the six after the
+# backward's two tensors (its direction, before them, gets its None on its own).
 _NO_GRAD_FORWARD_ARGUMENTS = (None,) * 4
 _NO_GRAD_BACKWARD_ARGUMENTS = (None,) * 6
 
@@ -111,11 +100,11 @@ class _Forward(torch.autograd.Function):
         input, weight = ctx.saved_tensors
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = _BackwardData.apply(
+            dx = _backward_data(
                 grad_output, weight, ctx.input_size, *ctx.conv_args, ctx.channels_last
             )
         if ctx.needs_input_grad[1]:
-            dw = _BackwardWeights.apply(
+            dw = _backward_weights(
                 grad_output, input, ctx.weight_size, *ctx.conv_args, ctx.channels_last
             )
         if ctx.needs_input_grad[2]:
@@ -184,143 +173,150 @@ class _Forward(torch.autograd.Function):
         return y.unflatten(1, (batch, -1)), 1
 
 
-class _BackwardData(torch.autograd.Function):
-    """dx = backward_data(dy, w); its arguments after the two tensors are (input size,
-    stride, padding, dilation, groups, channels_last)."""
+# ``torch.ops.gemmconv.conv_forward``, with the same arguments (gemmconv.ops.forward),
+# plus forward-mode, torch.func and vmap rules.
+conv_forward: Callable[..., torch.Tensor] = _Forward.apply
+
+
+class _Backward(torch.autograd.Function):
+    """A backward direction f(dy, operand): backward-data (the operand is the weight,
+    the result dx) or backward-weights (the operand is the input, the result dw). Its
+    arguments are (direction, dy, operand, size of the result, stride, padding,
+    dilation, groups, channels_last)."""
 
     @staticmethod
-    def forward(grad_output, weight, input_size, stride, padding, dilation, groups, cl):
-        return torch.ops.gemmconv.conv_backward_data(
-            grad_output, weight, input_size, stride, padding, dilation, groups, cl
+    def forward(
+        direction, grad_output, operand, result_size, stride, padding, dilation, groups, cl
+    ):
+        return _backward_op(direction)(
+            grad_output, operand, result_size, stride, padding, dilation, groups, cl
         )
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _backward_setup_context(ctx, inputs)
+        direction, grad_output, operand, result_size, stride, padding, dilation, groups, cl = inputs
+        ctx.save_for_backward(grad_output, operand)
+        ctx.save_for_forward(grad_output, operand)
+        ctx.direction = direction
+        ctx.result_size = result_size
+        ctx.operand_size = list(operand.shape)
+        ctx.conv_args = (stride, padding, dilation, groups)
+        ctx.channels_last = cl
 
     @staticmethod
-    def backward(ctx, grad_dx):
-        # <g, dx> = <conv(g, w), dy>, and as a function of w, backward_weights(dy, g).
-        grad_output, weight = ctx.saved_tensors
-        ddy = dw = None
-        if ctx.needs_input_grad[0]:
-            ddy = _Forward.apply(grad_dx, weight, None, *ctx.conv_args)
+    def backward(ctx, grad_result):
+        # backward-data: <g, dx> = <conv(g, w), dy>, and as a function of w,
+        # backward_weights(dy, g); backward-weights: <G, dw> = <conv(x, G), dy>, and as
+        # a function of x, backward_data(dy, G).
+        grad_output, operand = ctx.saved_tensors
+        ddy = d_operand = None
+        # needs_input_grad follows the arguments: the direction first, then dy and operand.
         if ctx.needs_input_grad[1]:
-            dw = _BackwardWeights.apply(
-                grad_output, grad_dx, ctx.operand_size, *ctx.conv_args, ctx.channels_last
+            if ctx.direction is Direction.BACKWARD_DATA:
+                ddy = _Forward.apply(grad_result, operand, None, *ctx.conv_args)
+            else:
+                ddy = _Forward.apply(operand, grad_result, None, *ctx.conv_args)
+        if ctx.needs_input_grad[2]:
+            d_operand = _Backward.apply(
+                _OTHER_BACKWARD[ctx.direction],
+                grad_output,
+                grad_result,
+                ctx.operand_size,
+                *ctx.conv_args,
+                ctx.channels_last,
             )
-        return ddy, dw, *_NO_GRAD_BACKWARD_ARGUMENTS
+        return None, ddy, d_operand, *_NO_GRAD_BACKWARD_ARGUMENTS
 
     @staticmethod
-    def jvp(ctx, grad_output_tangent, weight_tangent, *_):
-        return _backward_tangent(_BackwardData, ctx, grad_output_tangent, weight_tangent)
+    def jvp(ctx, _direction_tangent, grad_output_tangent, operand_tangent, *_):
+        # f is bilinear in (dy, operand): its tangent is f(t_dy, operand) + f(dy, t_operand).
+        grad_output, operand = ctx.saved_tensors
+        rest = (ctx.result_size, *ctx.conv_args, ctx.channels_last)
+        tangent = None
+        if grad_output_tangent is not None:
+            tangent = _Backward.apply(ctx.direction, grad_output_tangent, operand, *rest)
+        if operand_tangent is not None:
+            term = _Backward.apply(ctx.direction, grad_output, operand_tangent, *rest)
+            tangent = term if tangent is None else tangent + term
+        return tangent
 
     @staticmethod
-    def vmap(info, in_dims, grad_output, weight, input_size, stride, padding, dilation, groups, cl):
-        dy_dim, weight_dim = in_dims[:2]
-        batch = info.batch_size
-        n, c, *spatial = input_size
+    def vmap(info, in_dims, direction, grad_output, operand, result_size, *rest):
+        stride, padding, dilation, groups, cl = rest
+        rule = _VMAP_RULES[direction]
         args = (stride, padding, dilation)
-        if weight_dim is None:  # the batch joins the convolution's own batch
-            dy = _batch_first(grad_output, dy_dim)
-            dx = _BackwardData.apply(
-                dy.flatten(0, 1), weight, [batch * n, c, *spatial], *args, groups, cl
-            )
-            return dx.unflatten(0, (batch, n)), 0
-        w = _batch_first(weight, weight_dim)
-        if dy_dim is None:  # each weight's input channels side by side
-            stacked = w.movedim(0, 1).flatten(1, 2)
-            dx = _BackwardData.apply(
-                grad_output, stacked, [n, batch * c, *spatial], *args, groups, cl
-            )
-            return _out_of_channels(dx, 1, batch, groups), 1
-        dy = _batch_first(grad_output, dy_dim).movedim(0, 1).flatten(1, 2)
-        _log_grouped("backward-data", groups * batch)
-        dx = _BackwardData.apply(
-            dy, w.flatten(0, 1), [n, batch * c, *spatial], *args, groups * batch, cl
-        )
-        return dx.unflatten(1, (batch, c)), 1
-
-
-class _BackwardWeights(torch.autograd.Function):
-    """dw = backward_weights(dy, x); its arguments after the two tensors are (weight
-    size, stride, padding, dilation, groups, channels_last)."""
-
-    @staticmethod
-    def forward(grad_output, input, weight_size, stride, padding, dilation, groups, cl):
-        return torch.ops.gemmconv.conv_backward_weights(
-            grad_output, input, weight_size, stride, padding, dilation, groups, cl
+        return rule(
+            info.batch_size, in_dims[1:3], grad_output, operand, result_size, args, groups, cl
         )
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _backward_setup_context(ctx, inputs)
 
-    @staticmethod
-    def backward(ctx, grad_dw):
-        # <G, dw> = <conv(x, G), dy>, and as a function of x, backward_data(dy, G).
-        grad_output, input = ctx.saved_tensors
-        ddy = dx = None
-        if ctx.needs_input_grad[0]:
-            ddy = _Forward.apply(input, grad_dw, None, *ctx.conv_args)
-        if ctx.needs_input_grad[1]:
-            dx = _BackwardData.apply(
-                grad_output, grad_dw, ctx.operand_size, *ctx.conv_args, ctx.channels_last
-            )
-        return ddy, dx, *_NO_GRAD_BACKWARD_ARGUMENTS
+_OTHER_BACKWARD = {
+    Direction.BACKWARD_DATA: Direction.BACKWARD_WEIGHTS,
+    Direction.BACKWARD_WEIGHTS: Direction.BACKWARD_DATA,
+}
 
-    @staticmethod
-    def jvp(ctx, grad_output_tangent, input_tangent, *_):
-        return _backward_tangent(_BackwardWeights, ctx, grad_output_tangent, input_tangent)
 
-    @staticmethod
-    def vmap(info, in_dims, grad_output, input, weight_size, stride, padding, dilation, groups, cl):
-        dy_dim, input_dim = in_dims[:2]
-        batch = info.batch_size
-        k, c_per_group, *kernel = weight_size
-        args = (stride, padding, dilation)
-        if input_dim is None:  # each sample's output channels side by side
-            dy = _into_channels(_batch_first(grad_output, dy_dim).movedim(0, 1), 1, groups)
-            dw = _BackwardWeights.apply(
-                dy, input, [batch * k, c_per_group, *kernel], *args, groups, cl
-            )
-            return _out_of_channels(dw, 0, batch, groups), 0
-        x = _batch_first(input, input_dim).movedim(0, 1)
-        if dy_dim is None:  # each sample's input channels side by side
-            stacked = _into_channels(x, 1, groups)
-            dw = _BackwardWeights.apply(
-                grad_output, stacked, [k, batch * c_per_group, *kernel], *args, groups, cl
-            )
-            return dw.unflatten(1, (batch, c_per_group)), 1
-        dy = _batch_first(grad_output, dy_dim).movedim(0, 1).flatten(1, 2)
-        _log_grouped("backward-weights", groups * batch)
-        dw = _BackwardWeights.apply(
-            dy, x.flatten(1, 2), [batch * k, c_per_group, *kernel], *args, groups * batch, cl
+def _backward_op(direction: Direction):
+    # Looked up per call, as the Functions' forwards look up theirs.
+    if direction is Direction.BACKWARD_DATA:
+        return torch.ops.gemmconv.conv_backward_data
+    return torch.ops.gemmconv.conv_backward_weights
+
+
+def _vmap_backward_data(batch, in_dims, grad_output, weight, input_size, args, groups, cl):
+    dy_dim, weight_dim = in_dims
+    n, c, *spatial = input_size
+    if weight_dim is None:  # the batch joins the convolution's own batch
+        dy = _batch_first(grad_output, dy_dim)
+        dx = _backward_data(dy.flatten(0, 1), weight, [batch * n, c, *spatial], *args, groups, cl)
+        return dx.unflatten(0, (batch, n)), 0
+    w = _batch_first(weight, weight_dim)
+    if dy_dim is None:  # each weight's input channels side by side
+        stacked = w.movedim(0, 1).flatten(1, 2)
+        dx = _backward_data(grad_output, stacked, [n, batch * c, *spatial], *args, groups, cl)
+        return _out_of_channels(dx, 1, batch, groups), 1
+    dy = _batch_first(grad_output, dy_dim).movedim(0, 1).flatten(1, 2)
+    _log_grouped("backward-data", groups * batch)
+    dx = _backward_data(dy, w.flatten(0, 1), [n, batch * c, *spatial], *args, groups * batch, cl)
+    return dx.unflatten(1, (batch, c)), 1
+
+
+def _vmap_backward_weights(batch, in_dims, grad_output, input, weight_size, args, groups, cl):
+    dy_dim, input_dim = in_dims
+    k, c_per_group, *kernel = weight_size
+    if input_dim is None:  # each sample's output channels side by side
+        dy = _into_channels(_batch_first(grad_output, dy_dim).movedim(0, 1), 1, groups)
+        dw = _backward_weights(dy, input, [batch * k, c_per_group, *kernel], *args, groups, cl)
+        return _out_of_channels(dw, 0, batch, groups), 0
+    x = _batch_first(input, input_dim).movedim(0, 1)
+    if dy_dim is None:  # each sample's input channels side by side
+        stacked = _into_channels(x, 1, groups)
+        dw = _backward_weights(
+            grad_output, stacked, [k, batch * c_per_group, *kernel], *args, groups, cl
         )
-        return dw.unflatten(0, (batch, k)), 0
+        return dw.unflatten(1, (batch, c_per_group)), 1
+    dy = _batch_first(grad_output, dy_dim).movedim(0, 1).flatten(1, 2)
+    _log_grouped("backward-weights", groups * batch)
+    dw = _backward_weights(
+        dy, x.flatten(1, 2), [batch * k, c_per_group, *kernel], *args, groups * batch, cl
+    )
+    return dw.unflatten(0, (batch, k)), 0
 
 
-def _backward_setup_context(ctx, inputs) -> None:
-    """Shared by both backward directions: inputs are (dy, the other operand, the size
-    of the result, stride, padding, dilation, groups, channels_last)."""
-    grad_output, operand, result_size, stride, padding, dilation, groups, cl = inputs
-    ctx.save_for_backward(grad_output, operand)
-    ctx.save_for_forward(grad_output, operand)
-    ctx.result_size = result_size
-    ctx.operand_size = list(operand.shape)
-    ctx.conv_args = (stride, padding, dilation, groups)
-    ctx.channels_last = cl
+# The vmap rule of each backward direction: (batch size, the batch dimensions of dy and
+# of the operand, dy, the operand, the result's size, (stride, padding, dilation),
+# groups, channels_last) -> (result, its batch dimension).
+_VMAP_RULES = {
+    Direction.BACKWARD_DATA: _vmap_backward_data,
+    Direction.BACKWARD_WEIGHTS: _vmap_backward_weights,
+}
 
 
-def _backward_tangent(direction, ctx, grad_output_tangent, operand_tangent):
-    """The tangent of a backward direction f(dy, operand), which is bilinear:
-    f(t_dy, operand) + f(dy, t_operand)."""
-    grad_output, operand = ctx.saved_tensors
-    rest = (ctx.result_size, *ctx.conv_args, ctx.channels_last)
-    tangent = None
-    if grad_output_tangent is not None:
-        tangent = direction.apply(grad_output_tangent, operand, *rest)
-    if operand_tangent is not None:
-        term = direction.apply(grad_output, operand_tangent, *rest)
-        tangent = term if tangent is None else tangent + term
-    return tangent
+def _backward_data(*args) -> torch.Tensor:
+    """dx = backward_data(dy, w, input size, stride, padding, dilation, groups, cl)."""
+    return _Backward.apply(Direction.BACKWARD_DATA, *args)
+
+
+def _backward_weights(*args) -> torch.Tensor:
+    """dw = backward_weights(dy, x, weight size, stride, padding, dilation, groups, cl)."""
+    return _Backward.apply(Direction.BACKWARD_WEIGHTS, *args)

@@ -153,44 +153,34 @@ class _SeenInput(NamedTuple):
         return cls(tuple(input.shape), input.stride(), dtype, input.device)
 
 
-class Conv1d(_GemmConvMixin, torch.nn.Conv1d):
-    __doc__ = (
-        "torch.nn.Conv1d computed by gemmconv: a drop-in subclass with torch's constructor, "
-        "parameters, initialisation, state_dict keys and repr, whose convolution runs as "
-        "one GEMM per direction when it is a matrix product (patch, 1x1, strided 1x1) and "
-        "through torch otherwise. ``module.solvers(x)`` says which solver runs each "
-        "direction; ``gemmconv.convert(model)`` swaps torch's modules for these in place "
-        "and ``gemmconv.revert(model)`` swaps them back.\n\ntorch's documentation:\n\n"
-        + (torch.nn.Conv1d.__doc__ or "")
+def _class_doc(torch_class: type[torch.nn.Module]) -> str:
+    """The docstring of gemmconv's drop-in for ``torch_class``: what it changes, then
+    torch's own documentation of the class."""
+    return (
+        f"torch.nn.{torch_class.__name__} computed by gemmconv: a drop-in subclass with "
+        "torch's constructor, parameters, initialisation, state_dict keys and repr, whose "
+        "convolution runs as one GEMM per direction when it is a matrix product (patch, "
+        "1x1, strided 1x1) and through torch otherwise. ``module.solvers(x)`` says which "
+        "solver runs each direction; ``gemmconv.convert(model)`` swaps torch's modules for "
+        "these in place and ``gemmconv.revert(model)`` swaps them back.\n\ntorch's "
+        "documentation:\n\n" + (torch_class.__doc__ or "")
     )
+
+
+class Conv1d(_GemmConvMixin, torch.nn.Conv1d):
+    __doc__ = _class_doc(torch.nn.Conv1d)
     _gemmconv_fn = staticmethod(functional.conv1d)
     _gemmconv_zero_padding = (0,)
 
 
 class Conv2d(_GemmConvMixin, torch.nn.Conv2d):
-    __doc__ = (
-        "torch.nn.Conv2d computed by gemmconv: a drop-in subclass with torch's constructor, "
-        "parameters, initialisation, state_dict keys and repr, whose convolution runs as "
-        "one GEMM per direction when it is a matrix product (patch, 1x1, strided 1x1) and "
-        "through torch otherwise. ``module.solvers(x)`` says which solver runs each "
-        "direction; ``gemmconv.convert(model)`` swaps torch's modules for these in place "
-        "and ``gemmconv.revert(model)`` swaps them back.\n\ntorch's documentation:\n\n"
-        + (torch.nn.Conv2d.__doc__ or "")
-    )
+    __doc__ = _class_doc(torch.nn.Conv2d)
     _gemmconv_fn = staticmethod(functional.conv2d)
     _gemmconv_zero_padding = (0, 0)
 
 
 class Conv3d(_GemmConvMixin, torch.nn.Conv3d):
-    __doc__ = (
-        "torch.nn.Conv3d computed by gemmconv: a drop-in subclass with torch's constructor, "
-        "parameters, initialisation, state_dict keys and repr, whose convolution runs as "
-        "one GEMM per direction when it is a matrix product (patch, 1x1, strided 1x1) and "
-        "through torch otherwise. ``module.solvers(x)`` says which solver runs each "
-        "direction; ``gemmconv.convert(model)`` swaps torch's modules for these in place "
-        "and ``gemmconv.revert(model)`` swaps them back.\n\ntorch's documentation:\n\n"
-        + (torch.nn.Conv3d.__doc__ or "")
-    )
+    __doc__ = _class_doc(torch.nn.Conv3d)
     _gemmconv_fn = staticmethod(functional.conv3d)
     _gemmconv_zero_padding = (0, 0, 0)
 
