@@ -15,12 +15,16 @@ from gemmconv.problem import ConvProblem
 
 RESULTS = Path(__file__).resolve().parent / "data" / "h200_suite.json"
 
-# Rows the fitted cost model still misses by more than 10% (bench/NOTES.md, "Cost model
-# fit"): the target of 10% is not met there. The offline fit test marks them strict
-# xfail, so the list cannot outlive the miss.
+# Rows the fitted cost model still misses by more than 10% in call time (bench/NOTES.md,
+# "Prepared runs, measured"): the target of 10% is not met there. The offline fit test
+# marks them strict xfail, so the list cannot outlive the miss.
 STILL_OFF = {
+    "sam_vit_h-cf-fwd-bf16",
+    "videomae-cf-bwd_weights-bf16",
     "convnext_down-cl-fwd-bf16",
+    "convnext_down-cl-bwd_data-bf16",
     "convnext_down-cl-bwd_weights-bf16",
+    "resnet_1x1-cf-bwd_weights-bf16",
 }
 
 
@@ -54,10 +58,11 @@ def problem_of(row: dict) -> ConvProblem:
 
 
 def measured(row: dict) -> dict[str, float]:
+    """Each verified candidate's call time (back to back, what find decides on), ms."""
     return {
-        sid: cand["ms"]
+        sid: cand["call_ms"]
         for sid, cand in row["candidates"].items()
-        if cand["ok"] and cand["ms"] is not None
+        if cand["ok"] and cand.get("call_ms") is not None
     }
 
 

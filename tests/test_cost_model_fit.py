@@ -1,6 +1,7 @@
 """Immediate mode against the H200 suite run the cost table is fitted to (the tests' copy,
 tests/data/h200_suite.json): on every measured row the cost model's pick must run
-within 10% of the fastest measured solver, in the device time that run recorded.
+within 10% of the fastest measured solver, in the call time that run recorded (what
+find decides on).
 
 Runs offline: each row's ConvProblem is rebuilt for device_type "cuda" and ranked with
 the H200 entry of the cost table passed explicitly, so the CPU-only CI machine ranks exactly as the

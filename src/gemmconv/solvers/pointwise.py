@@ -106,6 +106,15 @@ class PointwiseSolver(Solver):
 
     # ---- the three directions ----------------------------------------------
 
+    def prepare(self, p: ConvProblem, tensors: ConvTensors):
+        if not self.subsample_is_copied(p):
+            from gemmconv.solvers import pointwise_prepared
+
+            prepared = pointwise_prepared.prepare(self, p, tensors)
+            if prepared is not None:
+                return prepared
+        return super().prepare(p, tensors)
+
     def forward(self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None) -> torch.Tensor:
         x = self.source(t.input, p)
         y = result_buffer(p, x, out)

@@ -74,6 +74,9 @@ class ImplicitGemmSolver(PatchFamilySolver):
 
     # ---- cost ---------------------------------------------------------------
 
+    def triton_launches(self, p: ConvProblem) -> int:
+        return self.gemm_launches(p)  # its GEMM is a Triton kernel
+
     def _partials_bytes(self, p: ConvProblem, rates: DeviceRates) -> int:
         """The weight gradient's fp32 partials and their sum."""
         if p.direction is not Direction.BACKWARD_WEIGHTS:

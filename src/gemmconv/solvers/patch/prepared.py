@@ -114,15 +114,20 @@ def prepare(solver, p: ConvProblem, t: ConvTensors) -> Runner | None:
     ld = solver.reduction_width(p)
     if solver.uses_rows_path(p) and rows_path.chunk_samples(p, ld) < p.n:
         return None
+    meta = ConvTensors(**{name: _meta(v) for name, v in vars(t).items()})
     if p.direction is Direction.FORWARD:
-        build = _forward
-    elif p.direction is Direction.BACKWARD_DATA:
-        build = _backward_data
+        run = _forward(solver, p, ld, meta)
     else:
-        build = _backward_weights
-    run = build(solver, p, ld, ConvTensors(**{k: _meta(v) for k, v in vars(t).items()}))
-    if run is None:
-        return None
+        views = _output_views(solver, p, meta.grad_output)
+        if views is None:
+            return None
+        data = p.direction is Direction.BACKWARD_DATA
+        run = (_backward_data if data else _backward_weights)(solver, p, ld, meta, *views)
+    return None if run is None else with_precision(p, run)
+
+
+def with_precision(p: ConvProblem, run: Runner) -> Runner:
+    """``run`` under the problem's GEMM accumulation rules, as Solver.run applies them."""
     precision = (p.dtype, p.device_type)
 
     def runner(tensors: ConvTensors) -> torch.Tensor:
@@ -138,11 +143,10 @@ def _meta(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def _forward(solver, p: ConvProblem, ld: int, t: ConvTensors):
     size, stride, y = _result(p, t.input)
-    y_rows = ViewRecipe.of(rows_view(y), y)
-    y3 = ViewRecipe.of(batched_view(y), y)
-    through_rows = y_rows is None and y3 is not None and solver.uses_rows_path(p)
-    if y_rows is None and not through_rows:
+    views = _output_views(solver, p, y)
+    if views is None:
         return None
+    y_rows, y3, through_rows = views
     columns = Columns(solver.columns, p, ld, t.input)
     weight_rows = WeightRows(p, ld, t.weight)
 
@@ -161,13 +165,20 @@ def _forward(solver, p: ConvProblem, ld: int, t: ConvTensors):
     return forward
 
 
-def _backward_data(solver, p: ConvProblem, ld: int, t: ConvTensors):
-    size, stride, dx = _result(p, t.grad_output)
-    dy_rows = ViewRecipe.of(rows_view(t.grad_output), t.grad_output)
-    dy3 = ViewRecipe.of(batched_view(t.grad_output), t.grad_output)
-    through_rows = dy_rows is None and dy3 is not None and solver.uses_rows_path(p)
-    if dy_rows is None and not through_rows:
+def _output_views(solver, p: ConvProblem, t: torch.Tensor):
+    """How the GEMM meets y or dY: (rows view, [N, K, P] view, whether the rows path
+    runs), each view a recipe or None; None where neither prepared way applies (a copy
+    to rows, or the per-sample bmm: the solver's own method runs then)."""
+    rows = ViewRecipe.of(rows_view(t), t)
+    blocks = ViewRecipe.of(batched_view(t), t)
+    through_rows = rows is None and blocks is not None and solver.uses_rows_path(p)
+    if rows is None and not through_rows:
         return None
+    return rows, blocks, through_rows
+
+
+def _backward_data(solver, p: ConvProblem, ld: int, t: ConvTensors, dy_rows, dy3, through_rows):
+    size, stride, dx = _result(p, t.grad_output)
     covered = covered_extent(p)
     cropped = covered != tuple(p.spatial)
     target = ViewRecipe.of(solver.columns.in_place_target(dx, p, ld), dx)
@@ -191,13 +202,8 @@ def _backward_data(solver, p: ConvProblem, ld: int, t: ConvTensors):
     return backward_data
 
 
-def _backward_weights(solver, p: ConvProblem, ld: int, t: ConvTensors):
+def _backward_weights(solver, p: ConvProblem, ld: int, t: ConvTensors, dy_rows, dy3, through_rows):
     size, stride, dw = _result(p, t.input)
-    dy_rows = ViewRecipe.of(rows_view(t.grad_output), t.grad_output)
-    dy3 = ViewRecipe.of(batched_view(t.grad_output), t.grad_output)
-    through_rows = dy_rows is None and dy3 is not None and solver.uses_rows_path(p)
-    if dy_rows is None and not through_rows:
-        return None
     order = column_layout(p)
     target = ViewRecipe.of(weight_rows_target(dw, order), dw) if ld == p.gemm_k else None
     columns = Columns(solver.columns, p, ld, t.input)
@@ -218,4 +224,4 @@ def _backward_weights(solver, p: ConvProblem, ld: int, t: ConvTensors):
     return backward_weights
 
 
-__all__ = ["Columns", "Runner", "WeightRows", "prepare"]
+__all__ = ["Columns", "Runner", "WeightRows", "prepare", "with_precision"]
