@@ -177,6 +177,6 @@ def test_api_times_on_cuda_rotates_operands_past_the_l2():
                                dtype=torch.bfloat16, device_type="cuda")  # fmt: skip
     sets = operand_sets(p, torch.device("cuda"), every_operand=True)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    assert len(sets) == 8 or sum(s.nbytes for s in sets) >= 2 * l2
+    assert len(sets) == 8 or sum(operand_bytes(s) for s in sets) >= 2 * l2
     columns = api_times(p, "cuda", reps=5)
     assert all(v is not None and v > 0 for v in columns.values())

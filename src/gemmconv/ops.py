@@ -232,16 +232,12 @@ def run_forward(
 
 
 def forward(
-    input: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *arguments: object
 ) -> torch.Tensor:
-    """The forward convolution: what ``gemmconv::conv_forward`` computes."""
-    plan = forward_plan(input, weight, bias, stride, padding, dilation, groups)
+    """The forward convolution: what ``gemmconv::conv_forward`` computes. ``arguments``
+    are stride, padding, dilation and groups (the op's schema), as forward_plan takes
+    them."""
+    plan = forward_plan(input, weight, bias, *arguments)
     return run_forward(plan, input, weight, bias)
 
 
@@ -330,22 +326,24 @@ def run_backward(plan: Plan, grad_output: torch.Tensor, operand: torch.Tensor) -
     return _run(plan, ConvTensors(grad_output=dy, input=other))
 
 
-def backward_data(
-    grad_output: torch.Tensor,
-    weight: torch.Tensor,
-    input_size: Sequence[int],
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
-    channels_last: bool,
-) -> torch.Tensor:
-    """dx of a convolution: what ``gemmconv::conv_backward_data`` computes."""
-    plan = backward_plan(
-        Direction.BACKWARD_DATA, grad_output, weight, input_size, stride, padding, dilation,
-        groups, channels_last,
-    )  # fmt: skip
-    return run_backward(plan, grad_output, weight)
+def _backward_implementation(direction: Direction) -> Callable[..., torch.Tensor]:
+    """What a backward op computes: dx (``operand`` the weight, ``result_size`` the
+    input's) or dw (``operand`` the input, ``result_size`` the weight's)."""
+
+    def implementation(
+        grad_output: torch.Tensor, operand: torch.Tensor, *arguments: object
+    ) -> torch.Tensor:
+        # arguments: result_size, stride, padding, dilation, groups, channels_last (the
+        # op's schema), as backward_plan takes them.
+        plan = backward_plan(direction, grad_output, operand, *arguments)
+        return run_backward(plan, grad_output, operand)
+
+    implementation.__name__ = direction.value
+    return implementation
+
+
+backward_data = _backward_implementation(Direction.BACKWARD_DATA)
+backward_weights = _backward_implementation(Direction.BACKWARD_WEIGHTS)
 
 
 conv_backward_data = torch.library.custom_op(
@@ -359,24 +357,6 @@ def _(grad_output, weight, input_size, stride, padding, dilation, groups, channe
         _layout(channels_last), len(input_size) - 2, grad_output.dtype, grad_output.device.type
     )
     return empty_in(input_size, layout, grad_output.dtype, grad_output.device)
-
-
-def backward_weights(
-    grad_output: torch.Tensor,
-    input: torch.Tensor,
-    weight_size: Sequence[int],
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
-    channels_last: bool,
-) -> torch.Tensor:
-    """dw of a convolution: what ``gemmconv::conv_backward_weights`` computes."""
-    plan = backward_plan(
-        Direction.BACKWARD_WEIGHTS, grad_output, input, weight_size, stride, padding,
-        dilation, groups, channels_last,
-    )  # fmt: skip
-    return run_backward(plan, grad_output, input)
 
 
 conv_backward_weights = torch.library.custom_op(
