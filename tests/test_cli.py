@@ -20,7 +20,7 @@ from gemmconv.solvers.im2col import Im2colSolver
 from conftest import RecordingBar
 
 # A small patch-class problem: patch, im2col and vendor apply in every direction.
-PATCH = "-n 4 -c 3 -H 8 -W 8 -k 16 -y 4 -x 4 -u 4 -v 4 -i 2 --warmup 0".split()
+PATCH = "-n 4 -c 3 -H 16 -W 16 -k 16 -y 2 -x 2 -u 2 -v 2 -i 2 --warmup 0".split()
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
@@ -339,7 +339,7 @@ def test_solvers_table_lists_every_solver_with_its_verdict(capsys):
     assert code == 0, err
     for sid in solver_ids():
         assert f" {sid} " in out
-    assert "kernel (4, 4) is not 1x1" in out and "yes *" in out
+    assert "kernel (2, 2) is not 1x1" in out and "yes *" in out
     data = run_json(capsys, "solvers", *PATCH[:-4])
     assert len(data["solvers"]) == 3 * len(solver_ids())
     chosen = [r for r in data["solvers"] if r["immediate_choice"]]

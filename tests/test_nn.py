@@ -110,12 +110,12 @@ def test_unbatched_input_like_torch():
 
 @pytest.mark.usefixtures("work_costs_only")
 def test_solvers_reports_each_direction_and_is_not_state():
-    conv = gemmconv.nn.Conv2d(3, 8, kernel_size=4, stride=4)
+    conv = gemmconv.nn.Conv2d(3, 8, kernel_size=2, stride=2)
     with pytest.raises(RuntimeError, match="no eager forward has run yet"):
         conv.solvers()
     example = torch.empty(2, 3, 8, 8)
     assert conv.solvers(example)["forward"].solver == "patch"
-    conv(_input(dict(in_channels=3), (4, 4)))
+    conv(_input(dict(in_channels=3), (2, 2)))
     choices = conv.solvers()
     assert set(choices) == {"forward", "backward_data", "backward_weights"}
     assert all(c.solver == "point_output" for c in choices.values())

@@ -10,7 +10,7 @@ import torch
 
 from gemmconv.device_rates import DeviceRates
 from gemmconv.memory_format import Layout
-from gemmconv.problem import ConvProblem
+from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors, Solver
 
 # Patch embeddings with at least this many kernel taps are "large" in the cost table.
@@ -24,6 +24,10 @@ def vendor_efficiency(p: ConvProblem, rates: DeviceRates) -> float:
         return rates.factor("vendor_pointwise")
     if p.stride == p.kernel and not any(p.padding) and all(d == 1 for d in p.dilation):
         if math.prod(p.kernel) >= LARGE_PATCH_TAPS:
+            if math.prod(p.output_spatial) == 1:
+                return rates.factor("vendor_point_output")
+            if p.direction is Direction.BACKWARD_DATA:
+                return rates.factor("vendor_large_patch_backward_data")
             return rates.factor("vendor_large_patch")
         if p.layout is Layout.CHANNELS_FIRST:
             return rates.factor("vendor_small_patch_channels_first")
