@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from gemmconv import cli
 from gemmconv.api_timing import CALL_KINDS, api_times, linear_applies, public_calls
 from gemmconv.bench_api import main as api_main
-from gemmconv.measure import operand_sets
+from gemmconv.measure import operand_bytes, operand_sets
 from gemmconv.memory_format import Layout
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.verify import rms_range, tolerance
