@@ -209,6 +209,25 @@ def _output_strides(t: torch.Tensor) -> tuple[int, ...]:
     return (t.stride(0), t.stride(1), *((0,) * (3 - dims)), *t.stride()[2:])
 
 
+def _tile_constants(
+    g: PatchGeometry,
+    cfg: TileConfig,
+    dtype: torch.dtype,
+    channels_last_columns: bool,
+    allow_tf32: bool,
+) -> dict[str, object]:
+    """The constexpr arguments every patch GEMM kernel takes: the column order and its
+    contiguous run, the dot's precision and the tile sizes."""
+    return {
+        "CHANNELS_LAST_COLUMNS": channels_last_columns,
+        "RUN": contiguous_run(g),
+        "INPUT_PRECISION": _precision(dtype, allow_tf32),
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+    }
+
+
 def _precision(dtype: torch.dtype, allow_tf32: bool) -> str:
     # Triton's single-pass tf32 dot feeds the tensor cores fp32 bits whose mantissa they
     # truncate: on an H200 a one-term fp32 reduction came out 1.3e-3 off (rms_range),
@@ -276,13 +295,10 @@ def patch_gemm_forward(
             *_output_strides(out), weight_rows.stride(0),
         )  # fmt: skip
         constants = {
+            **_tile_constants(g, cfg, x.dtype, channels_last_columns, allow_tf32),
             "HAS_BIAS": bias is not None,
-            "CHANNELS_LAST_COLUMNS": channels_last_columns,
-            "RUN": contiguous_run(g),
-            "INPUT_PRECISION": _precision(x.dtype, allow_tf32),
-            "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
             "GROUP_M": 8,
-        }  # fmt: skip
+        }
         return PreparedLaunch(_forward_kernel, grid, args, constants, cfg.launch_options(),
                               x.device, {"do_not_specialize": _FORWARD_ARGS})  # fmt: skip
 
@@ -320,12 +336,7 @@ def patch_gemm_backward_data(
             g.rows, kout, g.reduction, g.c, *g.outs, *g.kernel, *g.strides,
             *_output_strides(grad_output), weight_rows.stride(0),
         )  # fmt: skip
-        constants = {
-            "CHANNELS_LAST_COLUMNS": channels_last_columns,
-            "RUN": contiguous_run(g),
-            "INPUT_PRECISION": _precision(dx.dtype, allow_tf32),
-            "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-        }  # fmt: skip
+        constants = _tile_constants(g, cfg, dx.dtype, channels_last_columns, allow_tf32)
         return PreparedLaunch(_dgrad_kernel, grid, args, constants, cfg.launch_options(),
                               dx.device, {"do_not_specialize": _FORWARD_ARGS})  # fmt: skip
 
@@ -396,12 +407,7 @@ def _prepare_weight_grad(
         g.rows, kout, g.reduction, g.c, *g.outs, *g.kernel, *g.strides,
         *_output_strides(grad_output), per_split,
     )  # fmt: skip
-    constants = {
-        "CHANNELS_LAST_COLUMNS": channels_last_columns,
-        "RUN": contiguous_run(g),
-        "INPUT_PRECISION": _precision(x.dtype, allow_tf32),
-        "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-    }  # fmt: skip
+    constants = _tile_constants(g, cfg, x.dtype, channels_last_columns, allow_tf32)
     launch = PreparedLaunch(_wgrad_kernel, grid, args, constants, cfg.launch_options(),
                             x.device, {"do_not_specialize": _WGRAD_ARGS})  # fmt: skip
     return launch, (parts, kout, g.reduction)
