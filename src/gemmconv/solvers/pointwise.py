@@ -71,7 +71,7 @@ class PointwiseSolver(Solver):
     def _x_rows_bytes(self, p: ConvProblem) -> int:
         return p.gemm_m * p.c * p.element_size
 
-    def _wgrad_through_rows(self, p: ConvProblem) -> bool:
+    def wgrad_through_rows(self, p: ConvProblem) -> bool:
         """Whether a channels-first weight gradient copies dY and x to rows for one
         GEMM: on the CPU, where a long fp32 GEMM is as accurate as the vendor
         (precision.py) and the per-sample products' two-level sum needs fp64."""
@@ -88,7 +88,7 @@ class PointwiseSolver(Solver):
 
     def workspace_bytes(self, p: ConvProblem) -> int:
         ws = self._x_rows_bytes(p) if self.subsample_is_copied(p) else 0
-        if self._wgrad_through_rows(p):
+        if self.wgrad_through_rows(p):
             ws += self._rows_copy_bytes(p)
         elif p.direction is Direction.BACKWARD_WEIGHTS and p.layout is Layout.CHANNELS_FIRST:
             ws += fp32_workspace_chunk_bytes(p.n, p.k, p.c, WGRAD_PARTIALS_CAP)
@@ -98,7 +98,7 @@ class PointwiseSolver(Solver):
         moved = 2 * self._x_rows_bytes(p) if self.subsample_is_copied(p) else 0
         if p.direction is Direction.BACKWARD_DATA and self.subsample_is_copied(p):
             moved += math.prod(p.input_shape) * p.element_size  # zero fill of dx
-        if self._wgrad_through_rows(p):
+        if self.wgrad_through_rows(p):
             moved += 2 * self._rows_copy_bytes(p)
         elif p.direction is Direction.BACKWARD_WEIGHTS and p.layout is Layout.CHANNELS_FIRST:
             moved += 2 * fp32_workspace_chunk_bytes(p.n, p.k, p.c, WGRAD_PARTIALS_CAP)
@@ -147,7 +147,7 @@ class PointwiseSolver(Solver):
         x = self.source(t.input, p)
         dw = result_buffer(p, x, out)
         dw_rows = dw.view(p.k, p.c)  # a [K, C, 1..] tensor is [K, C] in either layout
-        if p.layout is Layout.CHANNELS_LAST or self._wgrad_through_rows(p):
+        if p.layout is Layout.CHANNELS_LAST or self.wgrad_through_rows(p):
             reduction_mm(rows(dy).t(), rows(x), out=dw_rows)
         else:
             # sum over samples of dY[n] [K, P] @ x[n]^T [P, C], in fp32 throughout.

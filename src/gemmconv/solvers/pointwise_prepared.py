@@ -16,12 +16,10 @@ from gemmconv.memory_format import Layout
 from gemmconv.precision import reduction_mm
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors
-from gemmconv.solvers.patch.prepared import Runner, with_precision
+from gemmconv.solvers.prepared_run import ResultBuffer, Runner, meta_operands, with_precision
 from gemmconv.solvers.views import (
     ViewRecipe,
     batched_view,
-    meta_like,
-    result_buffer,
     rows_view,
     try_view,
 )
@@ -37,15 +35,16 @@ def prepare(solver, p: ConvProblem, t: ConvTensors) -> Runner | None:
     where the solver's own method must run."""
     channels_last = p.layout is Layout.CHANNELS_LAST
     if p.direction is Direction.BACKWARD_WEIGHTS and not (
-        channels_last or solver._wgrad_through_rows(p)
+        channels_last or solver.wgrad_through_rows(p)
     ):
         return None
     layout = Layout.CHANNELS_LAST if p.direction is Direction.BACKWARD_WEIGHTS else p.layout
+    meta = meta_operands(t)
     # The operand the GEMM streams (x, or dY) and the other one (the weight, or x).
-    first = meta_like(t.input if p.direction is Direction.FORWARD else t.grad_output)
-    second = meta_like(t.weight if p.direction is not Direction.BACKWARD_WEIGHTS else t.input)
-    result = result_buffer(p, first, None)
-    size, stride = tuple(result.shape), result.stride()
+    first = meta.input if p.direction is Direction.FORWARD else meta.grad_output
+    second = meta.weight if p.direction is not Direction.BACKWARD_WEIGHTS else meta.input
+    allocate = ResultBuffer(p, first)
+    result = allocate.meta
     first_view = _views(first, layout)
     if p.direction is Direction.BACKWARD_WEIGHTS:
         second_view = _views(second, layout)
@@ -60,7 +59,7 @@ def prepare(solver, p: ConvProblem, t: ConvTensors) -> Runner | None:
 
     def forward(t: ConvTensors) -> torch.Tensor:
         x, bias = t.input, t.bias
-        y = torch.empty_strided(size, stride, dtype=x.dtype, device=x.device)
+        y = allocate(x)
         w = second_view(t.weight)
         if channels_last:
             if bias is None:
@@ -75,7 +74,7 @@ def prepare(solver, p: ConvProblem, t: ConvTensors) -> Runner | None:
 
     def backward_data(t: ConvTensors) -> torch.Tensor:
         dy = t.grad_output
-        dx = torch.empty_strided(size, stride, dtype=dy.dtype, device=dy.device)
+        dx = allocate(dy)
         w = second_view(t.weight)
         if channels_last:
             torch.mm(first_view(dy), w, out=result_view(dx))
@@ -85,7 +84,7 @@ def prepare(solver, p: ConvProblem, t: ConvTensors) -> Runner | None:
 
     def backward_weights(t: ConvTensors) -> torch.Tensor:
         dy, x = t.grad_output, t.input
-        dw = torch.empty_strided(size, stride, dtype=x.dtype, device=x.device)
+        dw = allocate(x)
         reduction_mm(first_view(dy).t(), second_view(x), out=result_view(dw))
         return dw
 

@@ -22,7 +22,7 @@ from gemmconv.precision import reduction_mm
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors
 from gemmconv.solvers.patch import prepared, rows_path
-from gemmconv.solvers.patch.columns import ColumnSource, TritonCopyColumns
+from gemmconv.solvers.patch.columns import ColumnSource
 from gemmconv.solvers.patch.cost import output_rows_bytes, torch_permute_slowdown, uncovered_bytes
 from gemmconv.solvers.patch.family import PatchFamilySolver
 from gemmconv.solvers.patch.mapping import (
@@ -114,10 +114,9 @@ class ColumnGemmSolver(PatchFamilySolver):
 
     def triton_launches(self, p: ConvProblem) -> int:
         # The Triton gather or scatter, and the rows path's transpose, per pass.
-        per_pass = isinstance(self.columns, TritonCopyColumns) + self.uses_rows_path(p)
         if not self.uses_rows_path(p):
-            return per_pass
-        return per_pass * -(-p.n // rows_path.chunk_samples(p, self.reduction_width(p)))
+            return int(self.columns.triton)
+        return (self.columns.triton + 1) * rows_path.passes(p, self.reduction_width(p))
 
     def gemm_is_aligned(self, p: ConvProblem) -> bool:
         reduction_aligned = (self.reduction_width(p) * p.element_size) % VECTOR_BYTES == 0

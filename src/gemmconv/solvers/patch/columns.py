@@ -18,6 +18,7 @@ positions, and says what that costs:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -31,7 +32,7 @@ from gemmconv.solvers.patch.mapping import (
     patches,
     patches_are_views,
 )
-from gemmconv.solvers.views import try_view
+from gemmconv.solvers.views import ViewRecipe, try_view
 
 # The Triton permutation pass (kernels/patch_permute.py) against a plain copy: the
 # strided side is read in short runs (R elements), so allow a quarter more time.
@@ -51,6 +52,8 @@ WORD_COPY_SLOWDOWN = 2.0
 class ColumnSource:
     # Kernel launches of the gather or the scatter, beyond the GEMM's.
     launches = 1
+    # Whether those launches are Triton kernels (which cost the host more per launch).
+    triton = False
 
     def buffer_bytes(self, p: ConvProblem, ld: int) -> int:
         """Bytes of the column buffer it allocates for the whole problem."""
@@ -74,6 +77,13 @@ class ColumnSource:
     def in_place_target(self, dx: torch.Tensor, p: ConvProblem, ld: int) -> torch.Tensor | None:
         """dx's patch positions as [M, ld] when a GEMM can write them directly."""
         return None
+
+    def prepared_gather(
+        self, x: torch.Tensor, p: ConvProblem, ld: int
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``gather`` (no ``out``) for tensors with the sizes and strides of ``x`` (a meta
+        tensor will do), with what it decides from them decided once."""
+        return lambda t: self.gather(t, p, ld)
 
 
 class TorchCopyColumns(ColumnSource):
@@ -115,8 +125,22 @@ class ViewColumns(TorchCopyColumns):
             return None
         return try_view(patches(dx, p), p.gemm_m, p.gemm_k)
 
+    def prepared_gather(
+        self, x: torch.Tensor, p: ConvProblem, ld: int
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        if ld != p.gemm_k:
+            return super().prepared_gather(x, p, ld)
+        source = patches(x, p)
+        view = ViewRecipe.of(try_view(source, p.gemm_m, p.gemm_k), x)
+        if view is not None:
+            return view
+        permuted = ViewRecipe(source, x)
+        return lambda t: permuted(t).reshape(p.gemm_m, p.gemm_k)  # torch's copy
+
 
 class TritonCopyColumns(ColumnSource):
+    triton = True
+
     def slowdown(self, p: ConvProblem) -> float:
         if patches_are_views(p):
             return WORD_COPY_SLOWDOWN
@@ -137,6 +161,16 @@ class TritonCopyColumns(ColumnSource):
             # (a 588-element bf16 row is 147 of them) instead of 2-byte patch runs.
             return pad_rows(col, x_rows)
         return gather_patches(x, p.output_spatial, p.kernel, channels_last_columns(p), out=col)
+
+    def prepared_gather(
+        self, x: torch.Tensor, p: ConvProblem, ld: int
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        x_rows = ViewRecipe.of(whole_sample_rows(x, p), x)
+        if x_rows is None:
+            return super().prepared_gather(x, p, ld)
+        from gemmconv.kernels.strided_copy import pad_rows
+
+        return lambda t: pad_rows(t.new_empty(p.gemm_m, ld), x_rows(t))
 
     def scatter(self, dcol: torch.Tensor, p: ConvProblem, dx: torch.Tensor) -> None:
         from gemmconv.kernels.patch_permute import scatter_patches

@@ -7,10 +7,10 @@ An eager call with the same metadata takes the same decisions, so a plan keeps t
 the views become ViewRecipes found on meta tensors and the result's strides are
 fixed. What runs per call is then the allocation, the weight's rows where they are a
 copy, the gather or scatter, the GEMM and (channels-first y or dY with several
-pixels) the transpose: the same
-kernels, in the same order, as the solver's own direction methods, which stay the
-reference (the tests compare the two bitwise) and serve every case not prepared here
-(an ``out`` buffer, the per-sample bmm, chunked passes).
+pixels) the transpose: the same kernels, in the same order, as the solver's own
+direction methods, which stay the reference (the tests compare the two bitwise) and
+serve every case not prepared here (an ``out`` buffer, the per-sample bmm, chunked
+passes). Each column source prepares its own gather (ColumnSource.prepared_gather).
 """
 
 from __future__ import annotations
@@ -19,93 +19,37 @@ from collections.abc import Callable
 
 import torch
 
-from gemmconv.precision import conv_gemm_precision, reduction_mm
+from gemmconv.precision import reduction_mm
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors
 from gemmconv.solvers.patch import rows_path
-from gemmconv.solvers.patch.columns import (
-    ColumnSource,
-    TritonCopyColumns,
-    ViewColumns,
-    whole_sample_rows,
-)
 from gemmconv.solvers.patch.mapping import (
     column_layout,
     covered_extent,
     padded_weight_rows,
-    patches,
 )
+from gemmconv.solvers.prepared_run import ResultBuffer, Runner, meta_operands, with_precision
 from gemmconv.solvers.views import (
     ViewRecipe,
     batched_view,
-    meta_like,
-    result_buffer,
     rows_view,
     store_weight_rows,
-    try_view,
     weight_rows_target,
     zero_outside,
 )
 
-Runner = Callable[[ConvTensors], torch.Tensor]
 
-
-class WeightRows:
+def _weight_rows(
+    p: ConvProblem, ld: int, w: torch.Tensor
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """The weight as GEMM rows [K, ld] (mapping.padded_weight_rows): a view found once
     where the weight's memory already is those rows, else the permuted or padded copy,
     made afresh each call. Keeping the copy while the weight looked unchanged was
     considered and refused: an update through ``weight.data`` moves no version
     counter, so a kept copy could silently be stale."""
-
-    __slots__ = ("layout", "ld", "_view")
-
-    def __init__(self, p: ConvProblem, ld: int, w: torch.Tensor) -> None:
-        self.layout, self.ld = column_layout(p), ld
-        view = weight_rows_target(w, self.layout) if ld == p.gemm_k else None
-        self._view = ViewRecipe.of(view, w)
-
-    def __call__(self, w: torch.Tensor) -> torch.Tensor:
-        if self._view is not None:
-            return self._view(w)
-        return padded_weight_rows(w, self.layout, self.ld)
-
-
-class Columns:
-    """The column matrix [M, ld] of x as the solver's column source makes it, with its
-    view (or the permuted view it copies from) found once."""
-
-    __slots__ = ("source", "p", "ld", "_view", "_patches", "_whole_rows", "_shape")
-
-    def __init__(self, source: ColumnSource, p: ConvProblem, ld: int, x: torch.Tensor) -> None:
-        self.source, self.p, self.ld = source, p, ld
-        self._shape = (p.gemm_m, ld)
-        self._view = self._patches = self._whole_rows = None
-        if isinstance(source, ViewColumns) and ld == p.gemm_k:
-            view = patches(x, p)
-            self._patches = ViewRecipe(view, x)
-            self._view = ViewRecipe.of(try_view(view, p.gemm_m, p.gemm_k), x)
-        elif isinstance(source, TritonCopyColumns):
-            self._whole_rows = ViewRecipe.of(whole_sample_rows(x, p), x)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._view is not None:
-            return self._view(x)
-        if self._patches is not None:
-            return self._patches(x).reshape(self._shape[0], -1)  # torch's copy
-        if self._whole_rows is not None:
-            from gemmconv.kernels.strided_copy import pad_rows
-
-            return pad_rows(x.new_empty(self._shape), self._whole_rows(x))
-        return self.source.gather(x, self.p, self.ld)
-
-
-def _result(p: ConvProblem, like: torch.Tensor) -> tuple[tuple, tuple, torch.Tensor]:
-    meta = result_buffer(p, like, None)
-    return tuple(meta.shape), meta.stride(), meta
-
-
-def _allocate(size: tuple, stride: tuple, like: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(size, stride, dtype=like.dtype, device=like.device)
+    layout = column_layout(p)
+    view = ViewRecipe.of(weight_rows_target(w, layout), w) if ld == p.gemm_k else None
+    return view or (lambda w: padded_weight_rows(w, layout, ld))
 
 
 def prepare(solver, p: ConvProblem, t: ConvTensors) -> Runner | None:
@@ -114,7 +58,7 @@ def prepare(solver, p: ConvProblem, t: ConvTensors) -> Runner | None:
     ld = solver.reduction_width(p)
     if solver.uses_rows_path(p) and rows_path.chunk_samples(p, ld) < p.n:
         return None
-    meta = ConvTensors(**{name: _meta(v) for name, v in vars(t).items()})
+    meta = meta_operands(t)
     if p.direction is Direction.FORWARD:
         run = _forward(solver, p, ld, meta)
     else:
@@ -126,33 +70,18 @@ def prepare(solver, p: ConvProblem, t: ConvTensors) -> Runner | None:
     return None if run is None else with_precision(p, run)
 
 
-def with_precision(p: ConvProblem, run: Runner) -> Runner:
-    """``run`` under the problem's GEMM accumulation rules, as Solver.run applies them."""
-    precision = (p.dtype, p.device_type)
-
-    def runner(tensors: ConvTensors) -> torch.Tensor:
-        with conv_gemm_precision(*precision):
-            return run(tensors)
-
-    return runner
-
-
-def _meta(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else meta_like(t)
-
-
 def _forward(solver, p: ConvProblem, ld: int, t: ConvTensors):
-    size, stride, y = _result(p, t.input)
-    views = _output_views(solver, p, y)
+    result = ResultBuffer(p, t.input)
+    views = _output_views(solver, p, result.meta)
     if views is None:
         return None
     y_rows, y3, through_rows = views
-    columns = Columns(solver.columns, p, ld, t.input)
-    weight_rows = WeightRows(p, ld, t.weight)
+    columns = solver.columns.prepared_gather(t.input, p, ld)
+    weight_rows = _weight_rows(p, ld, t.weight)
 
     def forward(t: ConvTensors) -> torch.Tensor:
         x = t.input
-        y = _allocate(size, stride, x)
+        y = result(x)
         wm = weight_rows(t.weight)
         if through_rows:
             rows_path.forward(solver.columns, p, x, wm, t.bias, y3(y))
@@ -178,16 +107,16 @@ def _output_views(solver, p: ConvProblem, t: torch.Tensor):
 
 
 def _backward_data(solver, p: ConvProblem, ld: int, t: ConvTensors, dy_rows, dy3, through_rows):
-    size, stride, dx = _result(p, t.grad_output)
+    result = ResultBuffer(p, t.grad_output)
     covered = covered_extent(p)
     cropped = covered != tuple(p.spatial)
-    target = ViewRecipe.of(solver.columns.in_place_target(dx, p, ld), dx)
-    weight_rows = WeightRows(p, ld, t.weight)
+    target = ViewRecipe.of(solver.columns.in_place_target(result.meta, p, ld), result.meta)
+    weight_rows = _weight_rows(p, ld, t.weight)
     columns = solver.columns
 
     def backward_data(t: ConvTensors) -> torch.Tensor:
         dy = t.grad_output
-        dx = _allocate(size, stride, dy)
+        dx = result(dy)
         if cropped:
             zero_outside(dx, covered)
         wm = weight_rows(t.weight)
@@ -203,15 +132,16 @@ def _backward_data(solver, p: ConvProblem, ld: int, t: ConvTensors, dy_rows, dy3
 
 
 def _backward_weights(solver, p: ConvProblem, ld: int, t: ConvTensors, dy_rows, dy3, through_rows):
-    size, stride, dw = _result(p, t.input)
+    result = ResultBuffer(p, t.input)
     order = column_layout(p)
+    dw = result.meta
     target = ViewRecipe.of(weight_rows_target(dw, order), dw) if ld == p.gemm_k else None
-    columns = Columns(solver.columns, p, ld, t.input)
+    columns = solver.columns.prepared_gather(t.input, p, ld)
     k = p.gemm_k
 
     def backward_weights(t: ConvTensors) -> torch.Tensor:
         dy, x = t.grad_output, t.input
-        dw = _allocate(size, stride, x)
+        dw = result(x)
         if through_rows:
             rows = rows_path.weight_gradient_rows(solver.columns, p, x, dy3(dy), ld)
             store_weight_rows(dw, rows[:, :k].to(dw.dtype), order)
@@ -224,4 +154,4 @@ def _backward_weights(solver, p: ConvProblem, ld: int, t: ConvTensors, dy_rows, 
     return backward_weights
 
 
-__all__ = ["Columns", "Runner", "WeightRows", "prepare", "with_precision"]
+__all__ = ["prepare"]

@@ -75,8 +75,13 @@ def copied_bytes(p: ConvProblem) -> float:
     return 2 * output_rows_bytes(p) * TRANSPOSE_SLOWDOWN
 
 
+def passes(p: ConvProblem, ld: int) -> int:
+    """Sample chunks the path walks (one unless its buffers would be too large)."""
+    return -(-p.n // chunk_samples(p, ld))
+
+
 def launches(p: ConvProblem, ld: int) -> int:
-    return 3 * -(-p.n // chunk_samples(p, ld))  # per chunk: gather or scatter, GEMM, transpose
+    return 3 * passes(p, ld)  # per chunk: gather or scatter, GEMM, transpose
 
 
 def _dy_rows(dy3: torch.Tensor, start: int, count: int, buf: torch.Tensor) -> torch.Tensor:

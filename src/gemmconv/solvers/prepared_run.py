@@ -1,0 +1,54 @@
+"""What every prepared run (Solver.prepare) is made of, whatever its solver.
+
+A prepared run is built once from operands' metadata, on meta tensors that have their
+sizes and strides (so building it costs no device work), and then called with real
+operands of that metadata: it allocates its result as the solver's own run does and
+runs its GEMMs under the same accumulation rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from gemmconv.precision import conv_gemm_precision
+from gemmconv.problem import ConvProblem
+from gemmconv.solvers.base import ConvTensors
+from gemmconv.solvers.views import meta_like, result_buffer
+
+Runner = Callable[[ConvTensors], torch.Tensor]
+
+
+def meta_operands(t: ConvTensors) -> ConvTensors:
+    """``t`` with each tensor replaced by a meta tensor of its sizes, strides and dtype."""
+    return ConvTensors(**{name: None if v is None else meta_like(v) for name, v in vars(t).items()})
+
+
+class ResultBuffer:
+    """The direction's result as the solvers allocate it (views.result_buffer), its
+    sizes and strides found once; ``meta`` is it on the meta device, for finding views."""
+
+    __slots__ = ("meta", "_size", "_stride")
+
+    def __init__(self, p: ConvProblem, like: torch.Tensor) -> None:
+        self.meta = result_buffer(p, like, None)
+        self._size, self._stride = tuple(self.meta.shape), self.meta.stride()
+
+    def __call__(self, like: torch.Tensor) -> torch.Tensor:
+        """A new uninitialised result, of ``like``'s dtype and device."""
+        return torch.empty_strided(self._size, self._stride, dtype=like.dtype, device=like.device)
+
+
+def with_precision(p: ConvProblem, run: Runner) -> Runner:
+    """``run`` under the problem's GEMM accumulation rules, as Solver.run applies them."""
+    precision = (p.dtype, p.device_type)
+
+    def runner(tensors: ConvTensors) -> torch.Tensor:
+        with conv_gemm_precision(*precision):
+            return run(tensors)
+
+    return runner
+
+
+__all__ = ["ResultBuffer", "Runner", "meta_operands", "with_precision"]
