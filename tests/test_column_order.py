@@ -200,6 +200,11 @@ def test_ops_build_the_problems_from_the_inputs_layout(sliced, monkeypatch):
     y = gemmconv.conv2d(x, w, bias, stride=(4, 3))
     dy = torch.rand_like(y)
     dx, dw = torch.autograd.grad(y, (x, w), dy)
+    # The eager road's dW reuses the forward's columns; the op builds its own problem.
+    assert Direction.BACKWARD_WEIGHTS not in seen
+    dw_op = torch.ops.gemmconv.conv_backward_weights(
+        dy, x.detach(), list(w.shape), [4, 3], [0, 0], [1, 1], 1, True
+    )
     for direction in (Direction.FORWARD, Direction.BACKWARD_WEIGHTS):
         problem, tensors = seen[direction]
         assert problem.input_layout is CF
@@ -208,5 +213,5 @@ def test_ops_build_the_problems_from_the_inputs_layout(sliced, monkeypatch):
     x_ref, w_ref = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
     y_ref = torch.nn.functional.conv2d(x_ref, w_ref, bias, stride=(4, 3))
     dx_ref, dw_ref = torch.autograd.grad(y_ref, (x_ref, w_ref), dy)
-    for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+    for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref), (dw_op, dw_ref)):
         torch.testing.assert_close(got, want)

@@ -32,7 +32,10 @@ def test_solver_on_cuda(case, tf32, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
-def test_headline_case_functional_on_cuda(dtype, memory_format):
+def test_headline_case_functional_on_cuda(dtype, memory_format, monkeypatch):
+    # At this batch the call-time cost model may rightly give a direction to cuDNN
+    # (one launch against a gather's); the test is about gemmconv's own solvers.
+    monkeypatch.setenv("GEMMCONV_DISABLE", "vendor")
     g = torch.Generator(device="cuda").manual_seed(7)
     x = torch.rand(512, 3, 14, 14, device="cuda", generator=g).mul_(2).sub_(1).to(dtype)
     x = x.contiguous(memory_format=memory_format).requires_grad_(True)

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 
 import gemmconv
 from gemmconv import eager
+from gemmconv.solvers.patch.prepared import ColumnKeepingForward
 from gemmconv.solvers.views import ViewRecipe, meta_like, rows_view
+from gemmconv.verify import rms_range, tolerance
 
 
 def test_a_view_recipe_replays_the_view_at_each_tensors_own_offset():
@@ -75,3 +77,71 @@ def test_operands_at_an_offset_in_their_storage(monkeypatch):
     (dx,) = torch.autograd.grad(gemmconv.conv2d(x, w, stride=4).sum(), x)
     (ref,) = torch.autograd.grad(F.conv2d(x, w, stride=4).sum(), x)
     torch.testing.assert_close(dx, ref)
+
+
+@pytest.mark.parametrize("dy_layout", ["channels_first", "channels_last"])
+@pytest.mark.parametrize("x_layout", ["channels_first", "channels_last"])
+@pytest.mark.parametrize(
+    ("solver", "kernel"), [("patch", 3), ("patch_padded", 3), ("point_output", 6)]
+)
+def test_a_weight_gradient_reuses_the_columns_its_forward_gathered(
+    solver, kernel, x_layout, dy_layout, monkeypatch
+):
+    """Where the prepared forward runs one GEMM on a column matrix (not the CPU's
+    per-sample bmm of a channels-first output with several pixels), it keeps that
+    matrix and the weight gradient is one GEMM on it: no weight-gradient plan is made.
+    Either way dW and db match float64, with uninitialised memory filled with NaN so an
+    element left unwritten shows."""
+    monkeypatch.setenv("GEMMCONV_SOLVER", solver)
+    formats = {"channels_first": torch.contiguous_format, "channels_last": torch.channels_last}
+    x = torch.randn(2, 3, 6, 6).to(memory_format=formats[x_layout])
+    w = torch.randn(5, 3, kernel, kernel, requires_grad=True)
+    b = torch.randn(5, requires_grad=True)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # empty tensors come filled with NaN
+    try:
+        y = gemmconv.conv2d(x, w, b, stride=kernel)
+        dy = torch.randn(y.shape).to(memory_format=formats[dy_layout])
+        saved = [t for t in y.grad_fn.saved_tensors if t is not None]
+        dw, db = torch.autograd.grad(y, (w, b), dy)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    (call,) = [c for c in eager._calls.values() if c is not None]
+    assert call.plan.solver.id == solver
+    keeps = x_layout == "channels_last" or solver == "point_output"
+    assert isinstance(call.plan.runner, ColumnKeepingForward) == keeps
+    rows = y.shape[0] * y[0, 0].numel()
+    assert any(t.dim() == 2 and t.shape[0] == rows for t in saved) == keeps
+    assert bool(call._backward_plans) != keeps
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    ref = torch.autograd.grad(F.conv2d(*leaves, stride=kernel), leaves[1:], dy.double())
+    for mine, theirs in zip((dw, db), ref):
+        assert rms_range(mine, theirs) <= tolerance(torch.float32, "cpu")
+    assert dw.is_contiguous(memory_format=formats[x_layout])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("x_layout", ["channels_first", "channels_last"])
+@pytest.mark.parametrize("solver", ["patch", "patch_triton"])
+def test_a_weight_gradient_reuses_the_forwards_columns_on_cuda(
+    solver, x_layout, dtype, monkeypatch
+):
+    """ViT-B/16's patch geometry (196 pixels a sample: the channels-first output goes
+    through the rows path) on CUDA: the forward's columns serve dW, which matches
+    float64."""
+    monkeypatch.setenv("GEMMCONV_SOLVER", solver)
+    formats = {"channels_first": torch.contiguous_format, "channels_last": torch.channels_last}
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(4, 3, 224, 224, device="cuda", generator=gen).to(dtype)
+    x = x.contiguous(memory_format=formats[x_layout])
+    w = torch.randn(64, 3, 16, 16, device="cuda", generator=gen).div_(16).to(dtype)
+    w.requires_grad_(True)
+    y = gemmconv.conv2d(x, w, stride=16)
+    dy = torch.randn(y.shape, device="cuda", generator=gen).to(dtype)
+    (dw,) = torch.autograd.grad(y, w, dy)
+    (call,) = [c for c in eager._calls.values() if c is not None]
+    assert isinstance(call.plan.runner, ColumnKeepingForward) and not call._backward_plans
+    leaves = [t.detach().double().requires_grad_() for t in (x, w)]
+    (ref,) = torch.autograd.grad(F.conv2d(*leaves, stride=16), leaves[1], dy.double())
+    assert dw.dtype == dtype and rms_range(dw, ref) <= tolerance(dtype, "cuda")

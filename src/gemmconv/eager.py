@@ -192,14 +192,22 @@ class _EagerConvolution(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, call: _Call):  # type: ignore[override]
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        # Keep only what the backward reads: the input for dW, the weight for dx.
-        ctx.save_for_backward(input if need_dw else None, weight if need_dx else None)
+        columns = None
+        if need_dw:
+            # A forward that gathers columns keeps them for dW, as the reshape + linear
+            # rewrite does: the backward then runs one GEMM and no second gather.
+            y, columns = ops.run_forward_keeping_columns(call.plan, input, weight, bias)
+        else:
+            y = ops.run_forward(call.plan, input, weight, bias)
+        # Keep only what the backward reads: the input (and columns) for dW, the weight
+        # for dx. The input stays for a backward that is itself differentiated.
+        ctx.save_for_backward(input if need_dw else None, weight if need_dx else None, columns)
         ctx.call = call
-        return ops.run_forward(call.plan, input, weight, bias)
+        return y
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        input, weight = ctx.saved_tensors
+        input, weight, columns = ctx.saved_tensors
         call: _Call = ctx.call
         dx = dw = db = None
         if torch.is_grad_enabled():
@@ -218,7 +226,9 @@ class _EagerConvolution(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 plan = call.backward_plan(Direction.BACKWARD_DATA, grad_output, weight)
                 dx = ops.run_backward(plan, grad_output, weight)
-            if ctx.needs_input_grad[1]:
+            if ctx.needs_input_grad[1] and columns is not None:
+                dw = ops.weight_gradient_from_columns(call.plan, grad_output, columns)
+            elif ctx.needs_input_grad[1]:
                 plan = call.backward_plan(Direction.BACKWARD_WEIGHTS, grad_output, input)
                 dw = ops.run_backward(plan, grad_output, input)
         if ctx.needs_input_grad[2]:

@@ -174,18 +174,25 @@ def _operands(
     )
 
 
-def _run(plan: Plan, tensors: ConvTensors) -> torch.Tensor:
+def _runner(plan: Plan, tensors: ConvTensors) -> Callable[[ConvTensors], torch.Tensor]:
     runner = plan.runner
     if runner is None:
         runner = plan.runner = plan.solver.prepare(plan.problem, tensors)
+    return runner
+
+
+def _without_autocast(plan: Plan, fn: Callable, *arguments: object):
     device_type = plan.problem.device_type
     if not torch.is_autocast_enabled(device_type):
-        result = runner(tensors)
-    else:
-        # Autocast would re-cast the GEMMs inside a solver (and undo their fp32
-        # accumulation); the operands were already cast before the op, as for F.conv*.
-        with torch.autocast(device_type, enabled=False):
-            result = runner(tensors)
+        return fn(*arguments)
+    # Autocast would re-cast the GEMMs inside a solver (and undo their fp32
+    # accumulation); the operands were already cast before the op, as for F.conv*.
+    with torch.autocast(device_type, enabled=False):
+        return fn(*arguments)
+
+
+def _run(plan: Plan, tensors: ConvTensors) -> torch.Tensor:
+    result = _without_autocast(plan, _runner(plan, tensors), tensors)
     return _as_promised(result, plan.result_layout, plan.result_strides)
 
 
@@ -229,6 +236,27 @@ def run_forward(
 ) -> torch.Tensor:
     x, w = _operands(plan, input, weight)
     return _run(plan, ConvTensors(input=x, weight=w, bias=bias))
+
+
+def run_forward_keeping_columns(
+    plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """y, and the column matrix its GEMM read where the plan's prepared run keeps one
+    (ColumnKeepingForward; None otherwise), for weight_gradient_from_columns."""
+    x, w = _operands(plan, input, weight)
+    tensors = ConvTensors(input=x, weight=w, bias=bias)
+    keep = getattr(_runner(plan, tensors), "with_columns", None)
+    if keep is None:
+        return _run(plan, tensors), None
+    y, columns = _without_autocast(plan, keep, tensors)
+    return _as_promised(y, plan.result_layout, plan.result_strides), columns
+
+
+def weight_gradient_from_columns(
+    plan: Plan, grad_output: torch.Tensor, columns: torch.Tensor
+) -> torch.Tensor:
+    """dW of a forward ``plan``'s call from dY and the columns its forward kept."""
+    return _without_autocast(plan, plan.runner.weight_gradient, grad_output, columns)
 
 
 def forward(

@@ -19,7 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from gemmconv.precision import reduction_mm
+from gemmconv.memory_format import empty_in
+from gemmconv.precision import conv_gemm_precision, reduction_mm
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors
 from gemmconv.solvers.patch import rows_path
@@ -60,13 +61,13 @@ def prepare(solver, p: ConvProblem, t: ConvTensors) -> Runner | None:
         return None
     meta = meta_operands(t)
     if p.direction is Direction.FORWARD:
-        run = _forward(solver, p, ld, meta)
-    else:
-        views = _output_views(solver, p, meta.grad_output)
-        if views is None:
-            return None
-        data = p.direction is Direction.BACKWARD_DATA
-        run = (_backward_data if data else _backward_weights)(solver, p, ld, meta, *views)
+        forward = _forward(solver, p, ld, meta)
+        return None if forward is None else ColumnKeepingForward(p, forward)
+    views = _output_views(solver, p, meta.grad_output)
+    if views is None:
+        return None
+    data = p.direction is Direction.BACKWARD_DATA
+    run = (_backward_data if data else _backward_weights)(solver, p, ld, meta, *views)
     return None if run is None else with_precision(p, run)
 
 
@@ -79,19 +80,60 @@ def _forward(solver, p: ConvProblem, ld: int, t: ConvTensors):
     columns = solver.columns.prepared_gather(t.input, p, ld)
     weight_rows = _weight_rows(p, ld, t.weight)
 
-    def forward(t: ConvTensors) -> torch.Tensor:
+    def forward(t: ConvTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = t.input
         y = result(x)
         wm = weight_rows(t.weight)
         if through_rows:
-            rows_path.forward(solver.columns, p, x, wm, t.bias, y3(y))
-        elif t.bias is None:
-            torch.mm(columns(x), wm.t(), out=y_rows(y))
+            return y, rows_path.forward(solver.columns, p, x, wm, t.bias, y3(y))
+        col = columns(x)
+        if t.bias is None:
+            torch.mm(col, wm.t(), out=y_rows(y))
         else:
-            torch.addmm(t.bias, columns(x), wm.t(), out=y_rows(y))
-        return y
+            torch.addmm(t.bias, col, wm.t(), out=y_rows(y))
+        return y, col
 
     return forward
+
+
+class ColumnKeepingForward:
+    """A prepared forward that can also return the column matrix [M, ld] its GEMM read
+    (``with_columns``) and turn that matrix and dY into dW (``weight_gradient``): a
+    call that needs the weight gradient then gathers once, in the forward, as the
+    reshape + linear rewrite does, instead of again in the backward. dW is the same
+    GEMM the solvers' weight gradient runs, on the same columns."""
+
+    __slots__ = ("_forward", "_p", "_order", "_precision")
+
+    def __init__(self, p: ConvProblem, forward) -> None:
+        self._forward = forward
+        self._p = p
+        self._order = column_layout(p)
+        self._precision = (p.dtype, p.device_type)
+
+    def __call__(self, t: ConvTensors) -> torch.Tensor:
+        return self.with_columns(t)[0]
+
+    def with_columns(self, t: ConvTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """y, and the column matrix (None where the pass was chunked)."""
+        with conv_gemm_precision(*self._precision):
+            return self._forward(t)
+
+    def weight_gradient(self, dy: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+        """dW (dense in the problem's layout, as the weight-gradient plans return it)
+        from dY and the columns of the same call's forward."""
+        p, k = self._p, self._p.gemm_k
+        dw = empty_in(p.weight_shape, p.layout, dy.dtype, dy.device)
+        dy_rows = rows_view(dy)
+        if dy_rows is None:  # channels-first dY: torch's transposed copy, as the rewrite's
+            dy_rows = dy.movedim(1, -1).reshape(-1, p.k)
+        target = weight_rows_target(dw, self._order) if col.shape[1] == k else None
+        with conv_gemm_precision(*self._precision):
+            if target is not None:
+                reduction_mm(dy_rows.t(), col, out=target)
+            else:
+                store_weight_rows(dw, reduction_mm(dy_rows.t(), col)[:, :k], self._order)
+        return dw
 
 
 def _output_views(solver, p: ConvProblem, t: torch.Tensor):
@@ -154,4 +196,4 @@ def _backward_weights(solver, p: ConvProblem, ld: int, t: ConvTensors, dy_rows, 
     return backward_weights
 
 
-__all__ = ["prepare"]
+__all__ = ["ColumnKeepingForward", "prepare"]

@@ -102,8 +102,9 @@ def forward(
     wm: torch.Tensor,
     bias: torch.Tensor | None,
     y3: torch.Tensor,
-) -> None:
-    """y3 [N, K, P] (channels-first y) = conv(x), from the weight rows ``wm`` [K, ld]."""
+) -> torch.Tensor | None:
+    """y3 [N, K, P] (channels-first y) = conv(x), from the weight rows ``wm`` [K, ld];
+    returns the column matrix of the whole batch where one pass made it."""
     from gemmconv.kernels.strided_copy import strided_copy
 
     ld = wm.shape[1]
@@ -120,6 +121,7 @@ def forward(
         else:
             torch.addmm(bias, col, wt, out=rows)
         strided_copy(y3[start : start + count].transpose(1, 2), rows.view(count, pixels, p.k))
+    return col_buf if step >= p.n else None
 
 
 def backward_data(
