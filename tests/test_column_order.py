@@ -200,7 +200,8 @@ def test_ops_build_the_problems_from_the_inputs_layout(sliced, monkeypatch):
     y = gemmconv.conv2d(x, w, bias, stride=(4, 3))
     dy = torch.rand_like(y)
     dx, dw = torch.autograd.grad(y, (x, w), dy)
-    # The eager road's dW reuses the forward's columns; the op builds its own problem.
+    # The eager road's dW multiplies the forward's columns (its plan is decided, never
+    # prepared); the op builds and runs its own problem.
     assert Direction.BACKWARD_WEIGHTS not in seen
     dw_op = torch.ops.gemmconv.conv_backward_weights(
         dy, x.detach(), list(w.shape), [4, 3], [0, 0], [1, 1], 1, True

@@ -87,11 +87,10 @@ def test_operands_at_an_offset_in_their_storage(monkeypatch):
 def test_a_weight_gradient_reuses_the_columns_its_forward_gathered(
     solver, kernel, x_layout, dy_layout, monkeypatch
 ):
-    """Where the prepared forward runs one GEMM on a column matrix (not the CPU's
-    per-sample bmm of a channels-first output with several pixels), it keeps that
-    matrix and the weight gradient is one GEMM on it: no weight-gradient plan is made.
-    Either way dW and db match float64, with uninitialised memory filled with NaN so an
-    element left unwritten shows."""
+    """The forward keeps the column matrix its GEMM (or per-sample batched GEMM) read,
+    and the weight gradient is one GEMM on it: its plan is decided but never run. dW
+    and db match float64, with uninitialised memory filled with NaN so an element left
+    unwritten shows."""
     monkeypatch.setenv("GEMMCONV_SOLVER", solver)
     formats = {"channels_first": torch.contiguous_format, "channels_last": torch.channels_last}
     x = torch.randn(2, 3, 6, 6).to(memory_format=formats[x_layout])
@@ -108,11 +107,11 @@ def test_a_weight_gradient_reuses_the_columns_its_forward_gathered(
         torch.use_deterministic_algorithms(deterministic)
     (call,) = [c for c in eager._calls.values() if c is not None]
     assert call.plan.solver.id == solver
-    keeps = x_layout == "channels_last" or solver == "point_output"
-    assert isinstance(call.plan.runner, ColumnKeepingForward) == keeps
+    assert isinstance(call.plan.runner, ColumnKeepingForward)
     rows = y.shape[0] * y[0, 0].numel()
-    assert any(t.dim() == 2 and t.shape[0] == rows for t in saved) == keeps
-    assert bool(call._backward_plans) != keeps
+    assert any(t.dim() == 2 and t.shape[0] == rows for t in saved)
+    (dw_plan,) = call._backward_plans.values()  # decided as always, never run
+    assert dw_plan.solver.id == solver and dw_plan.runner is None
     leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
     ref = torch.autograd.grad(F.conv2d(*leaves, stride=kernel), leaves[1:], dy.double())
     for mine, theirs in zip((dw, db), ref):
@@ -141,7 +140,28 @@ def test_a_weight_gradient_reuses_the_forwards_columns_on_cuda(
     dy = torch.randn(y.shape, device="cuda", generator=gen).to(dtype)
     (dw,) = torch.autograd.grad(y, w, dy)
     (call,) = [c for c in eager._calls.values() if c is not None]
-    assert isinstance(call.plan.runner, ColumnKeepingForward) and not call._backward_plans
+    assert isinstance(call.plan.runner, ColumnKeepingForward)
+    (dw_plan,) = call._backward_plans.values()
+    assert dw_plan.runner is None
     leaves = [t.detach().double().requires_grad_() for t in (x, w)]
     (ref,) = torch.autograd.grad(F.conv2d(*leaves, stride=16), leaves[1], dy.double())
     assert dw.dtype == dtype and rms_range(dw, ref) <= tolerance(dtype, "cuda")
+
+
+def test_a_weight_gradient_solver_of_another_kind_runs_its_own_plan(monkeypatch):
+    """Where the weight gradient's solver does not multiply the forward's columns, its
+    own plan runs, whatever the forward kept."""
+    monkeypatch.setenv("GEMMCONV_SOLVER", "patch")
+    monkeypatch.setattr(
+        type(gemmconv.get_solver("patch")), "weight_gradient_multiplies_columns", False
+    )
+    x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
+    w = torch.randn(5, 3, 3, 3, requires_grad=True)
+    y = gemmconv.conv2d(x, w, stride=3)
+    (dw,) = torch.autograd.grad(y, w, torch.ones_like(y))
+    (call,) = [c for c in eager._calls.values() if c is not None]
+    (dw_plan,) = call._backward_plans.values()
+    assert isinstance(call.plan.runner, ColumnKeepingForward) and dw_plan.runner is not None
+    w_ref = w.detach().requires_grad_()
+    y_ref = F.conv2d(x, w_ref, stride=3)
+    torch.testing.assert_close(dw, torch.autograd.grad(y_ref, w_ref, torch.ones_like(y_ref))[0])

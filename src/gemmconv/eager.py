@@ -195,7 +195,7 @@ class _EagerConvolution(torch.autograd.Function):
         columns = None
         if need_dw:
             # A forward that gathers columns keeps them for dW, as the reshape + linear
-            # rewrite does: the backward then runs one GEMM and no second gather.
+            # rewrite does: a column-GEMM weight gradient then runs its GEMM alone.
             y, columns = ops.run_forward_keeping_columns(call.plan, input, weight, bias)
         else:
             y = ops.run_forward(call.plan, input, weight, bias)
@@ -226,11 +226,14 @@ class _EagerConvolution(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 plan = call.backward_plan(Direction.BACKWARD_DATA, grad_output, weight)
                 dx = ops.run_backward(plan, grad_output, weight)
-            if ctx.needs_input_grad[1] and columns is not None:
-                dw = ops.weight_gradient_from_columns(call.plan, grad_output, columns)
-            elif ctx.needs_input_grad[1]:
+            if ctx.needs_input_grad[1]:
+                # The weight gradient is decided (found, logged) as always; where its
+                # solver multiplies the same columns, the forward's are used.
                 plan = call.backward_plan(Direction.BACKWARD_WEIGHTS, grad_output, input)
-                dw = ops.run_backward(plan, grad_output, input)
+                if columns is not None and plan.solver.weight_gradient_multiplies_columns:
+                    dw = ops.weight_gradient_from_columns(call.plan, grad_output, columns)
+                else:
+                    dw = ops.run_backward(plan, grad_output, input)
         if ctx.needs_input_grad[2]:
             db = bias_grad(grad_output, out_channels=call.weight_size[0])
         return dx, dw, db, None

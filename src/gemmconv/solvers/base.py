@@ -78,6 +78,10 @@ class Solver:
     # Whether its GEMMs run on cuBLAS on CUDA (reproducible only with a
     # CUBLAS_WORKSPACE_CONFIG from CUBLAS_DETERMINISTIC_CONFIGS).
     uses_cublas: ClassVar[bool] = True
+    # Whether its weight gradient is one GEMM of dY with the column matrix its forward
+    # multiplies: the eager road then runs that GEMM on the columns the forward kept
+    # (ColumnKeepingForward) instead of gathering them again.
+    weight_gradient_multiplies_columns: ClassVar[bool] = False
 
     # ---- applicability ------------------------------------------------------
 

@@ -60,6 +60,7 @@ class ColumnGemmSolver(PatchFamilySolver):
     columns: ClassVar[ColumnSource]
     pads_reduction: ClassVar[bool] = False
     channels_first: ClassVar[ChannelsFirst] = ChannelsFirst.BATCHED
+    weight_gradient_multiplies_columns = True
 
     def reduction_width(self, p: ConvProblem) -> int:
         """Columns of the column matrix and the weight rows the GEMM reads (ld)."""

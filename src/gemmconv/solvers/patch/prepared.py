@@ -6,11 +6,11 @@ whether the rows path applies; each decision costs Python and each view a torch 
 An eager call with the same metadata takes the same decisions, so a plan keeps them:
 the views become ViewRecipes found on meta tensors and the result's strides are
 fixed. What runs per call is then the allocation, the weight's rows where they are a
-copy, the gather or scatter, the GEMM and (channels-first y or dY with several
-pixels) the transpose: the same kernels, in the same order, as the solver's own
+copy, the gather or scatter, the GEMM (or the per-sample batched GEMM) and, on the
+rows path, the transpose: the same kernels, in the same order, as the solver's own
 direction methods, which stay the reference (the tests compare the two bitwise) and
-serve every case not prepared here (an ``out`` buffer, the per-sample bmm, chunked
-passes). Each column source prepares its own gather (ColumnSource.prepared_gather).
+serve every case not prepared here (an ``out`` buffer, chunked passes). Each column
+source prepares its own gather (ColumnSource.prepared_gather).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from gemmconv.solvers.prepared_run import ResultBuffer, Runner, meta_operands, w
 from gemmconv.solvers.views import (
     ViewRecipe,
     batched_view,
+    meta_like,
+    rows,
     rows_view,
     store_weight_rows,
     weight_rows_target,
@@ -55,14 +57,14 @@ def _weight_rows(
 
 def prepare(solver, p: ConvProblem, t: ConvTensors) -> Runner | None:
     """The prepared run of a column-GEMM solver's direction for operands like ``t``;
-    None where the solver's own method must run (a per-sample bmm, chunked passes)."""
+    None where the solver's own method must run (chunked passes)."""
     ld = solver.reduction_width(p)
     if solver.uses_rows_path(p) and rows_path.chunk_samples(p, ld) < p.n:
         return None
     meta = meta_operands(t)
     if p.direction is Direction.FORWARD:
         forward = _forward(solver, p, ld, meta)
-        return None if forward is None else ColumnKeepingForward(p, forward)
+        return None if forward is None else ColumnKeepingForward(p, ld, forward)
     views = _output_views(solver, p, meta.grad_output)
     if views is None:
         return None
@@ -79,6 +81,7 @@ def _forward(solver, p: ConvProblem, ld: int, t: ConvTensors):
     y_rows, y3, through_rows = views
     columns = solver.columns.prepared_gather(t.input, p, ld)
     weight_rows = _weight_rows(p, ld, t.weight)
+    bias_shape = (1, -1, *([1] * p.dims))
 
     def forward(t: ConvTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = t.input
@@ -87,7 +90,13 @@ def _forward(solver, p: ConvProblem, ld: int, t: ConvTensors):
         if through_rows:
             return y, rows_path.forward(solver.columns, p, x, wm, t.bias, y3(y))
         col = columns(x)
-        if t.bias is None:
+        if y_rows is None:
+            # Channels-first y: Y^T per sample lands in y's own order (store_batched).
+            col3 = col.view(p.n, -1, ld).transpose(1, 2)
+            torch.bmm(wm.expand(p.n, *wm.shape), col3, out=y3(y))
+            if t.bias is not None:
+                y.add_(t.bias.view(bias_shape))
+        elif t.bias is None:
             torch.mm(col, wm.t(), out=y_rows(y))
         else:
             torch.addmm(t.bias, col, wm.t(), out=y_rows(y))
@@ -103,13 +112,21 @@ class ColumnKeepingForward:
     reshape + linear rewrite does, instead of again in the backward. dW is the same
     GEMM the solvers' weight gradient runs, on the same columns."""
 
-    __slots__ = ("_forward", "_p", "_order", "_precision")
+    __slots__ = ("_forward", "_p", "_order", "_precision", "_dw_size", "_dw_stride",
+                 "_dw_rows", "_dy_rows")  # fmt: skip
 
-    def __init__(self, p: ConvProblem, forward) -> None:
+    def __init__(self, p: ConvProblem, ld: int, forward) -> None:
         self._forward = forward
         self._p = p
         self._order = column_layout(p)
         self._precision = (p.dtype, p.device_type)
+        # dW dense in the problem's layout, as the weight-gradient plans return it.
+        dw = empty_in(p.weight_shape, p.layout, p.dtype, torch.device("meta"))
+        self._dw_size, self._dw_stride = tuple(dw.shape), dw.stride()
+        target = weight_rows_target(dw, self._order) if ld == p.gemm_k else None
+        self._dw_rows = ViewRecipe.of(target, dw)
+        # dY's rows view (None: a copy) per dY strides; a call meets one or two.
+        self._dy_rows: dict[tuple[int, ...], ViewRecipe | None] = {}
 
     def __call__(self, t: ConvTensors) -> torch.Tensor:
         return self.with_columns(t)[0]
@@ -120,32 +137,43 @@ class ColumnKeepingForward:
             return self._forward(t)
 
     def weight_gradient(self, dy: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-        """dW (dense in the problem's layout, as the weight-gradient plans return it)
-        from dY and the columns of the same call's forward."""
-        p, k = self._p, self._p.gemm_k
-        dw = empty_in(p.weight_shape, p.layout, dy.dtype, dy.device)
-        dy_rows = rows_view(dy)
-        if dy_rows is None:  # channels-first dY: torch's transposed copy, as the rewrite's
-            dy_rows = dy.movedim(1, -1).reshape(-1, p.k)
-        target = weight_rows_target(dw, self._order) if col.shape[1] == k else None
+        """dW from dY and the columns of the same call's forward."""
+        k = self._p.gemm_k
+        dw = torch.empty_strided(self._dw_size, self._dw_stride, dtype=dy.dtype, device=dy.device)
+        dy_rows = self._rows(dy)
         with conv_gemm_precision(*self._precision):
-            if target is not None:
-                reduction_mm(dy_rows.t(), col, out=target)
+            if self._dw_rows is not None:
+                reduction_mm(dy_rows.t(), col, out=self._dw_rows(dw))
             else:
                 store_weight_rows(dw, reduction_mm(dy_rows.t(), col)[:, :k], self._order)
         return dw
 
+    def _rows(self, dy: torch.Tensor) -> torch.Tensor:
+        """dY as rows [M, K]: a view when it is token-major, else torch's transposed
+        copy (as the rewrite's backward makes it)."""
+        stride = dy.stride()
+        if stride not in self._dy_rows:
+            if len(self._dy_rows) >= _DY_LAYOUTS_MAX:
+                self._dy_rows.clear()
+            meta = meta_like(dy)
+            self._dy_rows[stride] = ViewRecipe.of(rows_view(meta), meta)
+        view = self._dy_rows[stride]
+        return dy.movedim(1, -1).reshape(-1, self._p.k) if view is None else view(dy)
+
+
+_DY_LAYOUTS_MAX = 8
+
 
 def _output_views(solver, p: ConvProblem, t: torch.Tensor):
     """How the GEMM meets y or dY: (rows view, [N, K, P] view, whether the rows path
-    runs), each view a recipe or None; None where neither prepared way applies (a copy
-    to rows, or the per-sample bmm: the solver's own method runs then)."""
+    runs), each view a recipe or None; without a rows view and the rows path, the
+    per-sample bmm reads or writes the [N, K, P] blocks. None where ``t`` is dense in
+    neither layout (the solver's own method runs then)."""
     rows = ViewRecipe.of(rows_view(t), t)
     blocks = ViewRecipe.of(batched_view(t), t)
-    through_rows = rows is None and blocks is not None and solver.uses_rows_path(p)
-    if rows is None and not through_rows:
+    if rows is None and blocks is None:
         return None
-    return rows, blocks, through_rows
+    return rows, blocks, rows is None and solver.uses_rows_path(p)
 
 
 def _backward_data(solver, p: ConvProblem, ld: int, t: ConvTensors, dy_rows, dy3, through_rows):
@@ -164,6 +192,10 @@ def _backward_data(solver, p: ConvProblem, ld: int, t: ConvTensors, dy_rows, dy3
         wm = weight_rows(t.weight)
         if through_rows:
             rows_path.backward_data(columns, p, dy3(dy), wm, dx)
+        elif dy_rows is None:
+            # Channels-first dY: each sample's [K, P] block read transposed, no copy.
+            dcol = torch.bmm(dy3(dy).transpose(1, 2), wm.expand(p.n, *wm.shape))
+            columns.scatter(dcol.view(-1, ld), p, dx)
         elif target is not None:
             torch.mm(dy_rows(dy), wm, out=target(dx))
         else:
@@ -180,17 +212,19 @@ def _backward_weights(solver, p: ConvProblem, ld: int, t: ConvTensors, dy_rows, 
     target = ViewRecipe.of(weight_rows_target(dw, order), dw) if ld == p.gemm_k else None
     columns = solver.columns.prepared_gather(t.input, p, ld)
     k = p.gemm_k
+    # A channels-first dY off the rows path is copied to rows by torch.
+    dy_as_rows = dy_rows or rows
 
     def backward_weights(t: ConvTensors) -> torch.Tensor:
         dy, x = t.grad_output, t.input
         dw = result(x)
         if through_rows:
-            rows = rows_path.weight_gradient_rows(solver.columns, p, x, dy3(dy), ld)
-            store_weight_rows(dw, rows[:, :k].to(dw.dtype), order)
+            dw_rows = rows_path.weight_gradient_rows(solver.columns, p, x, dy3(dy), ld)
+            store_weight_rows(dw, dw_rows[:, :k].to(dw.dtype), order)
         elif target is not None:
-            reduction_mm(dy_rows(dy).t(), columns(x), out=target(dw))
+            reduction_mm(dy_as_rows(dy).t(), columns(x), out=target(dw))
         else:
-            store_weight_rows(dw, reduction_mm(dy_rows(dy).t(), columns(x))[:, :k], order)
+            store_weight_rows(dw, reduction_mm(dy_as_rows(dy).t(), columns(x))[:, :k], order)
         return dw
 
     return backward_weights
