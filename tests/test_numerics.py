@@ -81,15 +81,35 @@ def _assert_same_non_finite(what: str, ours: torch.Tensor, *torch_results: torch
 
 def _torch_results(problem: ConvProblem, tensors: ConvTensors) -> list[torch.Tensor]:
     """torch's answers on the same data: float64, which on the CPU is its direct
-    GEMM path on the zero-padded input, and, where the problem pads or leaves input
-    elements no window reaches, also the problem's own dtype and device (oneDNN or
-    cuDNN). The two differ only where a non-finite weight (or output gradient) meets
-    padding or such an element: one skips those taps, the other multiplies them, and
-    IEEE makes 0 * NaN a NaN."""
+    GEMM path on the zero-padded input, and, where the problem pads, leaves input
+    elements no window reaches, or computes a strided backward-data, also the problem's
+    own dtype and device (oneDNN or cuDNN). The two differ only where a non-finite
+    weight (or output gradient) meets padding, such an element, or the zeros a strided
+    backward-data inserts between output-gradient elements (cuDNN does, on the H200):
+    one skips those taps, the other multiplies them, and IEEE makes 0 * Inf a NaN."""
     results = [reference(problem, tensors)]
-    if any(problem.padding) or _uncovered_input(problem):
-        results.append(get_solver("vendor").run(problem, tensors))
+    strided_backward_data = problem.direction is Direction.BACKWARD_DATA and any(
+        s > 1 for s in problem.stride
+    )
+    if any(problem.padding) or _uncovered_input(problem) or strided_backward_data:
+        results.append(_torch_on_device(problem, tensors))
     return results
+
+
+def _torch_on_device(p: ConvProblem, t: ConvTensors) -> torch.Tensor:
+    """torch's own answer in the problem's dtype, device and layout, through F.conv*
+    and its autograd (not through gemmconv's vendor solver, which is among the solvers
+    checked against it)."""
+    conv = TORCH_CONV[p.dims]
+    args = dict(stride=p.stride, padding=p.padding, dilation=p.dilation, groups=p.groups)
+    if p.direction is Direction.FORWARD:
+        return conv(t.input, t.weight, t.bias, **args)
+    device, by_input = t.grad_output.device, p.direction is Direction.BACKWARD_DATA
+    x = t.input if t.input is not None else empty_in(p.input_shape, p.layout, p.dtype, device)
+    w = t.weight if t.weight is not None else empty_in(p.weight_shape, p.layout, p.dtype, device)
+    x, w = x.detach().requires_grad_(by_input), w.detach().requires_grad_(not by_input)
+    (grad,) = torch.autograd.grad(conv(x, w, None, **args), x if by_input else w, t.grad_output)
+    return grad
 
 
 def _uncovered_input(p: ConvProblem) -> bool:

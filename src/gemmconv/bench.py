@@ -553,7 +553,7 @@ def _foreseen_cpu_seconds(plan: Plan, quick: bool, timing: dict) -> float:
     the vendor (checked, then timed), the rewrite, every applicable solver, and the
     public calls (a CPU call is longer than a block: one call per block)."""
     each = 1 + timing["warmup"] + timing["reps"]
-    public = 2 + 1 + timing["api"]["reps"]  # warm-up passes, block sizing, blocks
+    public = 2 + 2 + 1 + timing["api"]["reps"]  # warm-up, settling round, sizing, blocks
     cpu = torch.device("cpu")
     seconds = 0.0
     for case, dtype_key, layout, direction in plan:
@@ -597,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
         "reps": args.reps if args.reps is not None else (3 if args.quick else 20),
         # Blocks of back-to-back calls: few and short, so that timing what users pay
         # adds a fraction to the suite's time rather than a multiple.
-        "api": {"reps": 2 if args.quick else 5, "block_ms": 0.5 if args.quick else 2.0},
+        "api": {"reps": 2 if args.quick else 15, "block_ms": 0.5 if args.quick else 2.0},
     }
     if device.type == "cpu":
         warning = long_run_warning(
