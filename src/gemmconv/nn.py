@@ -66,8 +66,9 @@ class _GemmConvMixin:
             # where it would be a side effect on a symbolic shape, under torch.func
             # transforms, which run other problems (vmap folds its batch in), for fx's
             # symbolic tracing, whose Proxy has no metadata, and on the meta device,
-            # where no solver runs.
-            self._gemmconv_last_input = _SeenInput.of(input)
+            # where no solver runs. Stored past nn.Module.__setattr__, whose checks for
+            # parameters, buffers and submodules cost a microsecond a forward.
+            self.__dict__["_gemmconv_last_input"] = _SeenInput.of(input)
         return self._gemmconv_fn(
             input, weight, bias, self.stride, padding, self.dilation, self.groups
         )

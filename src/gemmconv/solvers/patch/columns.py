@@ -85,6 +85,13 @@ class ColumnSource:
         tensor will do), with what it decides from them decided once."""
         return lambda t: self.gather(t, p, ld)
 
+    def prepared_scatter(
+        self, dx: torch.Tensor, p: ConvProblem, ld: int
+    ) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """``scatter`` (dcol, dx) for dx with the sizes and strides of ``dx`` (a meta
+        tensor will do), with what it decides from them decided once."""
+        return lambda dcol, dx: self.scatter(dcol, p, dx)
+
 
 class TorchCopyColumns(ColumnSource):
     def slowdown(self, p: ConvProblem) -> float:
@@ -103,6 +110,30 @@ class TorchCopyColumns(ColumnSource):
     def scatter(self, dcol: torch.Tensor, p: ConvProblem, dx: torch.Tensor) -> None:
         target = patches(dx, p)
         target.copy_(dcol[:, : p.gemm_k].view(target.shape))
+
+    # The prepared gather and scatter replay the patch view as one as_strided call:
+    # the movedim, crop, view and permute that find it cost a torch call each.
+    def prepared_gather(
+        self, x: torch.Tensor, p: ConvProblem, ld: int
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        source = ViewRecipe(patches(x, p), x)
+        m, k = p.gemm_m, p.gemm_k
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            col = t.new_empty(m, ld)
+            if ld > k:
+                col[:, k:].zero_()
+            col[:, :k].view(source.size).copy_(source(t))
+            return col
+
+        return gather
+
+    def prepared_scatter(
+        self, dx: torch.Tensor, p: ConvProblem, ld: int
+    ) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        target = ViewRecipe(patches(dx, p), dx)
+        k = p.gemm_k
+        return lambda dcol, dx: target(dx).copy_(dcol[:, :k].view(target.size))
 
 
 class ViewColumns(TorchCopyColumns):

@@ -183,6 +183,7 @@ def _backward_data(solver, p: ConvProblem, ld: int, t: ConvTensors, dy_rows, dy3
     target = ViewRecipe.of(solver.columns.in_place_target(result.meta, p, ld), result.meta)
     weight_rows = _weight_rows(p, ld, t.weight)
     columns = solver.columns
+    scatter = columns.prepared_scatter(result.meta, p, ld)
 
     def backward_data(t: ConvTensors) -> torch.Tensor:
         dy = t.grad_output
@@ -195,11 +196,11 @@ def _backward_data(solver, p: ConvProblem, ld: int, t: ConvTensors, dy_rows, dy3
         elif dy_rows is None:
             # Channels-first dY: each sample's [K, P] block read transposed, no copy.
             dcol = torch.bmm(dy3(dy).transpose(1, 2), wm.expand(p.n, *wm.shape))
-            columns.scatter(dcol.view(-1, ld), p, dx)
+            scatter(dcol.view(-1, ld), dx)
         elif target is not None:
             torch.mm(dy_rows(dy), wm, out=target(dx))
         else:
-            columns.scatter(torch.mm(dy_rows(dy), wm), p, dx)
+            scatter(torch.mm(dy_rows(dy), wm), dx)
         return dx
 
     return backward_data
