@@ -36,11 +36,6 @@ def row_id(row: dict) -> str:
     return f"{row['case']}-{row['layout']}-{row['direction']}-{row['dtype']}"
 
 
-def still_off_problem_keys() -> set[str]:
-    """The ConvProblem keys (no bias, CUDA) of the STILL_OFF rows."""
-    return {problem_of(r).key() for r in rows() if row_id(r) in STILL_OFF}
-
-
 def problem_of(row: dict) -> ConvProblem:
     shape = row["shape"]
     return ConvProblem.from_sizes(
