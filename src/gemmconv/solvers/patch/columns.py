@@ -100,12 +100,7 @@ class TorchCopyColumns(ColumnSource):
     def gather(
         self, x: torch.Tensor, p: ConvProblem, ld: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        col = _buffer(x, p, ld, out)
-        if ld > p.gemm_k:
-            col[:, p.gemm_k :].zero_()
-        source = patches(x, p)
-        col[:, : p.gemm_k].view(source.shape).copy_(source)
-        return col
+        return _fill_columns(_buffer(x, p, ld, out), patches(x, p), p.gemm_k)
 
     def scatter(self, dcol: torch.Tensor, p: ConvProblem, dx: torch.Tensor) -> None:
         target = patches(dx, p)
@@ -118,15 +113,7 @@ class TorchCopyColumns(ColumnSource):
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         source = ViewRecipe(patches(x, p), x)
         m, k = p.gemm_m, p.gemm_k
-
-        def gather(t: torch.Tensor) -> torch.Tensor:
-            col = t.new_empty(m, ld)
-            if ld > k:
-                col[:, k:].zero_()
-            col[:, :k].view(source.size).copy_(source(t))
-            return col
-
-        return gather
+        return lambda t: _fill_columns(t.new_empty(m, ld), source(t), k)
 
     def prepared_scatter(
         self, dx: torch.Tensor, p: ConvProblem, ld: int
@@ -212,6 +199,15 @@ class TritonCopyColumns(ColumnSource):
             pad_rows(dx_rows, dcol[:, : p.gemm_k])
             return
         scatter_patches(dcol, p.output_spatial, p.kernel, channels_last_columns(p), dx)
+
+
+def _fill_columns(col: torch.Tensor, source: torch.Tensor, k: int) -> torch.Tensor:
+    """``col`` [rows, ld] holding ``source`` (the patches) in its first ``k`` columns,
+    zeros after them."""
+    if col.shape[1] > k:
+        col[:, k:].zero_()
+    col[:, :k].view(source.shape).copy_(source)
+    return col
 
 
 def _buffer(x: torch.Tensor, p: ConvProblem, ld: int, out: torch.Tensor | None) -> torch.Tensor:
