@@ -125,3 +125,24 @@ def test_precision_context_sets_and_restores_only_what_differs() -> None:
             _matmul.allow_fp16_reduced_precision_reduction,
             _matmul.allow_bf16_reduced_precision_reduction,
         ) = saved
+
+
+def test_half_precision_context_restores_each_flag_exactly() -> None:
+    """The reduced-precision flags are (allow, allow split-K) pairs from torch 2.8 on:
+    a flag the context turns off comes back with its split-K half as it was, and one
+    already off is left alone."""
+    get_fp16 = torch._C._get_cublas_allow_fp16_reduced_precision_reduction
+    get_bf16 = torch._C._get_cublas_allow_bf16_reduced_precision_reduction
+    saved = (get_fp16(), get_bf16())
+    try:
+        _matmul.allow_fp16_reduced_precision_reduction = True
+        _matmul.allow_bf16_reduced_precision_reduction = (False, False)
+        before = (get_fp16(), get_bf16())
+        with conv_gemm_precision(torch.float16, "cuda"):
+            inside = (get_fp16(), get_bf16())
+        assert (get_fp16(), get_bf16()) == before
+        off = (False, True) if isinstance(before[0], tuple) else False
+        assert inside == (off, before[1])
+    finally:
+        _matmul.allow_fp16_reduced_precision_reduction = saved[0]
+        _matmul.allow_bf16_reduced_precision_reduction = saved[1]

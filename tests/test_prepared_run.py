@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import gemmconv
-from gemmconv import eager
+from gemmconv import dispatch, eager
 from gemmconv.solvers.patch.prepared import ColumnKeepingForward
 from gemmconv.solvers.views import ViewRecipe, meta_like, rows_view
 from gemmconv.verify import rms_range, tolerance
@@ -117,6 +117,31 @@ def test_a_weight_gradient_reuses_the_columns_its_forward_gathered(
     for mine, theirs in zip((dw, db), ref):
         assert rms_range(mine, theirs) <= tolerance(torch.float32, "cpu")
     assert dw.is_contiguous(memory_format=formats[x_layout])
+
+
+def test_a_channels_first_dy_reaches_the_column_gemm_through_the_transpose_kernel(monkeypatch):
+    """Where the transpose kernel runs (CUDA; here Triton's interpreter, made to apply
+    on the CPU), the forward's columns meet a dense channels-first dY copied to rows
+    by it rather than by torch: the same dW, bit for bit."""
+    from gemmconv.solvers.patch import rows_path
+
+    monkeypatch.setenv("GEMMCONV_SOLVER", "patch")
+    x = torch.randn(3, 3, 6, 6)
+    w = torch.randn(5, 3, 3, 3, requires_grad=True)
+    dy = torch.randn(3, 5, 2, 2)
+    (by_torch,) = torch.autograd.grad(gemmconv.conv2d(x, w, stride=3), w, dy)
+    transposed, by_transpose_kernel = [], rows_path.channels_first_rows
+
+    def spy(t):
+        transposed.append(t.shape)
+        return by_transpose_kernel(t)
+
+    monkeypatch.setattr(rows_path, "transpose_kernel_runs", lambda p: True)
+    monkeypatch.setattr(rows_path, "channels_first_rows", spy)
+    dispatch.clear_cache()  # plans are made afresh, with the transpose kernel
+    (by_kernel,) = torch.autograd.grad(gemmconv.conv2d(x, w, stride=3), w, dy)
+    assert transposed == [dy.shape]
+    assert torch.equal(by_kernel, by_torch)
 
 
 @pytest.mark.gpu

@@ -48,15 +48,61 @@ def _set_matmul_flags(wanted: dict[str, object]) -> contextlib.AbstractContextMa
     return _MatmulFlags(changes) if changes else _NOTHING_TO_CHANGE
 
 
+# torch >= 2.9 has per-backend precision strings and refuses a mix of the new and the
+# legacy API in one process, so the new one is used where it exists.
+_HAS_FP32_PRECISION = hasattr(_matmul, "fp32_precision")
+
+
 def _fp32_matmul_mode(allow_tf32: bool) -> contextlib.AbstractContextManager[None]:
-    # torch >= 2.9 has per-backend precision strings and refuses a mix of the new and
-    # the legacy API in one process, so use the new one where it exists.
-    if hasattr(_matmul, "fp32_precision"):
+    if _HAS_FP32_PRECISION:
         return _set_matmul_flags({"fp32_precision": "tf32" if allow_tf32 else "ieee"})
     return _set_matmul_flags({"allow_tf32": allow_tf32})
 
 
+# torch's C accessors of the two reduced-precision flags (None where a torch lacks
+# them). Read and written directly: torch.backends.cuda.matmul's Python attribute
+# hooks, four reads and four writes per GEMM, were most of the host time of a
+# half-precision GEMM call on the H200's host.
+_REDUCED_PRECISION_ACCESSORS = tuple(
+    (
+        getattr(torch._C, f"_get_cublas_allow_{kind}_reduced_precision_reduction", None),
+        getattr(torch._C, f"_set_cublas_allow_{kind}_reduced_precision_reduction", None),
+    )
+    for kind in ("fp16", "bf16")
+)
+
+
+class _FullPrecisionReductions:
+    """Turns cuBLAS's reduced-precision (half-precision split-K) reductions off for a
+    block, then restores each flag it changed exactly as it was. A flag is a bool, or
+    from torch 2.8 on (allow reduced precision, allow split-K)."""
+
+    __slots__ = ("_changed",)
+
+    def __enter__(self) -> None:
+        changed = []
+        for get, set_ in _REDUCED_PRECISION_ACCESSORS:
+            state = get()
+            if isinstance(state, tuple):
+                if state[0]:
+                    set_(False, *state[1:])
+                    changed.append((set_, state))
+            elif state:
+                set_(False)
+                changed.append((set_, (state,)))
+        self._changed = changed
+
+    def __exit__(self, *exc_info: object) -> None:
+        for set_, state in self._changed:
+            set_(*state)
+
+
+_ACCESSORS_EXIST = all(get and set_ for get, set_ in _REDUCED_PRECISION_ACCESSORS)
+
+
 def _full_precision_reductions() -> contextlib.AbstractContextManager[None]:
+    if _ACCESSORS_EXIST:
+        return _FullPrecisionReductions()
     return _set_matmul_flags(
         {
             "allow_fp16_reduced_precision_reduction": False,

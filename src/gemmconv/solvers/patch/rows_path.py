@@ -84,6 +84,21 @@ def launches(p: ConvProblem, ld: int) -> int:
     return 3 * passes(p, ld)  # per chunk: gather or scatter, GEMM, transpose
 
 
+def transpose_kernel_runs(p: ConvProblem) -> bool:
+    """Whether the transpose kernel can move this problem's channels-first y or dY."""
+    from gemmconv.kernels import triton_available
+
+    return p.device_type == "cuda" and transposed_pixels(p) > 0 and triton_available()
+
+
+def channels_first_rows(dy: torch.Tensor) -> torch.Tensor:
+    """A contiguous channels-first dY [N, K, S..] as new rows [N*prod(S), K], copied by
+    the transpose kernel."""
+    n, k = dy.shape[:2]
+    dy3 = dy.view(n, k, -1)
+    return _dy_rows(dy3, 0, n, dy.new_empty(n * dy3.shape[2], k))
+
+
 def _dy_rows(dy3: torch.Tensor, start: int, count: int, buf: torch.Tensor) -> torch.Tensor:
     """Samples start..start+count of channels-first dY [N, K, P] as rows [count*P, K],
     written into the front of ``buf`` by the transpose kernel."""
