@@ -84,8 +84,53 @@ def _autocast(*tensors: torch.Tensor | None, device_type: str) -> list[torch.Ten
     ]
 
 
-def _conv(dims, input, weight, bias, stride, padding, dilation, groups) -> torch.Tensor:
+class SeenInput(NamedTuple):
+    """A forward's input without its data, as a gemmconv.nn module remembers it for
+    ``solvers()``: shape, strides, the dtype the convolution ran in (autocast
+    resolved) and the device. A NamedTuple, not a dataclass: one is built on every
+    eager forward, and a frozen dataclass costs several times more."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+# The attribute under which a gemmconv.nn module keeps the SeenInput of its last
+# eager forward.
+LAST_INPUT = "_gemmconv_last_input"
+
+
+def _remember_input(module: torch.nn.Module, input: torch.Tensor) -> None:
+    # Past nn.Module.__setattr__, whose checks for parameters, buffers and submodules
+    # cost a microsecond a forward.
+    module.__dict__[LAST_INPUT] = SeenInput(
+        tuple(input.shape), input.stride(), input.dtype, input.device
+    )
+
+
+def _remember_off_the_road(module: torch.nn.Module | None, input: object) -> None:
+    """Remember a module's input that did not take the eager road, except while
+    compiling (a side effect on a symbolic shape), under torch.func transforms (they
+    run other problems: vmap folds its batch in), for fx's symbolic tracing (its
+    Proxy has no metadata) and on the meta device, where no solver runs."""
+    if (
+        module is not None
+        and not torch.compiler.is_compiling()
+        and not transforms_active()
+        and isinstance(input, torch.Tensor)
+        and not input.is_meta
+    ):
+        _remember_input(module, input)
+
+
+def _conv(
+    dims, input, weight, bias, stride, padding, dilation, groups, module=None
+) -> torch.Tensor:
+    """The convolution behind conv1d/2d/3d and the gemmconv.nn modules; ``module``
+    is the module calling, which remembers its input for ``solvers()``."""
     if has_torch_function_variadic(input, weight, bias):
+        _remember_off_the_road(module, input)
         # As F.conv* do: fx's symbolic tracing records the public function as one node
         # (its Proxy has no shapes to run the rest with), and __torch_function__
         # subclasses and modes see it too.
@@ -101,9 +146,13 @@ def _conv(dims, input, weight, bias, stride, padding, dilation, groups) -> torch
             check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
             input, weight, bias = _autocast(input, weight, bias, device_type=device_type)
         if eager.road_is_open(input, weight, bias):
+            if module is not None:
+                _remember_input(module, input)
             y = eager.convolve(dims, input, weight, bias, stride, padding, dilation, groups)
             if y is not None:
                 return y
+        else:
+            _remember_off_the_road(module, input)
     args = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)
     unbatched = input.dim() == dims + 1
     if unbatched:

@@ -18,15 +18,12 @@ a view. Conv1d refuses it: torch has no channels-last format for its 3-D weight.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
 from gemmconv import functional
 from gemmconv.dispatch import Choice, explain_problem
 from gemmconv.memory_format import CHANNELS_LAST_FORMATS, check_weight_format, set_weight_format
-from gemmconv.transform_state import transforms_active
 
 
 class _GemmConvMixin:
@@ -34,8 +31,8 @@ class _GemmConvMixin:
 
     # Class defaults, so modules converted in place (class swapped, no __init__ run)
     # have them too.
-    _gemmconv_last_input: _SeenInput | None = None
-    _gemmconv_fn = None  # functional.conv1d / conv2d / conv3d, set per subclass
+    _gemmconv_last_input: functional.SeenInput | None = None
+    _gemmconv_dims = 0  # 1, 2 or 3, set per subclass
     _gemmconv_zero_padding: tuple[int, ...] = ()
 
     def __init__(self, *args, memory_format: torch.memory_format | None = None, **kwargs):
@@ -55,23 +52,14 @@ class _GemmConvMixin:
     def _conv_forward(
         self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        input, padding = self._padded(input)
-        if (
-            not torch.compiler.is_compiling()
-            and not transforms_active()
-            and isinstance(input, torch.Tensor)
-            and not input.is_meta
-        ):
-            # Remember the input's metadata for solvers(); skipped while compiling,
-            # where it would be a side effect on a symbolic shape, under torch.func
-            # transforms, which run other problems (vmap folds its batch in), for fx's
-            # symbolic tracing, whose Proxy has no metadata, and on the meta device,
-            # where no solver runs. Stored past nn.Module.__setattr__, whose checks for
-            # parameters, buffers and submodules cost a microsecond a forward.
-            self.__dict__["_gemmconv_last_input"] = _SeenInput.of(input)
-        return self._gemmconv_fn(
-            input, weight, bias, self.stride, padding, self.dilation, self.groups
-        )
+        if self.padding_mode == "zeros":
+            padding = self.padding
+        else:
+            input, padding = self._padded(input)
+        return functional._conv(
+            self._gemmconv_dims, input, weight, bias, self.stride, padding, self.dilation,
+            self.groups, self,
+        )  # fmt: skip
 
     def __prepare_scriptable__(self) -> torch.nn.Module:
         # torch.jit.script calls this on every submodule before compiling any; a clear
@@ -134,26 +122,6 @@ def _weight_format_of(cls: str, memory_format: object, dims: int) -> torch.memor
     return memory_format
 
 
-class _SeenInput(NamedTuple):
-    """A forward's input without its data: shape, strides, the dtype the convolution
-    ran in (autocast resolved) and the device. A NamedTuple, not a dataclass: one is
-    built on every eager forward, and a frozen dataclass costs several times more."""
-
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-
-    @classmethod
-    def of(cls, input: torch.Tensor) -> _SeenInput:
-        dtype = input.dtype
-        device_type = input.device.type
-        if torch.is_autocast_enabled(device_type) and dtype.is_floating_point:
-            if dtype != torch.float64:
-                dtype = torch.get_autocast_dtype(device_type)
-        return cls(tuple(input.shape), input.stride(), dtype, input.device)
-
-
 def _class_doc(torch_class: type[torch.nn.Module]) -> str:
     """The docstring of gemmconv's drop-in for ``torch_class``: what it changes, then
     torch's own documentation of the class."""
@@ -170,19 +138,19 @@ def _class_doc(torch_class: type[torch.nn.Module]) -> str:
 
 class Conv1d(_GemmConvMixin, torch.nn.Conv1d):
     __doc__ = _class_doc(torch.nn.Conv1d)
-    _gemmconv_fn = staticmethod(functional.conv1d)
+    _gemmconv_dims = 1
     _gemmconv_zero_padding = (0,)
 
 
 class Conv2d(_GemmConvMixin, torch.nn.Conv2d):
     __doc__ = _class_doc(torch.nn.Conv2d)
-    _gemmconv_fn = staticmethod(functional.conv2d)
+    _gemmconv_dims = 2
     _gemmconv_zero_padding = (0, 0)
 
 
 class Conv3d(_GemmConvMixin, torch.nn.Conv3d):
     __doc__ = _class_doc(torch.nn.Conv3d)
-    _gemmconv_fn = staticmethod(functional.conv3d)
+    _gemmconv_dims = 3
     _gemmconv_zero_padding = (0, 0, 0)
 
 
