@@ -162,8 +162,9 @@ def _plan(
 def _operands(
     plan: Plan, first: torch.Tensor, second: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if not (plan.copy_first or plan.copy_second):
-        return first, second
+    """The two tensor operands, each copied dense where the plan says it is not (the
+    callers test ``plan.copy_first or plan.copy_second`` first: every Python frame
+    shows in a small convolution's call)."""
     p = plan.problem
     # A non-dense x is copied into its own memory order, the one the problem reads it in.
     first_layout = p.input_layout if p.direction is Direction.FORWARD else p.layout
@@ -174,25 +175,28 @@ def _operands(
     )
 
 
-def _runner(plan: Plan, tensors: ConvTensors) -> Callable[[ConvTensors], torch.Tensor]:
-    runner = plan.runner
-    if runner is None:
-        runner = plan.runner = plan.solver.prepare(plan.problem, tensors)
+def _prepared_runner(plan: Plan, tensors: ConvTensors) -> Callable[[ConvTensors], torch.Tensor]:
+    """The plan's run, prepared from its first call's operands and kept."""
+    runner = plan.runner = plan.solver.prepare(plan.problem, tensors)
     return runner
 
 
 def _without_autocast(plan: Plan, fn: Callable, *arguments: object):
-    device_type = plan.problem.device_type
-    if not torch.is_autocast_enabled(device_type):
-        return fn(*arguments)
-    # Autocast would re-cast the GEMMs inside a solver (and undo their fp32
-    # accumulation); the operands were already cast before the op, as for F.conv*.
-    with torch.autocast(device_type, enabled=False):
+    """``fn(*arguments)`` with autocast off (callers test whether it is on first).
+    Autocast would re-cast the GEMMs inside a solver (and undo their fp32
+    accumulation); the operands were already cast before the op, as for F.conv*."""
+    with torch.autocast(plan.problem.device_type, enabled=False):
         return fn(*arguments)
 
 
 def _run(plan: Plan, tensors: ConvTensors) -> torch.Tensor:
-    result = _without_autocast(plan, _runner(plan, tensors), tensors)
+    runner = plan.runner
+    if runner is None:
+        runner = _prepared_runner(plan, tensors)
+    if torch.is_autocast_enabled(plan.problem.device_type):
+        result = _without_autocast(plan, runner, tensors)
+    else:
+        result = runner(tensors)
     return _as_promised(result, plan.result_layout, plan.result_strides)
 
 
@@ -234,8 +238,9 @@ def forward_plan(
 def run_forward(
     plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    x, w = _operands(plan, input, weight)
-    return _run(plan, ConvTensors(input=x, weight=w, bias=bias))
+    if plan.copy_first or plan.copy_second:
+        input, weight = _operands(plan, input, weight)
+    return _run(plan, ConvTensors(input, weight, bias))
 
 
 def run_forward_keeping_columns(
@@ -243,12 +248,19 @@ def run_forward_keeping_columns(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """y, and the column matrix its GEMM read where the plan's prepared run keeps one
     (ColumnKeepingForward; None otherwise), for weight_gradient_from_columns."""
-    x, w = _operands(plan, input, weight)
-    tensors = ConvTensors(input=x, weight=w, bias=bias)
-    keep = getattr(_runner(plan, tensors), "with_columns", None)
+    if plan.copy_first or plan.copy_second:
+        input, weight = _operands(plan, input, weight)
+    tensors = ConvTensors(input, weight, bias)
+    runner = plan.runner
+    if runner is None:
+        runner = _prepared_runner(plan, tensors)
+    keep = getattr(runner, "with_columns", None)
     if keep is None:
         return _run(plan, tensors), None
-    y, columns = _without_autocast(plan, keep, tensors)
+    if torch.is_autocast_enabled(plan.problem.device_type):
+        y, columns = _without_autocast(plan, keep, tensors)
+    else:
+        y, columns = keep(tensors)
     return _as_promised(y, plan.result_layout, plan.result_strides), columns
 
 
@@ -256,7 +268,9 @@ def weight_gradient_from_columns(
     plan: Plan, grad_output: torch.Tensor, columns: torch.Tensor
 ) -> torch.Tensor:
     """dW of a forward ``plan``'s call from dY and the columns its forward kept."""
-    return _without_autocast(plan, plan.runner.weight_gradient, grad_output, columns)
+    if torch.is_autocast_enabled(plan.problem.device_type):
+        return _without_autocast(plan, plan.runner.weight_gradient, grad_output, columns)
+    return plan.runner.weight_gradient(grad_output, columns)
 
 
 def forward(
@@ -348,10 +362,11 @@ def backward_plan(
 
 
 def run_backward(plan: Plan, grad_output: torch.Tensor, operand: torch.Tensor) -> torch.Tensor:
-    dy, other = _operands(plan, grad_output, operand)
+    if plan.copy_first or plan.copy_second:
+        grad_output, operand = _operands(plan, grad_output, operand)
     if plan.problem.direction is Direction.BACKWARD_DATA:
-        return _run(plan, ConvTensors(grad_output=dy, weight=other))
-    return _run(plan, ConvTensors(grad_output=dy, input=other))
+        return _run(plan, ConvTensors(grad_output=grad_output, weight=operand))
+    return _run(plan, ConvTensors(grad_output=grad_output, input=operand))
 
 
 def _backward_implementation(direction: Direction) -> Callable[..., torch.Tensor]:

@@ -9,6 +9,7 @@ matmul flag, so a converted convolution computes in the same math mode as before
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -212,3 +213,10 @@ def reduction_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if wide is None:
         return torch.bmm(a, b)
     return torch.bmm(a.to(wide), b.to(wide)).to(a.dtype)
+
+
+def reduction_mm_of(dtype: torch.dtype, device_type: str) -> Callable[..., torch.Tensor]:
+    """What reduction_mm runs as for operands of ``dtype`` on ``device_type``: itself
+    where it may widen the reduction (the CPU's fp32), else plain torch.mm, so a
+    prepared run decides once rather than per call."""
+    return reduction_mm if device_type == "cpu" and dtype == torch.float32 else torch.mm

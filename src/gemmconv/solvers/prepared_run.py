@@ -39,6 +39,11 @@ class ResultBuffer:
         """A new uninitialised result, of ``like``'s dtype and device."""
         return torch.empty_strided(self._size, self._stride, dtype=like.dtype, device=like.device)
 
+    def over(self, memory: torch.Tensor) -> torch.Tensor:
+        """The result as a view of ``memory``, a dense tensor holding its elements in
+        the result's own memory order."""
+        return memory.as_strided(self._size, self._stride, memory.storage_offset())
+
 
 def with_precision(p: ConvProblem, run: Runner) -> Runner:
     """``run`` under the problem's GEMM accumulation rules, as Solver.run applies them."""

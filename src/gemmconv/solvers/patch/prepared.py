@@ -18,9 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from gemmconv.memory_format import empty_in
-from gemmconv.precision import conv_gemm_precision, reduction_mm
+from gemmconv.precision import conv_gemm_precision, reduction_mm, reduction_mm_of
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors
 from gemmconv.solvers.patch import rows_path
@@ -82,9 +83,16 @@ def _forward(solver, p: ConvProblem, ld: int, t: ConvTensors):
     columns = solver.columns.prepared_gather(t.input, p, ld)
     weight_rows = _weight_rows(p, ld, t.weight)
     bias_shape = (1, -1, *([1] * p.dims))
+    # Where y's memory is exactly its rows [M, K] in order (a channels-last y, or one
+    # pixel a sample), F.linear allocates them and y is their view: one torch call in
+    # place of the allocation, the rows view and the weight's transposed view.
+    y_is_rows = y_rows is not None and y_rows.offset == 0 and y_rows.stride == (p.k, 1)
 
     def forward(t: ConvTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = t.input
+        if y_is_rows:
+            col = columns(x)
+            return result.over(F.linear(col, weight_rows(t.weight), t.bias)), col
         y = result(x)
         wm = weight_rows(t.weight)
         if through_rows:
@@ -112,14 +120,18 @@ class ColumnKeepingForward:
     reshape + linear rewrite does, instead of again in the backward. dW is the same
     GEMM the solvers' weight gradient runs, on the same columns."""
 
-    __slots__ = ("_forward", "_p", "_order", "_precision", "_dw_size", "_dw_stride",
-                 "_dw_rows", "_dy_rows", "_transpose_dy")  # fmt: skip
+    __slots__ = ("_forward", "_k", "_order", "_precision", "_flags", "_mm", "_dw_size",
+                 "_dw_stride", "_dw_rows", "_dy_rows", "_transpose_dy")  # fmt: skip
 
     def __init__(self, p: ConvProblem, ld: int, forward) -> None:
         self._forward = forward
-        self._p = p
+        self._k = p.gemm_k
         self._order = column_layout(p)
         self._precision = (p.dtype, p.device_type)
+        # Decided once, not per call: whether the GEMMs need cuBLAS flags set (CUDA
+        # only), and which product the long reduction of dW runs as.
+        self._flags = p.device_type == "cuda"
+        self._mm = reduction_mm_of(p.dtype, p.device_type)
         # dW dense in the problem's layout, as the weight-gradient plans return it.
         dw = empty_in(p.weight_shape, p.layout, p.dtype, torch.device("meta"))
         self._dw_size, self._dw_stride = tuple(dw.shape), dw.stride()
@@ -137,20 +149,27 @@ class ColumnKeepingForward:
 
     def with_columns(self, t: ConvTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
         """y, and the column matrix (None where the pass was chunked)."""
+        if not self._flags:
+            return self._forward(t)
         with conv_gemm_precision(*self._precision):
             return self._forward(t)
 
     def weight_gradient(self, dy: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
         """dW from dY and the columns of the same call's forward."""
-        k = self._p.gemm_k
         dw = torch.empty_strided(self._dw_size, self._dw_stride, dtype=dy.dtype, device=dy.device)
         dy_rows = self._rows(dy)
-        with conv_gemm_precision(*self._precision):
-            if self._dw_rows is not None:
-                reduction_mm(dy_rows.t(), col, out=self._dw_rows(dw))
-            else:
-                store_weight_rows(dw, reduction_mm(dy_rows.t(), col)[:, :k], self._order)
+        if not self._flags:
+            self._multiply(dy_rows.t(), col, dw)
+        else:
+            with conv_gemm_precision(*self._precision):
+                self._multiply(dy_rows.t(), col, dw)
         return dw
+
+    def _multiply(self, dy_rows_t: torch.Tensor, col: torch.Tensor, dw: torch.Tensor) -> None:
+        if self._dw_rows is not None:
+            self._mm(dy_rows_t, col, out=self._dw_rows(dw))
+        else:
+            store_weight_rows(dw, self._mm(dy_rows_t, col)[:, : self._k], self._order)
 
     def _rows(self, dy: torch.Tensor) -> torch.Tensor:
         """dY as rows [M, K]: a view when it is token-major, else a copy."""
