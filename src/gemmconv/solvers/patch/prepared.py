@@ -121,7 +121,7 @@ class ColumnKeepingForward:
     GEMM the solvers' weight gradient runs, on the same columns."""
 
     __slots__ = ("_forward", "_k", "_order", "_precision", "_flags", "_mm", "_dw_size",
-                 "_dw_stride", "_dw_rows", "_dy_rows", "_transpose_dy")  # fmt: skip
+                 "_dw_stride", "_dw_rows", "_dw_is_rows", "_dy_rows", "_transpose_dy")  # fmt: skip
 
     def __init__(self, p: ConvProblem, ld: int, forward) -> None:
         self._forward = forward
@@ -137,6 +137,7 @@ class ColumnKeepingForward:
         self._dw_size, self._dw_stride = tuple(dw.shape), dw.stride()
         target = weight_rows_target(dw, self._order) if ld == p.gemm_k else None
         self._dw_rows = ViewRecipe.of(target, dw)
+        self._dw_is_rows = target is not None and target.stride() == (ld, 1)
         # How dY becomes rows (a view, or a copy) per dY strides; a call meets one or two.
         self._dy_rows: dict[tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]] = {}
         # A dense channels-first dY is copied to rows by the transpose kernel where it
@@ -156,20 +157,24 @@ class ColumnKeepingForward:
 
     def weight_gradient(self, dy: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
         """dW from dY and the columns of the same call's forward."""
-        dw = torch.empty_strided(self._dw_size, self._dw_stride, dtype=dy.dtype, device=dy.device)
-        dy_rows = self._rows(dy)
+        dy_rows_t = self._rows(dy).t()
         if not self._flags:
-            self._multiply(dy_rows.t(), col, dw)
-        else:
-            with conv_gemm_precision(*self._precision):
-                self._multiply(dy_rows.t(), col, dw)
-        return dw
+            return self._dw(dy_rows_t, col)
+        with conv_gemm_precision(*self._precision):
+            return self._dw(dy_rows_t, col)
 
-    def _multiply(self, dy_rows_t: torch.Tensor, col: torch.Tensor, dw: torch.Tensor) -> None:
+    def _dw(self, dy_rows_t: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+        if self._dw_is_rows:
+            # dW's memory is the product's [K, ld] rows in order: dW is their view.
+            return self._mm(dy_rows_t, col).as_strided(self._dw_size, self._dw_stride)
+        dw = torch.empty_strided(
+            self._dw_size, self._dw_stride, dtype=dy_rows_t.dtype, device=dy_rows_t.device
+        )
         if self._dw_rows is not None:
             self._mm(dy_rows_t, col, out=self._dw_rows(dw))
         else:
             store_weight_rows(dw, self._mm(dy_rows_t, col)[:, : self._k], self._order)
+        return dw
 
     def _rows(self, dy: torch.Tensor) -> torch.Tensor:
         """dY as rows [M, K]: a view when it is token-major, else a copy."""
