@@ -53,15 +53,16 @@ def isolated_selection(tmp_path, monkeypatch):
 
 @pytest.fixture
 def work_costs_only(monkeypatch):
-    """Rank solvers on the CPU by the work they do alone, launches free. Tests of tiny
-    problems use it to reach the GEMM solver they exercise: counting launches, the
-    vendor's single one rightly wins there."""
+    """Rank solvers on the CPU by the work they do alone, launches and gemmconv's
+    autograd node free. Tests of tiny problems use it to reach the GEMM solver they
+    exercise: counting host costs, the vendor's single launch (and torch's fused
+    backward) rightly wins there."""
     import dataclasses
 
     from gemmconv import device_rates
 
     monkeypatch.setattr(device_rates, "CPU", dataclasses.replace(device_rates.CPU,
-                        launch_us=0.0, host_launch_us=0.0))  # fmt: skip
+                        launch_us=0.0, host_launch_us=0.0, autograd_node_us=0.0))  # fmt: skip
 
 
 def find_db_warnings(caught) -> int:

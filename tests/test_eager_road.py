@@ -145,3 +145,48 @@ def test_unbatched_and_autocast_on_the_eager_road():
         y_torch = F.conv2d(xf, wf, bf, stride=3)
     assert y_ours.dtype == y_torch.dtype == torch.bfloat16
     torch.testing.assert_close(y_ours.float(), y_torch.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("spatial", "kernel", "fused"),
+    [(16, 4, True), (64, 16, False)],
+    ids=["saving-below-the-node", "saving-above-the-node"],
+)
+def test_a_vendor_forward_keeps_torchs_fused_backward_unless_gemm_saves_more(
+    spatial, kernel, fused
+):
+    """Both problems send the forward and dW to the vendor and dX to `patch`. Where
+    the estimated saving of `patch` over the vendor on dX (2.6 us for the 4x4 patch) is
+    below what gemmconv's autograd node costs the CPU's host (autograd_node_us), the
+    call is torch's convolution with its fused backward; where it is above (111 us
+    for the 16x16 patch), gemmconv's node runs dX on `patch`. Gradients match float64
+    either way."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 3, spatial, spatial, generator=gen).to(memory_format=torch.channels_last)
+    w = torch.randn(8, 3, kernel, kernel, generator=gen)
+    choices = gemmconv.explain(x, w, None, kernel)
+    assert [c.solver for c in choices.values()] == ["vendor", "patch", "vendor"]
+    saving_us = 1e3 * (choices["backward_data"].estimates_ms["vendor"]
+                       - choices["backward_data"].estimates_ms["patch"])  # fmt: skip
+    node_us = gemmconv.device_rates.CPU.autograd_node_us
+    assert (saving_us < node_us) == fused
+    x, w = x.requires_grad_(), w.requires_grad_()
+    y = gemmconv.conv2d(x, w, stride=kernel)
+    node = type(y.grad_fn).__name__
+    assert node == ("ConvolutionBackward0" if fused else "_EagerConvolutionBackward"), node
+    dy = torch.randn(y.shape, generator=gen)
+    grads = torch.autograd.grad(y, (x, w), dy)
+    leaves = [t.detach().double().requires_grad_() for t in (x, w)]
+    refs = torch.autograd.grad(F.conv2d(*leaves, stride=kernel), leaves, dy.double())
+    for got, want in zip(grads, refs, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.usefixtures("work_costs_only")
+def test_every_direction_on_the_vendor_is_torchs_fused_call_whatever_the_node_costs(
+    monkeypatch,
+):
+    monkeypatch.setenv("GEMMCONV_SOLVER", "vendor")
+    x, w, b = (t.requires_grad_() for t in _operands(3))
+    y = gemmconv.conv2d(x, w, b, stride=3)
+    assert type(y.grad_fn).__name__ == "ConvolutionBackward0"

@@ -59,6 +59,11 @@ class DeviceRates:
     host_launch_us: float = 10.0
     host_triton_launch_us: float = 10.0
     host_overlaps_device: bool = True
+    # What gemmconv's own autograd node costs the host beyond torch's fused
+    # convolution backward (the Python node and a call per direction): where the
+    # forward goes to the vendor, the backward leaves torch's fused one only for GEMM
+    # solvers that save more than this.
+    autograd_node_us: float = 60.0
     factors: Mapping[str, float] = dataclasses.field(default_factory=dict)
     source: str = ""
 
@@ -100,6 +105,9 @@ H200 = DeviceRates(
     # of tests/h200_measurements.py picks within 10% of the fastest call.
     host_launch_us=15.0,
     host_triton_launch_us=55.0,
+    # gemmconv's backward of the Qwen2-VL patch embed ran 97 us of Python on that host
+    # (bench/NOTES.md, "The host path, profiled"), a plain autograd.Function's 14.
+    autograd_node_us=80.0,
     # The vendor's fraction of the floor in the suite run: 1x1 at 0.78-0.94 of it
     # (NHWC backward-data 0.17); patch embeddings of 16 taps or more 0.007-0.45, 0.038
     # at the median of 48 rows; DiT-XL/2 and ConvNeXt downsample (2x2) channels-first
@@ -138,6 +146,10 @@ CPU = DeviceRates(
     host_launch_us=4.0,
     host_triton_launch_us=4.0,  # never a contender on the CPU: Triton runs interpreted
     host_overlaps_device=False,
+    # A channels-last 4x4 patch's forward+backward cost 196.5 us through gemmconv's
+    # node (a vendor dW and a patch dX) against torch's 125.2, its forward 3.4 of that
+    # (bench/results/overhead_cpu.md, the run before this rule).
+    autograd_node_us=60.0,
     # torch's CPU convolution ran a ViT-B/16 patch embed at batch 8 forward in 9.6 ms
     # and its weight gradient in 10.4, ahead of the rewrite's GEMM with its copy (10.5,
     # 11.0), as fast as a GEMM can: 1.0. Its backward-data (about 60 ms) and its point

@@ -24,7 +24,7 @@ import dataclasses
 
 import torch
 
-from gemmconv import dispatch, ops
+from gemmconv import device_rates, dispatch, ops
 from gemmconv.memory_format import Layout
 from gemmconv.problem import Direction
 from gemmconv.solvers.views import bias_grad
@@ -71,13 +71,21 @@ class _Call:
         self._backward_plans: dict[tuple, ops.Plan] = {}
 
     def vendor_gradients(self) -> bool:
-        """Whether both backward directions also go to the vendor. Asked only when a
-        call needs gradients, so inference never decides (or benchmarks) them."""
+        """Whether the backward, like this call's forward, goes to the vendor: torch's
+        fused convolution backward. So it does where both backward directions chose
+        the vendor, and where what the others' solvers save over it is less than
+        gemmconv's autograd node costs the host (DeviceRates.autograd_node_us); never
+        against a forced solver or a saving nobody estimated. Asked only when a call
+        needs gradients, so inference never decides (or benchmarks) them."""
         if self._vendor_gradients is None:
             problem = dataclasses.replace(self.plan.problem, has_bias=False)
-            self._vendor_gradients = all(
-                dispatch.choose(problem.with_direction(d)).solver == "vendor"
+            savings = [
+                _saving_over_vendor(dispatch.choose(problem.with_direction(d)))
                 for d in (Direction.BACKWARD_DATA, Direction.BACKWARD_WEIGHTS)
+            ]
+            node_ms = device_rates.rates_for(problem.device_type).autograd_node_us / 1000
+            self._vendor_gradients = None not in savings and (
+                not any(savings) or sum(savings) < node_ms
             )
         return self._vendor_gradients
 
@@ -98,6 +106,18 @@ class _Call:
                 self._backward_plans.clear()
             self._backward_plans[key] = plan
         return plan
+
+
+def _saving_over_vendor(choice: dispatch.Choice) -> float | None:
+    """How many ms ``choice`` saves over the vendor on its direction, by the times it
+    was decided on (measured by find, else estimated); None where it was forced or
+    no time says."""
+    if choice.solver == "vendor":
+        return 0.0
+    times = choice.times_ms or choice.estimates_ms
+    if choice.source == "forced" or choice.solver not in times or "vendor" not in times:
+        return None
+    return times["vendor"] - times[choice.solver]
 
 
 # dY of one call comes in few layouts (usually one); a bound all the same.
