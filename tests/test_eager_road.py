@@ -190,3 +190,24 @@ def test_every_direction_on_the_vendor_is_torchs_fused_call_whatever_the_node_co
     x, w, b = (t.requires_grad_() for t in _operands(3))
     y = gemmconv.conv2d(x, w, b, stride=3)
     assert type(y.grad_fn).__name__ == "ConvolutionBackward0"
+
+
+def test_only_the_needed_gradients_decide_between_torchs_backward_and_gemmconvs():
+    """The 16x16 patch sends dX to `patch`, saving more than the node costs, and dW to
+    the vendor: a call that needs dX crosses gemmconv's node, one that needs only dW
+    (a patch embed's pixels need no gradient) keeps torch's fused backward."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 64, 64, generator=gen).to(memory_format=torch.channels_last)
+    w = torch.randn(8, 3, 16, 16, generator=gen, requires_grad=True)
+    dy = torch.randn(2, 8, 4, 4, generator=gen)
+    for x_needs_grad, node in (
+        (True, "_EagerConvolutionBackward"),
+        (False, "ConvolutionBackward0"),
+    ):
+        leaf = x.detach().requires_grad_(x_needs_grad)
+        y = gemmconv.conv2d(leaf, w, stride=16)
+        assert type(y.grad_fn).__name__ == node
+        (dw,) = torch.autograd.grad(y, w, dy)
+        w64 = w.detach().double().requires_grad_()
+        (want,) = torch.autograd.grad(F.conv2d(x.double(), w64, stride=16), w64, dy.double())
+        torch.testing.assert_close(dw.double(), want, rtol=1e-4, atol=1e-4)

@@ -67,27 +67,31 @@ class _Call:
         self.weight_size = list(weight.shape)
         self.channels_last = plan.problem.layout is Layout.CHANNELS_LAST
         self.vendor_forward = plan.solver.id == "vendor"
-        self._vendor_gradients: bool | None = None
+        # Per (dx needed, dW needed): whether torch's fused backward serves the call.
+        self._vendor_gradients: dict[tuple[bool, bool], bool] = {}
         self._backward_plans: dict[tuple, ops.Plan] = {}
 
-    def vendor_gradients(self) -> bool:
+    def vendor_gradients(self, need_dx: bool, need_dw: bool) -> bool:
         """Whether the backward, like this call's forward, goes to the vendor: torch's
-        fused convolution backward. So it does where both backward directions chose
-        the vendor, and where what the others' solvers save over it is less than
+        fused convolution backward. So it does where the needed backward directions
+        chose the vendor, and where what the others' solvers save over it is less than
         gemmconv's autograd node costs the host (DeviceRates.autograd_node_us); never
         against a forced solver or a saving nobody estimated. Asked only when a call
         needs gradients, so inference never decides (or benchmarks) them."""
-        if self._vendor_gradients is None:
+        needed = (need_dx, need_dw)
+        verdict = self._vendor_gradients.get(needed)
+        if verdict is None:
             problem = dataclasses.replace(self.plan.problem, has_bias=False)
+            directions = (Direction.BACKWARD_DATA, Direction.BACKWARD_WEIGHTS)
             savings = [
                 _saving_over_vendor(dispatch.choose(problem.with_direction(d)))
-                for d in (Direction.BACKWARD_DATA, Direction.BACKWARD_WEIGHTS)
+                for d, needed_here in zip(directions, needed)
+                if needed_here
             ]
             node_ms = device_rates.rates_for(problem.device_type).autograd_node_us / 1000
-            self._vendor_gradients = None not in savings and (
-                not any(savings) or sum(savings) < node_ms
-            )
-        return self._vendor_gradients
+            verdict = None not in savings and (not any(savings) or sum(savings) < node_ms)
+            self._vendor_gradients[needed] = verdict
+        return verdict
 
     def backward_plan(
         self, direction: Direction, grad_output: torch.Tensor, operand: torch.Tensor
@@ -173,10 +177,12 @@ def convolve(
     needs_grad = torch.is_grad_enabled() and (
         input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
-    if call.vendor_forward and (not needs_grad or call.vendor_gradients()):
-        # Where every direction goes to the vendor (tiny problems, where one launch
-        # beats any GEMM path on host time), torch's own convolution with its own
-        # fused backward is the cheapest road to the same kernels.
+    if call.vendor_forward and (
+        not needs_grad or call.vendor_gradients(input.requires_grad, weight.requires_grad)
+    ):
+        # Where every direction needed goes to the vendor (tiny problems, where one
+        # launch beats any GEMM path on host time), torch's own convolution with its
+        # own fused backward is the cheapest road to the same kernels.
         y = torch.convolution(input, weight, bias, *call.vendor_arguments)
     elif needs_grad:
         y = _EagerConvolution.apply(input, weight, bias, call)
