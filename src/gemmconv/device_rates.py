@@ -105,8 +105,9 @@ H200 = DeviceRates(
     # of tests/h200_measurements.py picks within 10% of the fastest call.
     host_launch_us=15.0,
     host_triton_launch_us=55.0,
-    # gemmconv's backward of the Qwen2-VL patch embed ran 97 us of Python on that host
-    # (bench/NOTES.md, "The host path, profiled"), a plain autograd.Function's 14.
+    # gemmconv's backward of the Qwen2-VL patch embed spent 97 us per call on that
+    # host, where a minimal autograd.Function running the same GEMMs added almost
+    # nothing over the rewrite (bench/NOTES.md, "Host path and cost table, measured").
     autograd_node_us=80.0,
     # The vendor's fraction of the floor in the suite run: 1x1 at 0.78-0.94 of it
     # (NHWC backward-data 0.17); patch embeddings of 16 taps or more 0.007-0.45, 0.038
