@@ -21,6 +21,7 @@ the custom-op road, which checks and computes everything afresh.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -31,9 +32,37 @@ from gemmconv.solvers.views import bias_grad
 from gemmconv.transform_state import transforms_active
 
 
-def road_is_open(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+class SeenInput(NamedTuple):
+    """A forward's input without its data, as a gemmconv.nn module remembers it for
+    ``solvers()``: shape, strides, the dtype the convolution ran in (autocast
+    resolved) and the device. On this road it is also the input's part of the call's
+    key, so remembering it costs one dictionary store. A NamedTuple, not a dataclass:
+    one is built on every eager forward, and a frozen dataclass costs several times
+    more."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+# The attribute under which a gemmconv.nn module keeps the SeenInput of its last
+# eager forward.
+LAST_INPUT = "_gemmconv_last_input"
+
+
+def remember_input(module: torch.nn.Module, input: torch.Tensor) -> None:
+    """Keep ``input``'s SeenInput on ``module`` (a gemmconv.nn module)."""
+    # Past nn.Module.__setattr__, whose checks for parameters, buffers and submodules
+    # cost a microsecond a forward.
+    module.__dict__[LAST_INPUT] = SeenInput(input.shape, input.stride(), input.dtype, input.device)
+
+
+def road_is_open(input: torch.Tensor) -> bool:
     """Whether a call may take the eager road: nothing is tracing, transforming or
-    intercepting it, and the operands are plain CPU or CUDA tensors.
+    intercepting it, and the input is a plain CPU or CUDA tensor. The caller has
+    already ruled out ``__torch_function__`` on every operand (functional._conv
+    hands those to handle_torch_function first), so that is not asked again.
 
     Compilation is asked first: under dynamo the answer is a constant and the rest
     is never traced."""
@@ -43,7 +72,6 @@ def road_is_open(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         torch._C._is_tracing()
         or transforms_active()
         or torch._C._len_torch_dispatch_stack()
-        or torch._C._has_torch_function((input, weight, bias))
         or not (input.is_cuda or input.is_cpu)
     )
 
@@ -140,17 +168,19 @@ def convolve(
     padding: object,
     dilation: object,
     groups: object,
+    module: torch.nn.Module | None = None,
 ) -> torch.Tensor | None:
     """The convolution on the eager road, or None where the road does not cover the
     call (the caller then takes the custom-op road). Operands are already cast as
-    autocast would (the cast is autograd's business, outside this road)."""
+    autocast would (the cast is autograd's business, outside this road). ``module``,
+    a gemmconv.nn module making the call, remembers the input (remember_input)."""
+    seen = SeenInput(input.shape, input.stride(), input.dtype, input.device)
+    if module is not None:
+        module.__dict__[LAST_INPUT] = seen
     try:
         key = (
             dims,
-            input.shape,
-            input.stride(),
-            input.dtype,
-            input.device,
+            seen,
             weight.shape,
             weight.stride(),
             weight.dtype,
@@ -270,4 +300,4 @@ def clear() -> None:
     _calls.clear()
 
 
-__all__ = ["clear", "convolve", "road_is_open"]
+__all__ = ["LAST_INPUT", "SeenInput", "clear", "convolve", "remember_input", "road_is_open"]

@@ -84,31 +84,6 @@ def _autocast(*tensors: torch.Tensor | None, device_type: str) -> list[torch.Ten
     ]
 
 
-class SeenInput(NamedTuple):
-    """A forward's input without its data, as a gemmconv.nn module remembers it for
-    ``solvers()``: shape, strides, the dtype the convolution ran in (autocast
-    resolved) and the device. A NamedTuple, not a dataclass: one is built on every
-    eager forward, and a frozen dataclass costs several times more."""
-
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-
-
-# The attribute under which a gemmconv.nn module keeps the SeenInput of its last
-# eager forward.
-LAST_INPUT = "_gemmconv_last_input"
-
-
-def _remember_input(module: torch.nn.Module, input: torch.Tensor) -> None:
-    # Past nn.Module.__setattr__, whose checks for parameters, buffers and submodules
-    # cost a microsecond a forward.
-    module.__dict__[LAST_INPUT] = SeenInput(
-        tuple(input.shape), input.stride(), input.dtype, input.device
-    )
-
-
 def _remember_off_the_road(module: torch.nn.Module | None, input: object) -> None:
     """Remember a module's input that did not take the eager road, except while
     compiling (a side effect on a symbolic shape), under torch.func transforms (they
@@ -121,7 +96,7 @@ def _remember_off_the_road(module: torch.nn.Module | None, input: object) -> Non
         and isinstance(input, torch.Tensor)
         and not input.is_meta
     ):
-        _remember_input(module, input)
+        eager.remember_input(module, input)
 
 
 def _conv(
@@ -140,15 +115,16 @@ def _conv(
         )  # fmt: skip
     tensors = isinstance(input, torch.Tensor) and isinstance(weight, torch.Tensor)
     if tensors and (bias is None or isinstance(bias, torch.Tensor)):
-        device_type = "cuda" if input.is_cuda else input.device.type
-        if device_type not in _DEVICES_WITHOUT_AUTOCAST and torch.is_autocast_enabled(device_type):
-            # Checked before the cast: under autocast, operands of mixed dtypes are fine.
-            check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
-            input, weight, bias = _autocast(input, weight, bias, device_type=device_type)
-        if eager.road_is_open(input, weight, bias):
-            if module is not None:
-                _remember_input(module, input)
-            y = eager.convolve(dims, input, weight, bias, stride, padding, dilation, groups)
+        if torch._C._is_any_autocast_enabled():  # one C call where autocast is off
+            device_type = "cuda" if input.is_cuda else input.device.type
+            if device_type not in _DEVICES_WITHOUT_AUTOCAST and torch.is_autocast_enabled(
+                device_type
+            ):
+                # Checked before the cast: under autocast, mixed operand dtypes are fine.
+                check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
+                input, weight, bias = _autocast(input, weight, bias, device_type=device_type)
+        if eager.road_is_open(input):
+            y = eager.convolve(dims, input, weight, bias, stride, padding, dilation, groups, module)
             if y is not None:
                 return y
         else:

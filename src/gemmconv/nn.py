@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gemmconv import functional
+from gemmconv import eager, functional
 from gemmconv.dispatch import Choice, explain_problem
 from gemmconv.memory_format import CHANNELS_LAST_FORMATS, check_weight_format, set_weight_format
 
@@ -31,7 +31,7 @@ class _GemmConvMixin:
 
     # Class defaults, so modules converted in place (class swapped, no __init__ run)
     # have them too.
-    _gemmconv_last_input: functional.SeenInput | None = None
+    _gemmconv_last_input: eager.SeenInput | None = None
     _gemmconv_dims = 0  # 1, 2 or 3, set per subclass
     _gemmconv_zero_padding: tuple[int, ...] = ()
 

@@ -182,9 +182,10 @@ def _prepared_runner(plan: Plan, tensors: ConvTensors) -> Callable[[ConvTensors]
 
 
 def _without_autocast(plan: Plan, fn: Callable, *arguments: object):
-    """``fn(*arguments)`` with autocast off (callers test whether it is on first).
-    Autocast would re-cast the GEMMs inside a solver (and undo their fp32
-    accumulation); the operands were already cast before the op, as for F.conv*."""
+    """``fn(*arguments)`` with autocast off on the plan's device. Autocast would re-cast
+    the GEMMs inside a solver (and undo their fp32 accumulation); the operands were
+    already cast before the op, as for F.conv*. Callers first ask whether autocast is
+    on for any device, one C call; turning it off where it was off changes nothing."""
     with torch.autocast(plan.problem.device_type, enabled=False):
         return fn(*arguments)
 
@@ -193,7 +194,7 @@ def _run(plan: Plan, tensors: ConvTensors) -> torch.Tensor:
     runner = plan.runner
     if runner is None:
         runner = _prepared_runner(plan, tensors)
-    if torch.is_autocast_enabled(plan.problem.device_type):
+    if torch._C._is_any_autocast_enabled():
         result = _without_autocast(plan, runner, tensors)
     else:
         result = runner(tensors)
@@ -257,7 +258,7 @@ def run_forward_keeping_columns(
     keep = getattr(runner, "with_columns", None)
     if keep is None:
         return _run(plan, tensors), None
-    if torch.is_autocast_enabled(plan.problem.device_type):
+    if torch._C._is_any_autocast_enabled():
         y, columns = _without_autocast(plan, keep, tensors)
     else:
         y, columns = keep(tensors)
@@ -268,7 +269,7 @@ def weight_gradient_from_columns(
     plan: Plan, grad_output: torch.Tensor, columns: torch.Tensor
 ) -> torch.Tensor:
     """dW of a forward ``plan``'s call from dY and the columns its forward kept."""
-    if torch.is_autocast_enabled(plan.problem.device_type):
+    if torch._C._is_any_autocast_enabled():
         return _without_autocast(plan, plan.runner.weight_gradient, grad_output, columns)
     return plan.runner.weight_gradient(grad_output, columns)
 

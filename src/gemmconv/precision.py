@@ -112,18 +112,26 @@ def _full_precision_reductions() -> contextlib.AbstractContextManager[None]:
     )
 
 
+def changes_gemm_precision(dtype: torch.dtype, device_type: str) -> bool:
+    """Whether conv_gemm_precision(dtype, device_type) may set any flag: CUDA only
+    (CPU GEMMs already accumulate half-precision products in fp32 and never use
+    TF32), and only for the dtypes those flags govern."""
+    return device_type == "cuda" and dtype in _GOVERNED_DTYPES
+
+
+_GOVERNED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+
 def conv_gemm_precision(
     dtype: torch.dtype, device_type: str
 ) -> contextlib.AbstractContextManager[None]:
-    """Run the GEMMs inside with a convolution's accumulation rules (CUDA only; CPU GEMMs
-    already accumulate half-precision products in fp32 and never use TF32)."""
-    if device_type != "cuda":
+    """Run the GEMMs inside with a convolution's accumulation rules (see
+    changes_gemm_precision for where there are any to apply)."""
+    if not changes_gemm_precision(dtype, device_type):
         return _NOTHING_TO_CHANGE
     if dtype == torch.float32:
         return _fp32_matmul_mode(convolutions_allow_tf32())
-    if dtype in (torch.float16, torch.bfloat16):
-        return _full_precision_reductions()
-    return _NOTHING_TO_CHANGE
+    return _full_precision_reductions()
 
 
 def reduce_batched_products(a: torch.Tensor, b: torch.Tensor, workspace_cap: int) -> torch.Tensor:

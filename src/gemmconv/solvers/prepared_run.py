@@ -9,15 +9,17 @@ runs its GEMMs under the same accumulation rules.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
-from gemmconv.precision import conv_gemm_precision
+from gemmconv.precision import changes_gemm_precision, conv_gemm_precision
 from gemmconv.problem import ConvProblem
 from gemmconv.solvers.base import ConvTensors
 from gemmconv.solvers.views import meta_like, result_buffer
 
 Runner = Callable[[ConvTensors], torch.Tensor]
+R = TypeVar("R")
 
 
 def meta_operands(t: ConvTensors) -> ConvTensors:
@@ -42,16 +44,20 @@ class ResultBuffer:
     def over(self, memory: torch.Tensor) -> torch.Tensor:
         """The result as a view of ``memory``, a dense tensor holding its elements in
         the result's own memory order."""
-        return memory.as_strided(self._size, self._stride, memory.storage_offset())
+        return memory.as_strided(self._size, self._stride)  # from memory's own offset
 
 
-def with_precision(p: ConvProblem, run: Runner) -> Runner:
-    """``run`` under the problem's GEMM accumulation rules, as Solver.run applies them."""
+def with_precision(p: ConvProblem, run: Callable[..., R]) -> Callable[..., R]:
+    """``run`` under the problem's GEMM accumulation rules, as Solver.run applies them;
+    ``run`` itself where those rules change nothing (off CUDA), so a CPU call pays
+    no context manager."""
+    if not changes_gemm_precision(p.dtype, p.device_type):
+        return run
     precision = (p.dtype, p.device_type)
 
-    def runner(tensors: ConvTensors) -> torch.Tensor:
+    def runner(*args: object) -> R:
         with conv_gemm_precision(*precision):
-            return run(tensors)
+            return run(*args)
 
     return runner
 

@@ -88,7 +88,11 @@ class ViewRecipe:
         return None if view is None else cls(view, base)
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        return t.as_strided(self.size, self.stride, t.storage_offset() + self.offset)
+        if self.offset:
+            return t.as_strided(self.size, self.stride, t.storage_offset() + self.offset)
+        # as_strided keeps t's own offset when given none: a third of the call's cost
+        # on a CPU host, and the usual case (a view from t's first element).
+        return t.as_strided(self.size, self.stride)
 
 
 def rows_view(t: torch.Tensor) -> torch.Tensor | None:

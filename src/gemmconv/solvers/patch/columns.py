@@ -103,8 +103,7 @@ class TorchCopyColumns(ColumnSource):
         return _fill_columns(_buffer(x, p, ld, out), patches(x, p), p.gemm_k)
 
     def scatter(self, dcol: torch.Tensor, p: ConvProblem, dx: torch.Tensor) -> None:
-        target = patches(dx, p)
-        target.copy_(dcol[:, : p.gemm_k].view(target.shape))
+        _store_columns(patches(dx, p), dcol, p.gemm_k)
 
     # The prepared gather and scatter replay the patch view as one as_strided call:
     # the movedim, crop, view and permute that find it cost a torch call each.
@@ -120,7 +119,7 @@ class TorchCopyColumns(ColumnSource):
     ) -> Callable[[torch.Tensor, torch.Tensor], None]:
         target = ViewRecipe(patches(dx, p), dx)
         k = p.gemm_k
-        return lambda dcol, dx: target(dx).copy_(dcol[:, :k].view(target.size))
+        return lambda dcol, dx: _store_columns(target(dx), dcol, k)
 
 
 class ViewColumns(TorchCopyColumns):
@@ -208,6 +207,12 @@ def _fill_columns(col: torch.Tensor, source: torch.Tensor, k: int) -> torch.Tens
         col[:, k:].zero_()
     col[:, :k].view(source.shape).copy_(source)
     return col
+
+
+def _store_columns(target: torch.Tensor, dcol: torch.Tensor, k: int) -> None:
+    """The first ``k`` columns of ``dcol`` [rows, ld] written into ``target`` (dx's
+    patch positions, a view of the patches' shape): _fill_columns run backwards."""
+    target.copy_(dcol[:, :k].view(target.shape))
 
 
 def _buffer(x: torch.Tensor, p: ConvProblem, ld: int, out: torch.Tensor | None) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from gemmconv.memory_format import empty_in
-from gemmconv.precision import conv_gemm_precision, reduction_mm, reduction_mm_of
+from gemmconv.precision import reduction_mm_of
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors
 from gemmconv.solvers.patch import rows_path
@@ -120,24 +120,11 @@ class ColumnKeepingForward:
     reshape + linear rewrite does, instead of again in the backward. dW is the same
     GEMM the solvers' weight gradient runs, on the same columns."""
 
-    __slots__ = ("_forward", "_k", "_order", "_precision", "_flags", "_mm", "_dw_size",
-                 "_dw_stride", "_dw_rows", "_dw_is_rows", "_dy_rows", "_transpose_dy")  # fmt: skip
+    __slots__ = ("_forward", "_product", "_dy_rows", "_transpose_dy")
 
     def __init__(self, p: ConvProblem, ld: int, forward) -> None:
-        self._forward = forward
-        self._k = p.gemm_k
-        self._order = column_layout(p)
-        self._precision = (p.dtype, p.device_type)
-        # Decided once, not per call: whether the GEMMs need cuBLAS flags set (CUDA
-        # only), and which product the long reduction of dW runs as.
-        self._flags = p.device_type == "cuda"
-        self._mm = reduction_mm_of(p.dtype, p.device_type)
-        # dW dense in the problem's layout, as the weight-gradient plans return it.
-        dw = empty_in(p.weight_shape, p.layout, p.dtype, torch.device("meta"))
-        self._dw_size, self._dw_stride = tuple(dw.shape), dw.stride()
-        target = weight_rows_target(dw, self._order) if ld == p.gemm_k else None
-        self._dw_rows = ViewRecipe.of(target, dw)
-        self._dw_is_rows = target is not None and target.stride() == (ld, 1)
+        self._forward = with_precision(p, forward)
+        self._product = with_precision(p, _weight_gradient_product(p, ld))
         # How dY becomes rows (a view, or a copy) per dY strides; a call meets one or two.
         self._dy_rows: dict[tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]] = {}
         # A dense channels-first dY is copied to rows by the transpose kernel where it
@@ -146,35 +133,15 @@ class ColumnKeepingForward:
         self._transpose_dy = rows_path.transpose_kernel_runs(p)
 
     def __call__(self, t: ConvTensors) -> torch.Tensor:
-        return self.with_columns(t)[0]
+        return self._forward(t)[0]
 
     def with_columns(self, t: ConvTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
         """y, and the column matrix (None where the pass was chunked)."""
-        if not self._flags:
-            return self._forward(t)
-        with conv_gemm_precision(*self._precision):
-            return self._forward(t)
+        return self._forward(t)
 
     def weight_gradient(self, dy: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
         """dW from dY and the columns of the same call's forward."""
-        dy_rows_t = self._rows(dy).t()
-        if not self._flags:
-            return self._dw(dy_rows_t, col)
-        with conv_gemm_precision(*self._precision):
-            return self._dw(dy_rows_t, col)
-
-    def _dw(self, dy_rows_t: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-        if self._dw_is_rows:
-            # dW's memory is the product's [K, ld] rows in order: dW is their view.
-            return self._mm(dy_rows_t, col).as_strided(self._dw_size, self._dw_stride)
-        dw = torch.empty_strided(
-            self._dw_size, self._dw_stride, dtype=dy_rows_t.dtype, device=dy_rows_t.device
-        )
-        if self._dw_rows is not None:
-            self._mm(dy_rows_t, col, out=self._dw_rows(dw))
-        else:
-            store_weight_rows(dw, self._mm(dy_rows_t, col)[:, : self._k], self._order)
-        return dw
+        return self._product(self._rows(dy).t(), col)
 
     def _rows(self, dy: torch.Tensor) -> torch.Tensor:
         """dY as rows [M, K]: a view when it is token-major, else a copy."""
@@ -189,6 +156,35 @@ class ColumnKeepingForward:
                 to_rows = rows_path.channels_first_rows if transpose else rows
             self._dy_rows[dy.stride()] = to_rows
         return to_rows(dy)
+
+
+def _weight_gradient_product(
+    p: ConvProblem, ld: int
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """dW from dY's rows transposed [K, M] and the columns [M, ld]: the long-reduction
+    GEMM, its [K, ld] result delivered as dW dense in the problem's layout (as the
+    solvers' weight gradient returns it), with every decision about where the product
+    goes taken here, once."""
+    mm = reduction_mm_of(p.dtype, p.device_type)
+    order = column_layout(p)
+    k = p.gemm_k
+    dw = empty_in(p.weight_shape, p.layout, p.dtype, torch.device("meta"))
+    size, stride = tuple(dw.shape), dw.stride()
+    target = weight_rows_target(dw, order) if ld == k else None
+    if target is not None and target.stride() == (ld, 1):
+        # dW's memory is the product's [K, ld] rows in order: dW is their view.
+        return lambda dy_rows_t, col: mm(dy_rows_t, col).as_strided(size, stride)
+    dw_rows = ViewRecipe.of(target, dw)
+
+    def product(dy_rows_t: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+        dw = torch.empty_strided(size, stride, dtype=col.dtype, device=col.device)
+        if dw_rows is not None:
+            mm(dy_rows_t, col, out=dw_rows(dw))
+        else:
+            store_weight_rows(dw, mm(dy_rows_t, col)[:, :k], order)
+        return dw
+
+    return product
 
 
 _DY_LAYOUTS_MAX = 8
@@ -239,24 +235,20 @@ def _backward_data(solver, p: ConvProblem, ld: int, t: ConvTensors, dy_rows, dy3
 def _backward_weights(solver, p: ConvProblem, ld: int, t: ConvTensors, dy_rows, dy3, through_rows):
     result = ResultBuffer(p, t.input)
     order = column_layout(p)
-    dw = result.meta
-    target = ViewRecipe.of(weight_rows_target(dw, order), dw) if ld == p.gemm_k else None
     columns = solver.columns.prepared_gather(t.input, p, ld)
+    product = _weight_gradient_product(p, ld)
     k = p.gemm_k
     # A channels-first dY off the rows path is copied to rows by torch.
     dy_as_rows = dy_rows or rows
 
     def backward_weights(t: ConvTensors) -> torch.Tensor:
         dy, x = t.grad_output, t.input
-        dw = result(x)
         if through_rows:
+            dw = result(x)
             dw_rows = rows_path.weight_gradient_rows(solver.columns, p, x, dy3(dy), ld)
             store_weight_rows(dw, dw_rows[:, :k].to(dw.dtype), order)
-        elif target is not None:
-            reduction_mm(dy_as_rows(dy).t(), columns(x), out=target(dw))
-        else:
-            store_weight_rows(dw, reduction_mm(dy_as_rows(dy).t(), columns(x))[:, :k], order)
-        return dw
+            return dw
+        return product(dy_as_rows(dy).t(), columns(x))
 
     return backward_weights
 
