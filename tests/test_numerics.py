@@ -22,6 +22,7 @@ from gemmconv import ConvProblem, ConvTensors, Direction, Layout, get_solver
 from gemmconv.device_rates import CPU, H200
 from gemmconv.dispatch import decide
 from gemmconv.memory_format import empty_in
+from gemmconv.precision import reduction_mm, reduction_mm_of
 from gemmconv.solvers import SOLVERS
 from gemmconv.solvers.base import INT32_MAX
 from gemmconv.verify import reference, rms_range, tolerance
@@ -443,3 +444,50 @@ def test_cpu_fp32_weight_gradient_within_twice_the_vendors_error(
     ours_error, vendor_error = rms_range(ours, ref), rms_range(vendor, ref)
     assert torch.isfinite(ours).all()
     assert ours_error <= max(2 * vendor_error, 2.0**-24), (ours_error, vendor_error)
+
+
+@pytest.mark.parametrize(
+    ("rows", "out_rows", "out_cols", "widens"),
+    [
+        (4096, 64, 64, False),
+        (4096, 3, 64, True),
+        (4096, 64, 5, True),
+        ((1 << 17) + 1, 64, 64, True),
+    ],
+    ids=["within", "skinny-rows", "skinny-cols", "long"],
+)
+def test_reduction_mm_of_decides_once_as_reduction_mm_does(rows, out_rows, out_cols, widens):
+    chosen = reduction_mm_of(torch.float32, "cpu", rows, out_rows, out_cols)
+    assert chosen is (reduction_mm if widens else torch.mm)
+    # Only the CPU's fp32 ever widens.
+    assert reduction_mm_of(torch.bfloat16, "cpu", rows, out_rows, out_cols) is torch.mm
+    assert reduction_mm_of(torch.float32, "cuda", rows, out_rows, out_cols) is torch.mm
+
+
+def test_cpu_fp32_weight_gradient_from_kept_columns_rounds_once_on_a_skinny_result(
+    monkeypatch,
+):
+    # The forward keeps its columns and dW multiplies them (ColumnKeepingForward): a
+    # skinny 3 x 4 result over 32768 rows is reduced in fp64 there, as reduction_mm
+    # would, and rounded once. An fp32 GEMM measured 1.2-1.7e-6 here, the fp64 one
+    # about 1.5e-8.
+    monkeypatch.setenv("GEMMCONV_SOLVER", "patch")
+    import gemmconv.ops
+
+    from_columns = []
+    original = gemmconv.ops.weight_gradient_from_columns
+
+    def spied(*args):
+        from_columns.append(args[0].problem.gemm_m)
+        return original(*args)
+
+    monkeypatch.setattr(gemmconv.ops, "weight_gradient_from_columns", spied)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.rand(2, 1, 256, 256, generator=gen) * 2 - 1
+    w = (torch.rand(3, 1, 2, 2, generator=gen) * 2 - 1).requires_grad_()
+    dy = torch.rand(2, 3, 128, 128, generator=gen) * 2 - 1
+    (ours,) = torch.autograd.grad(gemmconv.conv2d(x, w, stride=2), w, dy)
+    assert from_columns == [2 * 128 * 128]
+    x64, w64 = x.double(), w.detach().double().requires_grad_()
+    (ref,) = torch.autograd.grad(F.conv2d(x64, w64, stride=2), w64, dy.double())
+    assert rms_range(ours, ref) <= 2.0**-24

@@ -198,7 +198,14 @@ def _reduction_dtype(
     the vendor and 1.5-3x faster than fp64 (tests/test_numerics.py checks both
     sides of the rule); elsewhere the reduction runs in fp64 and rounds once.
     """
-    if t.device.type != "cpu" or t.dtype != torch.float32:
+    return _wider_dtype(t.dtype, t.device.type, rows, out_rows, out_cols)
+
+
+def _wider_dtype(
+    dtype: torch.dtype, device_type: str, rows: int, out_rows: int, out_cols: int
+) -> torch.dtype | None:
+    """_reduction_dtype from the operands' dtype and device type."""
+    if device_type != "cpu" or dtype != torch.float32:
         return None
     fp32_ok = rows <= CPU_FP32_REDUCTION_MAX_ROWS and min(out_rows, out_cols) >= (
         CPU_FP32_MIN_OUTPUT_SIDE
@@ -223,8 +230,12 @@ def reduction_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.to(wide), b.to(wide)).to(a.dtype)
 
 
-def reduction_mm_of(dtype: torch.dtype, device_type: str) -> Callable[..., torch.Tensor]:
-    """What reduction_mm runs as for operands of ``dtype`` on ``device_type``: itself
-    where it may widen the reduction (the CPU's fp32), else plain torch.mm, so a
-    prepared run decides once rather than per call."""
-    return reduction_mm if device_type == "cpu" and dtype == torch.float32 else torch.mm
+def reduction_mm_of(
+    dtype: torch.dtype, device_type: str, rows: int, out_rows: int, out_cols: int
+) -> Callable[..., torch.Tensor]:
+    """What reduction_mm runs as for [out_rows, rows] @ [rows, out_cols] operands of
+    ``dtype`` on ``device_type``: itself where it widens the reduction, else plain
+    torch.mm, so a prepared run of fixed shapes decides once rather than per call."""
+    if _wider_dtype(dtype, device_type, rows, out_rows, out_cols) is None:
+        return torch.mm
+    return reduction_mm

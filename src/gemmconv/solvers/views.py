@@ -173,9 +173,14 @@ def bias_grad(grad_output: torch.Tensor, out_channels: int | None = None) -> tor
     zeros of the bias's size, as torch's."""
     if out_channels is not None and grad_output.shape[1] != out_channels:
         return grad_output.new_zeros(out_channels)
-    acc = torch.float64 if grad_output.dtype == torch.float64 else torch.float32
     dims = [0, *range(2, grad_output.dim())]
-    return grad_output.sum(dim=dims, dtype=acc).to(grad_output.dtype)
+    if grad_output.dtype in _OWN_ACCUMULATOR:
+        return grad_output.sum(dims)  # a dtype= and a .to() would each be a no-op call
+    return grad_output.sum(dim=dims, dtype=torch.float32).to(grad_output.dtype)
+
+
+# Dtypes whose sum accumulates in the dtype itself: the rest accumulate in fp32.
+_OWN_ACCUMULATOR = frozenset({torch.float32, torch.float64})
 
 
 def gemm_into(

@@ -165,7 +165,7 @@ def _weight_gradient_product(
     GEMM, its [K, ld] result delivered as dW dense in the problem's layout (as the
     solvers' weight gradient returns it), with every decision about where the product
     goes taken here, once."""
-    mm = reduction_mm_of(p.dtype, p.device_type)
+    mm = reduction_mm_of(p.dtype, p.device_type, p.gemm_m, p.k, ld)
     order = column_layout(p)
     k = p.gemm_k
     dw = empty_in(p.weight_shape, p.layout, p.dtype, torch.device("meta"))
