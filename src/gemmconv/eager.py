@@ -35,10 +35,9 @@ from gemmconv.transform_state import transforms_active
 class SeenInput(NamedTuple):
     """A forward's input without its data, as a gemmconv.nn module remembers it for
     ``solvers()``: shape, strides, the dtype the convolution ran in (autocast
-    resolved) and the device. On this road it is also the input's part of the call's
-    key, so remembering it costs one dictionary store. A NamedTuple, not a dataclass:
-    one is built on every eager forward, and a frozen dataclass costs several times
-    more."""
+    resolved) and the device, as the eager road reads them for its key. A NamedTuple,
+    not a dataclass: one is built on every eager forward of a module, and a frozen
+    dataclass costs several times more."""
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
@@ -174,9 +173,10 @@ def convolve(
     call (the caller then takes the custom-op road). Operands are already cast as
     autocast would (the cast is autograd's business, outside this road). ``module``,
     a gemmconv.nn module making the call, remembers the input (remember_input)."""
-    seen = SeenInput(input.shape, input.stride(), input.dtype, input.device)
+    # The input's part of the key, and what a module remembers of it.
+    seen = (input.shape, input.stride(), input.dtype, input.device)
     if module is not None:
-        module.__dict__[LAST_INPUT] = seen
+        module.__dict__[LAST_INPUT] = SeenInput._make(seen)
     try:
         key = (
             dims,

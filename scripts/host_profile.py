@@ -1,0 +1,111 @@
+"""Where a public call's time goes: one row, timed side by side and profiled.
+
+For one suite case (or a case of the public-call table, ``gemmconv bench --api``), a
+layout and a kind of call, it times torch's F.conv*, the reshape + F.linear rewrite and
+gemmconv's public call as gemmconv.api_timing builds them (back-to-back calls,
+interleaved, median) and prints per call: the wall time, the host's time to issue the
+calls (the loop without a synchronisation inside; a diagnostic, and a lower bound of
+the wall time) and, on CUDA, the kernels' device time from torch.profiler (a
+diagnostic). Then it profiles gemmconv's call with cProfile and lists the functions
+with the most time of their own. Used to find host-path work; the benchmarks, not this
+script, are where speed is reported.
+
+    PYTHONPATH=src python scripts/host_profile.py point3d --layout cf --kind fwd_wgrad
+    PYTHONPATH=src python scripts/host_profile.py point3d --n 8 --device cpu --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import io
+import pstats
+import time
+
+import torch
+
+from gemmconv.api_timing import CALL_KINDS, public_calls
+from gemmconv.bench import DTYPES, LAYOUT_NAMES, SUITE, make_problem
+from gemmconv.bench_api import API_CASES
+from gemmconv.measure import operand_sets
+from gemmconv.problem import Direction
+from gemmconv.timing import time_interleaved
+
+
+def _shape(name: str, n: int | None):
+    known = {case.name: case.full for case in (*SUITE, *API_CASES)}
+    if name not in known:
+        raise SystemExit(f"case={name!r}: expected one of {', '.join(known)}")
+    shape = known[name]
+    return shape if n is None else dataclasses.replace(shape, n=n)
+
+
+def _issue_us(fn, calls: int, sync) -> float:
+    """Microseconds per call the host takes to issue ``calls`` back-to-back calls."""
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    issued = time.perf_counter() - start
+    sync()
+    return issued / calls * 1e6
+
+
+def _device_us(fn, calls: int) -> float:
+    """Microseconds of CUDA kernel time per call, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0)
+    return total / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("case", help="a suite case or a public-call-table case")
+    parser.add_argument("--layout", default="cf", choices=sorted(LAYOUT_NAMES))
+    parser.add_argument("--kind", default="fwd", choices=CALL_KINDS)
+    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES))
+    parser.add_argument("--n", type=int, default=None, help="batch (patches) instead of the case's")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads")
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=200, help="calls issued and profiled")
+    parser.add_argument("--top", type=int, default=25, help="cProfile rows")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype_key = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    shape = _shape(args.case, args.n)
+    p = make_problem(shape, LAYOUT_NAMES[args.layout], DTYPES[dtype_key], device, Direction.FORWARD)
+    calls = public_calls(p, args.kind, operand_sets(p, device, 0, every_operand=True))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = time_interleaved(calls, device, reps=args.reps)
+    print(f"{args.case} {args.layout} {args.kind} {dtype_key} n={shape.n} on {device}, torch "
+          f"{torch.__version__}; us per call")  # fmt: skip
+    for name, fns in calls.items():
+        line = f"  {name:9s} wall {times[name].median_ms * 1e3:9.1f}"
+        line += f"  host issue {_issue_us(fns[0], args.calls, sync):9.1f}"
+        if device.type == "cuda":
+            line += f"  device {_device_us(fns[0], args.calls):9.1f}"
+        print(line, flush=True)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.calls):
+        calls["gemmconv"][0]()
+    sync()
+    profiler.disable()
+    report = io.StringIO()
+    pstats.Stats(profiler, stream=report).sort_stats("tottime").print_stats(args.top)
+    print(f"gemmconv's call under cProfile, {args.calls} calls (its overhead included):")
+    print(report.getvalue())
+
+
+if __name__ == "__main__":
+    main()
