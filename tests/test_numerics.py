@@ -25,6 +25,7 @@ from gemmconv.memory_format import empty_in
 from gemmconv.precision import reduction_mm, reduction_mm_of
 from gemmconv.solvers import SOLVERS
 from gemmconv.solvers.base import INT32_MAX
+from gemmconv.solvers.views import bias_grad
 from gemmconv.verify import reference, rms_range, tolerance
 
 from conftest import random_in
@@ -491,3 +492,28 @@ def test_cpu_fp32_weight_gradient_from_kept_columns_rounds_once_on_a_skinny_resu
     x64, w64 = x.double(), w.detach().double().requires_grad_()
     (ref,) = torch.autograd.grad(F.conv2d(x64, w64, stride=2), w64, dy.double())
     assert rms_range(ours, ref) <= 2.0**-24
+
+
+def _check_half_bias_gradient(device: str, dtype: torch.dtype) -> None:
+    # 262144 terms of about 0.125 per channel: summed in the half type itself the
+    # total would stall far below the 32768 it should reach (and fit fp16's range);
+    # accumulated in fp32 and rounded once it is within one unit of the half type's
+    # last place of the exact sum.
+    gen = torch.Generator().manual_seed(11)
+    dy = (torch.rand(16, 4, 128, 128, generator=gen) / 4).to(device=device, dtype=dtype)
+    got = bias_grad(dy)
+    exact = dy.double().sum((0, 2, 3))
+    assert got.dtype == dtype
+    relative = ((got.double() - exact).abs() / exact).max().item()
+    assert relative <= torch.finfo(dtype).eps, relative
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_bias_gradient_accumulates_in_fp32(dtype):
+    _check_half_bias_gradient("cpu", dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_bias_gradient_accumulates_in_fp32_on_cuda(dtype):
+    _check_half_bias_gradient("cuda", dtype)

@@ -173,14 +173,10 @@ def bias_grad(grad_output: torch.Tensor, out_channels: int | None = None) -> tor
     zeros of the bias's size, as torch's."""
     if out_channels is not None and grad_output.shape[1] != out_channels:
         return grad_output.new_zeros(out_channels)
-    dims = [0, *range(2, grad_output.dim())]
-    if grad_output.dtype in _OWN_ACCUMULATOR:
-        return grad_output.sum(dims)  # a dtype= and a .to() would each be a no-op call
-    return grad_output.sum(dim=dims, dtype=torch.float32).to(grad_output.dtype)
-
-
-# Dtypes whose sum accumulates in the dtype itself: the rest accumulate in fp32.
-_OWN_ACCUMULATOR = frozenset({torch.float32, torch.float64})
+    # torch's sum accumulates fp16/bf16 in fp32 itself (its accumulate type, on the CPU
+    # and in CUDA's reduction kernel) and rounds once: one kernel, where summing in
+    # fp32 and casting back took two.
+    return grad_output.sum([0, *range(2, grad_output.dim())])
 
 
 def gemm_into(
