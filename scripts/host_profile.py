@@ -11,7 +11,7 @@ with the most time of their own. Used to find host-path work; the benchmarks, no
 script, are where speed is reported.
 
     PYTHONPATH=src python scripts/host_profile.py point3d --layout cf --kind fwd_wgrad
-    PYTHONPATH=src python scripts/host_profile.py point3d --n 8 --device cpu --threads 1
+    PYTHONPATH=src python scripts/host_profile.py point3d --n 4 --k 64 --device cpu --threads 1
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ from gemmconv.problem import Direction
 from gemmconv.timing import time_interleaved
 
 
-def _shape(name: str, n: int | None):
+def _shape(name: str, n: int | None, k: int | None):
     known = {case.name: case.full for case in (*SUITE, *API_CASES)}
     if name not in known:
         raise SystemExit(f"case={name!r}: expected one of {', '.join(known)}")
     shape = known[name]
-    return shape if n is None else dataclasses.replace(shape, n=n)
+    if n is not None:
+        shape = dataclasses.replace(shape, n=n)
+    return shape if k is None else dataclasses.replace(shape, k=k)
 
 
 def _issue_us(fn, calls: int, sync) -> float:
@@ -72,6 +74,7 @@ def main() -> None:
     parser.add_argument("--kind", default="fwd", choices=CALL_KINDS)
     parser.add_argument("--dtype", default=None, choices=sorted(DTYPES))
     parser.add_argument("--n", type=int, default=None, help="batch (patches) instead of the case's")
+    parser.add_argument("--k", type=int, default=None, help="output channels instead of the case's")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads")
     parser.add_argument("--reps", type=int, default=15)
@@ -82,12 +85,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype_key = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    shape = _shape(args.case, args.n)
+    shape = _shape(args.case, args.n, args.k)
     p = make_problem(shape, LAYOUT_NAMES[args.layout], DTYPES[dtype_key], device, Direction.FORWARD)
     calls = public_calls(p, args.kind, operand_sets(p, device, 0, every_operand=True))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = time_interleaved(calls, device, reps=args.reps)
-    print(f"{args.case} {args.layout} {args.kind} {dtype_key} n={shape.n} on {device}, torch "
+    print(f"{args.case} {args.layout} {args.kind} {dtype_key} n={shape.n} k={shape.k} on {device}, torch "
           f"{torch.__version__}; us per call")  # fmt: skip
     for name, fns in calls.items():
         line = f"  {name:9s} wall {times[name].median_ms * 1e3:9.1f}"

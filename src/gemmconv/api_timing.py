@@ -4,8 +4,8 @@ For one convolution problem and one kind of call, three implementations are buil
 user would call them:
 - ``torch``:    torch.nn.functional.conv1d/2d/3d (cuDNN on CUDA);
 - ``linear``:   the reshape + F.linear rewrite serving frameworks use (only for problems
-                with stride == kernel, no padding, unit dilation, groups 1), its
-                gradients through autograd;
+                with stride == kernel, no padding, unit dilation, groups 1), as
+                gemmconv.linear_patch_embed writes it, its gradients through autograd;
 - ``gemmconv``: gemmconv.conv1d/2d/3d, the public functional call.
 
 Kinds of call (``CALL_KINDS``):
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import gemmconv
-from gemmconv.linear_rewrite import rewrite_fn
+from gemmconv.linear_patch_embed import linear_patch_embed, patch_orders
 from gemmconv.measure import operand_sets
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers import ConvTensors
@@ -106,10 +106,13 @@ def public_calls(
     where the rewrite applies."""
     if kind not in CALL_KINDS:
         raise ValueError(f"kind={kind!r}: expected one of {', '.join(CALL_KINDS)}")
-    forward_problem = p.with_direction(Direction.FORWARD)
+    # The rewrite as a framework writes it (linear_patch_embed): the general helpers
+    # of linear_rewrite build a problem's views in Python on every call, which
+    # measured 35 us a call against 18 for the same ops on the CPU machine.
+    orders = patch_orders(p.dims)
 
     def linear(x, w, b):
-        return rewrite_fn(forward_problem, ConvTensors(input=x, weight=w, bias=b))()
+        return linear_patch_embed(x, w, b, p.kernel, orders)
 
     forwards = {
         "torch": _functional(_TORCH_CONV[p.dims], p),

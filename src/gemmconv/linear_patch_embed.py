@@ -12,9 +12,9 @@ F.conv* gives for a channels-last weight, so a following ``flatten(2).transpose(
 is a view.
 
 The forward is kept to the few tensor operations a framework pays for (no problem
-object, no crop unless the input has a remainder) because the benchmark compares
-host time too; bench.py's rewrite helpers are the general form, used for timing single
-calls.
+object, no crop unless the input has a remainder) because the benchmarks compare host
+time too: it is also the rewrite whose public call gemmconv.api_timing times.
+linear_rewrite.py's helpers are the general form, used for device time and checks.
 """
 
 from __future__ import annotations
@@ -54,36 +54,52 @@ class LinearPatchEmbed(torch.nn.Module):
         self.weight = conv.weight
         self.bias = conv.bias
         self.kernel = tuple(conv.kernel_size)
-        d = len(self.kernel)
-        # Axis orders of x viewed as [N, C, O1, R1, O2, R2, ..] (channels-first) or
-        # [N, O1, R1, O2, R2, .., C] (channels-last): outputs first, then the taps.
-        outs, taps = [2 + 2 * i for i in range(d)], [3 + 2 * i for i in range(d)]
-        self._first_order = (0, *outs, 1, *taps)
-        self._last_order = (0, *(o - 1 for o in outs), *(t - 1 for t in taps), 2 * d + 1)
+        self._orders = patch_orders(len(self.kernel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, c, *spatial = x.shape
-        kernel = self.kernel
-        out = [s // r for s, r in zip(spatial, kernel)]
-        if any(o * r != s for o, r, s in zip(out, kernel, spatial)):
-            x = x[(slice(None), slice(None), *(slice(0, o * r) for o, r in zip(out, kernel)))]
-        one_patch = all(o == 1 for o in out)
-        split = [v for o, r in zip(out, kernel) for v in (o, r)]
-        k = self.weight.shape[0]
-        if _is_channels_last(x):
-            tokens = x.movedim(1, -1)  # a view: [N, S.., C] is x's memory order
-            if not one_patch:
-                tokens = tokens.reshape(n, *split, c).permute(self._last_order)
-            weight = self.weight.movedim(1, -1).reshape(k, -1)
-        else:
-            tokens = x if one_patch else x.reshape(n, c, *split).permute(self._first_order)
-            weight = self.weight.reshape(k, -1)
-        rows = tokens.reshape(n * math.prod(out), -1)
-        y = F.linear(rows, weight, self.bias)
-        return y.view(n, *out, k).movedim(-1, 1)
+        return linear_patch_embed(x, self.weight, self.bias, self.kernel, self._orders)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[1]}, {self.weight.shape[0]}, kernel=stride={self.kernel}"
+
+
+def patch_orders(dims: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The permutations that put the patches' output axes before their tap axes: of x
+    viewed as [N, C, O1, R1, O2, R2, ..] (channels-first) and as [N, O1, R1, O2, R2,
+    .., C] (channels-last)."""
+    outs, taps = [2 + 2 * i for i in range(dims)], [3 + 2 * i for i in range(dims)]
+    first = (0, *outs, 1, *taps)
+    last = (0, *(o - 1 for o in outs), *(t - 1 for t in taps), 2 * dims + 1)
+    return first, last
+
+
+def linear_patch_embed(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    kernel: tuple[int, ...],
+    orders: tuple[tuple[int, ...], tuple[int, ...]],
+) -> torch.Tensor:
+    """The patch convolution of ``x`` (stride == ``kernel``) as reshape + F.linear, with
+    ``orders`` from patch_orders; [N, K, O..] over token-major memory."""
+    n, c, *spatial = x.shape
+    out = [s // r for s, r in zip(spatial, kernel)]
+    if any(o * r != s for o, r, s in zip(out, kernel, spatial)):
+        x = x[(slice(None), slice(None), *(slice(0, o * r) for o, r in zip(out, kernel)))]
+    one_patch = all(o == 1 for o in out)
+    split = [v for o, r in zip(out, kernel) for v in (o, r)]
+    k = weight.shape[0]
+    if _is_channels_last(x):
+        tokens = x.movedim(1, -1)  # a view: [N, S.., C] is x's memory order
+        if not one_patch:
+            tokens = tokens.reshape(n, *split, c).permute(orders[1])
+        weight = weight.movedim(1, -1).reshape(k, -1)
+    else:
+        tokens = x if one_patch else x.reshape(n, c, *split).permute(orders[0])
+        weight = weight.reshape(k, -1)
+    rows = tokens.reshape(n * math.prod(out), -1)
+    y = F.linear(rows, weight, bias)
+    return y.view(n, *out, k).movedim(-1, 1)
 
 
 def _is_channels_last(x: torch.Tensor) -> bool:
@@ -102,4 +118,10 @@ def replace_patch_convs(model: torch.nn.Module) -> list[str]:
     return names
 
 
-__all__ = ["LinearPatchEmbed", "is_patch_conv", "replace_patch_convs"]
+__all__ = [
+    "LinearPatchEmbed",
+    "is_patch_conv",
+    "linear_patch_embed",
+    "patch_orders",
+    "replace_patch_convs",
+]
