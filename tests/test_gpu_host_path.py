@@ -192,9 +192,19 @@ def test_prepared_launches_go_direct_and_agree_with_ordinary_ones():
     gather_patches(x, outs, kernel, False, out=col)
     first = col.clone()
     col.fill_(float("nan"))
-    gather_patches(x, outs, kernel, False, out=col)  # the direct launch
     (launch,) = [v for v in permute_launches._launches.values() if v is not None]
     assert launch._direct is not None
+    ordinary = launch._ordinary
+    ordinary_calls = []
+
+    def counted(tensors):
+        ordinary_calls.append(tensors)
+        return ordinary(tensors)
+
+    launch._ordinary = counted
+    gather_patches(x, outs, kernel, False, out=col)  # the direct launch
+    assert ordinary_calls == [], "the second launch took the ordinary route"
+    launch._ordinary = ordinary
     torch.testing.assert_close(col, first, rtol=0, atol=0)
     want = x.view(4, 3, 2, 16, 2, 16).permute(0, 2, 4, 1, 3, 5).reshape(16, 768)
     torch.testing.assert_close(col, want, rtol=0, atol=0)

@@ -370,3 +370,72 @@ def test_channels_first_rows_path_on_cuda(spatial, kernel, direction, dtype, chu
     assert rows_path.applies(p)
     case = (get_solver("patch_triton"), "patch", g, 2, Layout.CHANNELS_FIRST, dtype, direction)
     check_case(case, "cuda", seed=zlib.crc32(repr((spatial, direction, dtype)).encode()))
+
+
+# ---- prepared launches: when the direct route is taken ---------------------------
+
+
+def test_no_launch_hook_is_installed_by_default_in_this_triton():
+    import triton
+
+    from gemmconv.kernels.launch import launch_hooks_absent
+
+    # From Triton 3.5 on a hook is an (empty) HookChain, never None: a test for None
+    # never passed there, and every prepared launch took the ordinary route.
+    assert launch_hooks_absent(triton.knobs.runtime)
+
+
+def test_an_installed_launch_hook_sends_launches_the_ordinary_way():
+    import types
+
+    import triton
+
+    from gemmconv.kernels.launch import launch_hooks_absent
+
+    runtime = triton.knobs.runtime
+    chain = runtime.launch_enter_hook
+    if hasattr(chain, "add"):  # Triton 3.5 on: hooks are chains
+
+        def hook(metadata):
+            return None
+
+        chain.add(hook)
+        try:
+            assert not launch_hooks_absent(runtime)
+        finally:
+            chain.remove(hook)
+        assert launch_hooks_absent(runtime)
+    # The older form: a hook is a callable or None.
+    old = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+    assert launch_hooks_absent(old)
+    old.launch_exit_hook = print
+    assert not launch_hooks_absent(old)
+
+
+def _bare_launch(direct):
+    """A PreparedLaunch whose direct route is ``direct`` and has no arguments."""
+    from gemmconv.kernels.launch import PreparedLaunch
+
+    launch = PreparedLaunch.__new__(PreparedLaunch)
+    launch._direct, launch._direct_ok, launch._direct_proven = direct, True, False
+    launch._ordered, launch.slots = [], []
+    return launch
+
+
+def test_a_refused_direct_launch_falls_back_to_the_ordinary_route_for_good(caplog):
+    def refuses(*values):
+        raise TypeError("launcher takes other arguments")
+
+    launch = _bare_launch(refuses)
+    with caplog.at_level("WARNING", "gemmconv.kernels"):
+        assert not launch._launch_direct(())
+    assert launch._direct is None and not launch._direct_ok
+    assert "launcher takes other arguments" in caplog.text
+
+
+def test_a_direct_launch_that_goes_through_is_trusted_after():
+    calls = []
+    launch = _bare_launch(lambda *values: calls.append(values))
+    assert launch._launch_direct(()) and launch._direct_proven
+    assert launch._launch_direct(())
+    assert calls == [(), ()]

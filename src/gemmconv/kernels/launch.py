@@ -16,12 +16,15 @@ interpreter) every call takes the ordinary route.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
 import triton
 
 from gemmconv.kernels import compiled
+
+log = logging.getLogger("gemmconv.kernels")
 
 # Triton passes every bound argument, constexprs included, to a compiled kernel's
 # launcher from release 3.3 on; older releases take the ordinary route only.
@@ -38,6 +41,18 @@ def _runtime_knobs():
     """Triton's runtime settings (launch hooks), where this release has them."""
     knobs = getattr(triton, "knobs", None)
     return None if knobs is None else knobs.runtime
+
+
+def launch_hooks_absent(knobs) -> bool:
+    """Whether no launch hook is installed in Triton's runtime ``knobs``: the direct
+    route calls none, so it is taken only then. A hook is None where none is set
+    before Triton 3.5; from 3.5 on it is a HookChain, never None, empty while its list
+    of calls is (a None test there never passed, and every launch took the ordinary
+    route)."""
+    return all(
+        hook is None or not getattr(hook, "calls", True)
+        for hook in (knobs.launch_enter_hook, knobs.launch_exit_hook)
+    )
 
 
 class TensorSlot:
@@ -78,6 +93,7 @@ class PreparedLaunch:
         names = list(getattr(self.kernel, "arg_names", []))
         self._ordered = [*self.args, *(constants[name] for name in names[len(self.args) :])]
         self._direct: Callable | None = None
+        self._direct_proven = False  # whether a direct launch has gone through
         self._alignment: tuple[bool, ...] | None = None
         self._direct_ok = (
             device.type == "cuda"
@@ -96,9 +112,7 @@ class PreparedLaunch:
             and torch._C._cuda_getDevice() == self._index
             and self._aligned(tensors) == self._alignment
         ):
-            knobs = _runtime_knobs()
-            if knobs.launch_enter_hook is None and knobs.launch_exit_hook is None:
-                self._direct(*self._fill(list(self._ordered), tensors))
+            if launch_hooks_absent(_runtime_knobs()) and self._launch_direct(tensors):
                 return
         if self.device.type == "cuda":
             # Triton launches on the current device; make it the tensors' one.
@@ -108,6 +122,24 @@ class PreparedLaunch:
             result = self._ordinary(tensors)
         if self._direct is None and self._direct_ok:
             self._keep_direct(result, tensors)
+
+    def _launch_direct(self, tensors: Sequence[torch.Tensor | None]) -> bool:
+        """Launch through the compiled kernel's launcher; False where the launcher
+        refused its first call (a Triton whose launcher takes other arguments), after
+        which this launch always takes the ordinary route. A refusal comes before the
+        kernel runs, and the ordinary launch writes the same outputs."""
+        if self._direct_proven:
+            self._direct(*self._fill(list(self._ordered), tensors))
+            return True
+        try:
+            self._direct(*self._fill(list(self._ordered), tensors))
+        except Exception as exc:  # any refusal: the ordinary route still works
+            log.warning("direct Triton launch refused (%s: %s); launching the ordinary "
+                        "way from now on", type(exc).__name__, exc)  # fmt: skip
+            self._direct, self._direct_ok = None, False
+            return False
+        self._direct_proven = True
+        return True
 
     def _ordinary(self, tensors: Sequence[torch.Tensor | None]) -> object:
         return self.kernel[self.grid](
@@ -165,4 +197,4 @@ class LaunchCache:
         self._launches.clear()
 
 
-__all__ = ["LaunchCache", "PreparedLaunch", "TensorSlot"]
+__all__ = ["LaunchCache", "PreparedLaunch", "TensorSlot", "launch_hooks_absent"]
