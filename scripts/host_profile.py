@@ -90,8 +90,8 @@ def main() -> None:
     calls = public_calls(p, args.kind, operand_sets(p, device, 0, every_operand=True))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = time_interleaved(calls, device, reps=args.reps)
-    print(f"{args.case} {args.layout} {args.kind} {dtype_key} n={shape.n} k={shape.k} on {device}, torch "
-          f"{torch.__version__}; us per call")  # fmt: skip
+    row = f"{args.case} {args.layout} {args.kind} {dtype_key} n={shape.n} k={shape.k}"
+    print(f"{row} on {device}, torch {torch.__version__}; us per call")
     for name, fns in calls.items():
         line = f"  {name:9s} wall {times[name].median_ms * 1e3:9.1f}"
         line += f"  host issue {_issue_us(fns[0], args.calls, sync):9.1f}"
