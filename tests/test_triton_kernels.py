@@ -439,3 +439,28 @@ def test_a_direct_launch_that_goes_through_is_trusted_after():
     assert launch._launch_direct(()) and launch._direct_proven
     assert launch._launch_direct(())
     assert calls == [(), ()]
+
+
+@pytest.mark.parametrize("memory", ["cf", "cl"])
+def test_prepared_point_output_scatter_matches_the_scatter_interpreted(memory):
+    # Point-output patches (one per sample): the prepared scatter finds dx's rows once
+    # and copies the column gradient into them as the unprepared scatter does.
+    from gemmconv.solvers.patch.columns import TRITON_COPY_COLUMNS, whole_sample_rows
+    from gemmconv.solvers.views import meta_like
+
+    layout = Layout.CHANNELS_FIRST if memory == "cf" else Layout.CHANNELS_LAST
+    p = ConvProblem.from_sizes(
+        n=3, c=2, k=4, spatial=(4, 4), kernel=4, stride=4, layout=layout,
+        dtype=torch.float32, device_type="cpu", direction=Direction.BACKWARD_DATA,
+    )  # fmt: skip
+    ld = p.gemm_k + 4  # a padded column gradient: only the first gemm_k columns count
+    gen = torch.Generator().manual_seed(3)
+    dcol = torch.randn(p.gemm_m, ld, generator=gen)
+    want = empty_in(p.input_shape, layout, torch.float32, torch.device("cpu"))
+    want.fill_(float("nan"))
+    assert whole_sample_rows(want, p) is not None
+    TRITON_COPY_COLUMNS.scatter(dcol, p, want)
+    got = torch.full_like(want, float("nan"))
+    TRITON_COPY_COLUMNS.prepared_scatter(meta_like(got), p, ld)(dcol, got)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -189,6 +189,19 @@ class TritonCopyColumns(ColumnSource):
 
         return lambda t: pad_rows(t.new_empty(p.gemm_m, ld), x_rows(t))
 
+    def prepared_scatter(
+        self, dx: torch.Tensor, p: ConvProblem, ld: int
+    ) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        # Point-output: dx's rows are found once, as the prepared gather finds x's; the
+        # views that find them cost several torch calls, more than the copy's launch.
+        dx_rows = ViewRecipe.of(whole_sample_rows(dx, p), dx)
+        if dx_rows is None:
+            return super().prepared_scatter(dx, p, ld)
+        from gemmconv.kernels.strided_copy import pad_rows
+
+        k = p.gemm_k
+        return lambda dcol, dx: pad_rows(dx_rows(dx), dcol[:, :k])
+
     def scatter(self, dcol: torch.Tensor, p: ConvProblem, dx: torch.Tensor) -> None:
         from gemmconv.kernels.patch_permute import scatter_patches
         from gemmconv.kernels.strided_copy import pad_rows
