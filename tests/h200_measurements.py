@@ -16,17 +16,12 @@ from gemmconv.problem import ConvProblem
 RESULTS = Path(__file__).resolve().parent / "data" / "h200_suite.json"
 
 # Rows the fitted cost model still misses by more than 10% in call time (bench/NOTES.md,
-# "The H200 run at the end of the session"): the target of 10% is not met there. The
-# offline fit test marks them strict xfail, so the list cannot outlive the miss. The
-# point 2D backward-data rows recorded patch_triton's point-output scatter before it
-# was prepared (columns.TritonCopyColumns.prepared_scatter), 0.10 ms a call where the
-# model, like patch_padded's measured call, says 0.055; DiT-XL/2's is 10.1% off.
+# "Prepared runs, measured"): the target of 10% is not met there. The offline fit test
+# marks them strict xfail, so the list cannot outlive the miss.
 STILL_OFF = {
-    "point2d-cf-bwd_data-bf16",
-    "point2d-cl-bwd_data-bf16",
-    "point2d-cf-bwd_data-fp16",
-    "point2d-cl-bwd_data-fp16",
-    "dit_xl2-cl-bwd_data-bf16",
+    "sam_vit_h-cf-fwd-bf16",
+    "videomae-cf-bwd_weights-bf16",
+    "convnext_down-cl-bwd_data-bf16",
 }
 
 

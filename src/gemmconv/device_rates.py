@@ -98,15 +98,17 @@ H200 = DeviceRates(
     launch_us=4.0,
     # bf16 [9500 x 588] x [588 x 1280] ran 88 us, the same GEMM padded to 592 31 us.
     unaligned_slowdown=2.8,
-    # A torch op cost 10-15 us of Python and dispatch on the H200's host
-    # (bench/results/host_costs_h200.txt: F.pad 25 us, an allocation and addmm 28 us);
-    # a prepared Triton launch through its direct route 9 us, 20 the ordinary way
-    # (bench/results/launch_cost_h200.txt; the 55 us charged before was the ordinary
-    # route on a slower host, when the direct one never ran). Fitted to the suite's
-    # call times: with these every row but the STILL_OFF ones of
-    # tests/h200_measurements.py picks within 10% of the fastest call.
+    # A torch op cost 10-15 us of Python and dispatch on the H200's host, a prepared
+    # Triton launch about 55 (bench/results/host_costs_h200.txt: pad_rows 57.7 us a
+    # call for about 5 us of copying; F.pad 25 us, an allocation and addmm 28 us).
+    # Fitted to the suite's call times: with these every row but the STILL_OFF ones
+    # of tests/h200_measurements.py picks within 10% of the fastest call. The 55 us
+    # was Triton's ordinary launch route, before the direct one ever ran (88b9da4); a
+    # refit to the direct route's 9-10 us sent point 2D to patch_triton, whose public
+    # calls then ran 1.4-5.6x slower (bench/NOTES.md), so it stays until that is
+    # understood.
     host_launch_us=15.0,
-    host_triton_launch_us=10.0,
+    host_triton_launch_us=55.0,
     # gemmconv's backward of the Qwen2-VL patch embed spent 97 us per call on that
     # host, where a minimal autograd.Function running the same GEMMs added almost
     # nothing over the rewrite (bench/NOTES.md, "Host path and cost table, measured").
@@ -129,11 +131,11 @@ H200 = DeviceRates(
         "vendor_small_patch_channels_first": 0.2,
         "vendor_other": 0.5,
     },
-    source="tests/data/h200_suite.json (NVIDIA H200, torch 2.11, cuDNN 9.19, triton 3.6, "
-    "the suite of gemmconv 0.1.0 at commit 5e2ea6a, with direct Triton launches; the "
-    "Triton launch cost refitted to it; the vendor factors were fitted to the device "
-    "times of the run before the host-path work, the 1x1 and small-patch ones refitted "
-    "to the runs at 9acd9a1 and 22a7a55)",
+    source="tests/data/h200_suite.json (NVIDIA H200, torch 2.11, cuDNN 9.19, the suite of "
+    "gemmconv 0.1.0 with prepared runs, bench/results/h200.json at commit 9acd9a1; the "
+    "vendor factors were fitted to the device times of the run before the host-path work, "
+    "the 1x1 and small-patch ones refitted to the same file and bench/results/h200.json "
+    "at 22a7a55)",
 )
 
 # The CPU machines of this project (2 cores): orders of magnitude below any GPU; only
