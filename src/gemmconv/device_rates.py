@@ -104,9 +104,9 @@ H200 = DeviceRates(
     # Fitted to the suite's call times: with these every row but the STILL_OFF ones
     # of tests/h200_measurements.py picks within 10% of the fastest call. The 55 us
     # was Triton's ordinary launch route, before the direct one ever ran (88b9da4); a
-    # refit to the direct route's 9-10 us sent point 2D to patch_triton, whose public
-    # calls then ran 1.4-5.6x slower (bench/NOTES.md), so it stays until that is
-    # understood.
+    # refit to the direct route's 9-10 us sent point 2D to patch_triton, faster only
+    # where the host is fast: on a slower H200 host its public calls ran 1.4-5.6x
+    # slower (bench/NOTES.md). A static table cannot follow the host, so it stays.
     host_launch_us=15.0,
     host_triton_launch_us=55.0,
     # gemmconv's backward of the Qwen2-VL patch embed spent 97 us per call on that
