@@ -186,9 +186,10 @@ CPU_FP32_MIN_OUTPUT_SIDE = 16
 
 
 def _reduction_dtype(
-    t: torch.Tensor, rows: int, out_rows: int, out_cols: int
+    dtype: torch.dtype, device_type: str, rows: int, out_rows: int, out_cols: int
 ) -> torch.dtype | None:
-    """The dtype to run a weight-gradient GEMM in, when it differs from the operands'.
+    """The dtype to run a weight-gradient GEMM of operands of ``dtype`` on
+    ``device_type`` in, when it differs from the operands'.
 
     On the CPU, against a float64 reference (units of fp32 roundoff, the CPU's own
     convolution in brackets): with both sides of the [K, Kred] result 16 or more,
@@ -198,13 +199,6 @@ def _reduction_dtype(
     the vendor and 1.5-3x faster than fp64 (tests/test_numerics.py checks both
     sides of the rule); elsewhere the reduction runs in fp64 and rounds once.
     """
-    return _wider_dtype(t.dtype, t.device.type, rows, out_rows, out_cols)
-
-
-def _wider_dtype(
-    dtype: torch.dtype, device_type: str, rows: int, out_rows: int, out_cols: int
-) -> torch.dtype | None:
-    """_reduction_dtype from the operands' dtype and device type."""
     if device_type != "cpu" or dtype != torch.float32:
         return None
     fp32_ok = rows <= CPU_FP32_REDUCTION_MAX_ROWS and min(out_rows, out_cols) >= (
@@ -215,7 +209,7 @@ def _wider_dtype(
 
 def reduction_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """a @ b for a GEMM whose inner dimension is the long weight-gradient reduction."""
-    wide = _reduction_dtype(a, a.shape[1], a.shape[0], b.shape[1])
+    wide = _reduction_dtype(a.dtype, a.device.type, a.shape[1], a.shape[0], b.shape[1])
     if wide is None:
         return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
     result = torch.mm(a.to(wide), b.to(wide))
@@ -224,7 +218,7 @@ def reduction_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = No
 
 def reduction_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Batched a @ b whose inner dimension is the long weight-gradient reduction."""
-    wide = _reduction_dtype(a, a.shape[2], a.shape[1], b.shape[2])
+    wide = _reduction_dtype(a.dtype, a.device.type, a.shape[2], a.shape[1], b.shape[2])
     if wide is None:
         return torch.bmm(a, b)
     return torch.bmm(a.to(wide), b.to(wide)).to(a.dtype)
@@ -236,6 +230,6 @@ def reduction_mm_of(
     """What reduction_mm runs as for [out_rows, rows] @ [rows, out_cols] operands of
     ``dtype`` on ``device_type``: itself where it widens the reduction, else plain
     torch.mm, so a prepared run of fixed shapes decides once rather than per call."""
-    if _wider_dtype(dtype, device_type, rows, out_rows, out_cols) is None:
+    if _reduction_dtype(dtype, device_type, rows, out_rows, out_cols) is None:
         return torch.mm
     return reduction_mm

@@ -128,11 +128,12 @@ class PreparedLaunch:
         refused its first call (a Triton whose launcher takes other arguments), after
         which this launch always takes the ordinary route. A refusal comes before the
         kernel runs, and the ordinary launch writes the same outputs."""
+        values = self._fill(list(self._ordered), tensors)
         if self._direct_proven:
-            self._direct(*self._fill(list(self._ordered), tensors))
+            self._direct(*values)
             return True
         try:
-            self._direct(*self._fill(list(self._ordered), tensors))
+            self._direct(*values)
         except Exception as exc:  # any refusal: the ordinary route still works
             log.warning("direct Triton launch refused (%s: %s); launching the ordinary "
                         "way from now on", type(exc).__name__, exc)  # fmt: skip
