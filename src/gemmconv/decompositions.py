@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 import gemmconv.ops  # noqa: F401  (defines the ops decomposed here)
+from gemmconv.solvers.vendor import transposed_input_gradient, weight_gradient
 
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 
@@ -48,18 +49,8 @@ def conv_backward_data(
     grad_output, weight, input_size, stride, padding, dilation, groups, channels_last
 ):
     """``gemmconv::conv_backward_data`` as a transposed ``aten.convolution``."""
-    # The transposed convolution's output size is fixed up to the input positions the
-    # forward's stride skipped at the far end; output_padding adds them back (always
-    # fewer than the stride, as aten requires).
-    kernel = weight.shape[2:]
-    output_padding = [
-        s - ((o - 1) * u - 2 * p + d * (r - 1) + 1)
-        for s, o, r, u, p, d in zip(
-            input_size[2:], grad_output.shape[2:], kernel, stride, padding, dilation
-        )
-    ]
-    return torch.ops.aten.convolution.default(
-        grad_output, weight, None, stride, padding, dilation, True, output_padding, groups
+    return transposed_input_gradient(
+        grad_output, weight, input_size, stride, padding, dilation, groups
     )
 
 
@@ -67,16 +58,7 @@ def conv_backward_weights(
     grad_output, input, weight_size, stride, padding, dilation, groups, channels_last
 ):
     """``gemmconv::conv_backward_weights`` as ``aten.convolution_backward``."""
-    # convolution_backward reads the weight only for its shape when it computes just
-    # the weight's gradient; an uninitialised tensor of that shape (as small as the
-    # result) stands in for it.
-    shape_only_weight = grad_output.new_empty(weight_size)
-    no_output_padding = [0] * len(stride)
-    _, grad_weight, _ = torch.ops.aten.convolution_backward.default(
-        grad_output, input, shape_only_weight, None, stride, padding, dilation, False,
-        no_output_padding, groups, [False, True, False],
-    )  # fmt: skip
-    return grad_weight
+    return weight_gradient(grad_output, input, weight_size, stride, padding, dilation, groups)
 
 
 def table() -> dict:

@@ -1,10 +1,11 @@
-"""The vendor path: aten's convolution and convolution_backward (cuDNN on CUDA, the
-native kernels on CPU). It applies to every problem, so nothing is ever left without
-a correct solver."""
+"""The vendor path: aten's convolution, transposed convolution and convolution_backward
+(cuDNN on CUDA, the native kernels on CPU). It applies to every problem, so nothing is
+ever left without a correct solver."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -64,27 +65,78 @@ class VendorSolver(Solver):
     def backward_data(
         self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None
     ) -> torch.Tensor:
-        return _deliver(self._backward(p, t, input_grad=True), out)
+        dx = transposed_input_gradient(
+            t.grad_output, t.weight, p.input_shape, p.stride, p.padding, p.dilation, p.groups
+        )
+        return _deliver(dx, out)
 
     def backward_weights(
         self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None
     ) -> torch.Tensor:
-        return _deliver(self._backward(p, t, input_grad=False), out)
-
-    def _backward(self, p: ConvProblem, t: ConvTensors, input_grad: bool) -> torch.Tensor:
-        # convolution_backward reads the operand whose gradient it computes only for its
-        # shape (as torch.nn.grad does), so a direction's absent operand is a placeholder.
-        x = t.input if t.input is not None else _placeholder(t.grad_output, p.input_shape)
-        w = t.weight if t.weight is not None else _placeholder(t.grad_output, p.weight_shape)
-        mask = [input_grad, not input_grad, False]
-        dx, dw, _ = torch.ops.aten.convolution_backward(
-            t.grad_output, x, w, None, *self._args(p), mask
+        dw = weight_gradient(
+            t.grad_output, t.input, p.weight_shape, p.stride, p.padding, p.dilation, p.groups
         )
-        return dx if input_grad else dw
+        return _deliver(dw, out)
 
 
-def _placeholder(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    return like.new_empty(1).expand(shape)
+def transposed_input_gradient(
+    grad_output: torch.Tensor,
+    weight: torch.Tensor,
+    input_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    """dX as aten's transposed convolution of dY with the weight: the vendor's
+    backward-data kernels, laid out as dY and the weight suggest.
+
+    Not convolution_backward with a stand-in input: cuDNN's backward converts dY to the
+    memory format the input suggests, which a one-element expanded stand-in makes
+    channels-first, so a channels-last problem paid a transpose of dY and a
+    mixed-layout kernel (4-6x the call's time on the H200, bench/NOTES.md)."""
+    steps, output_padding = [], []
+    sides = zip(input_size[2:], grad_output.shape[2:], weight.shape[2:], stride, padding, dilation)
+    for s, o, r, u, p, d in sides:
+        if u > _INT32_MAX and o == 1:
+            # A stride past 32 bits (torch takes any that fits in 64) overflows the CPU
+            # kernels; with one output position it is never taken, and the smallest
+            # stride that leaves the output padding below it gives the same result.
+            u = s + 2 * p - d * (r - 1)
+        steps.append(u)
+        # The transposed convolution's output size is fixed up to the input positions
+        # the forward's stride skipped at the far end; output_padding adds them back
+        # (always fewer than the stride, as aten requires).
+        output_padding.append(s - ((o - 1) * u - 2 * p + d * (r - 1) + 1))
+    return torch.ops.aten.convolution.default(
+        grad_output, weight, None, steps, list(padding), list(dilation), True,
+        output_padding, groups,
+    )  # fmt: skip
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def weight_gradient(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    """dW as aten's convolution_backward with only the weight's gradient asked for."""
+    # convolution_backward reads the weight only for its shape when it computes just
+    # the weight's gradient; an uninitialised tensor of that shape (as small as the
+    # result) stands in for it. Its memory format does not matter: the input's decides.
+    shape_only_weight = grad_output.new_empty(weight_size)
+    no_output_padding = [0] * len(stride)
+    _, grad_weight, _ = torch.ops.aten.convolution_backward.default(
+        grad_output, input, shape_only_weight, None, list(stride), list(padding),
+        list(dilation), False, no_output_padding, groups, [False, True, False],
+    )  # fmt: skip
+    return grad_weight
 
 
 def _deliver(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

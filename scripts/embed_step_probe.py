@@ -1,0 +1,132 @@
+"""Where a patch-embed step from an idle device goes (a diagnostic, not a benchmark).
+
+The end-to-end table's Qwen2-VL patch embed step (gemmconv.e2e_scenarios) runs from an
+idle device to a synchronised end, so the host's path to each kernel shows in full.
+This times that step for torch, the converted module and the reshape + F.linear
+rewrite, and beside them two hand-written autograd Functions doing the same GEMMs
+(with gemmconv's full-precision cuBLAS reductions around each GEMM and without), so
+the gap between the converted module and the rewrite splits into the node, the
+precision context and the rest of gemmconv's path. Prints the median step in us of
+interleaved steps, then profiles (cProfile, torch.profiler) of the steps.
+
+    PYTHONPATH=src python scripts/embed_step_probe.py --patches 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import io
+import pstats
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from gemmconv.e2e_scenarios import SCENARIOS, build_workload, make_step, prepare_variant
+from gemmconv.precision import conv_gemm_precision
+
+
+class _PlainEmbed(torch.autograd.Function):
+    """y = x2d @ w2d^T and dW = dY^T x2d, nothing else; ``precise`` puts gemmconv's
+    precision context around each GEMM."""
+
+    @staticmethod
+    def forward(ctx, x2d, w2d, precise):  # type: ignore[override]
+        ctx.save_for_backward(x2d)
+        ctx.precise = precise
+        if precise:
+            with conv_gemm_precision(x2d.dtype, x2d.device.type):
+                return F.linear(x2d, w2d)
+        return F.linear(x2d, w2d)
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        (x2d,) = ctx.saved_tensors
+        if ctx.precise:
+            with conv_gemm_precision(x2d.dtype, x2d.device.type):
+                return None, dy.t().mm(x2d), None
+        return None, dy.t().mm(x2d), None
+
+
+class _FunctionEmbed(torch.nn.Module):
+    """A Qwen2-VL PatchEmbed whose convolution is _PlainEmbed."""
+
+    def __init__(self, conv: torch.nn.Conv3d, precise: bool) -> None:
+        super().__init__()
+        self.weight = conv.weight
+        self.precise = precise
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        w2d = self.weight.view(self.weight.shape[0], -1)
+        return _PlainEmbed.apply(pixels.view(pixels.shape[0], -1), w2d, self.precise)
+
+
+def _steps(s, device, variants):
+    w = build_workload(s, device, quick=False)
+    steps = {}
+    for v in variants:
+        if v.startswith("function"):
+            model, _ = prepare_variant(w.model, "torch")
+            model = _FunctionEmbed(model.proj, precise=v == "function_precise")
+        else:
+            model, _ = prepare_variant(w.model, v)
+        steps[v] = make_step(s, model, w, device)
+    return steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--patches", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--top", type=int, default=25, help="rows of each profile")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    variants = ("torch", "converted", "linear", "function_precise", "function_plain")
+    for name in ("qwen2vl_patch_embed_fwd", "qwen2vl_patch_embed_fwd_bwd"):
+        s = dataclasses.replace(next(x for x in SCENARIOS if x.name == name), batch=args.patches)
+        steps = _steps(s, device, variants)
+        for step in steps.values():
+            for _ in range(5):
+                step()
+        idle = {v: [] for v in steps}
+        issue = {v: [] for v in steps}
+        for _ in range(args.steps):
+            for v, step in steps.items():
+                sync()
+                start = time.perf_counter()
+                step()
+                issued = time.perf_counter()
+                sync()
+                idle[v].append((time.perf_counter() - start) * 1e6)
+                issue[v].append((issued - start) * 1e6)
+        print(f"{name}, {args.patches} patches on {device}: median us per step")
+        for v in steps:
+            print(
+                f"  {v:17s} idle-to-end {statistics.median(idle[v]):8.1f}"
+                f"  host issue {statistics.median(issue[v]):8.1f}"
+            )
+        for v in ("converted", "linear", "function_precise"):
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(200):
+                steps[v]()
+                sync()
+            profiler.disable()
+            report = io.StringIO()
+            pstats.Stats(profiler, stream=report).sort_stats("tottime").print_stats(args.top)
+            print(f"{v} under cProfile, 200 steps:\n{report.getvalue()}", flush=True)
+        for v in ("converted", "linear"):
+            with torch.profiler.profile() as prof:
+                for _ in range(20):
+                    steps[v]()
+                    sync()
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top)
+            print(f"{v} under torch.profiler, 20 steps:\n{table}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
