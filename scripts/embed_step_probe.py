@@ -64,6 +64,38 @@ class _FunctionEmbed(torch.nn.Module):
         return _PlainEmbed.apply(pixels.view(pixels.shape[0], -1), w2d, self.precise)
 
 
+def _precision_context_cost(device: torch.device, sync) -> None:
+    """Host us per back-to-back F.linear of the patch embed's forward GEMM: plain, inside
+    gemmconv's precision context (flags turned off and back per call), and with the
+    flags off for the whole loop (no switching)."""
+    x2d = torch.randn(8192, 1176, device=device, dtype=torch.bfloat16)
+    w2d = torch.randn(1280, 1176, device=device, dtype=torch.bfloat16)
+
+    def plain():
+        F.linear(x2d, w2d)
+
+    def switched():
+        with conv_gemm_precision(x2d.dtype, device.type):
+            F.linear(x2d, w2d)
+
+    def per_call(fn, calls=300):
+        for _ in range(20):
+            fn()
+        sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        issued = time.perf_counter() - start
+        sync()
+        return issued / calls * 1e6
+
+    print("host us to issue one F.linear [8192x1176] @ [1176x1280]^T, back to back:")
+    print(f"  plain                       {per_call(plain):8.1f}")
+    print(f"  in the precision context    {per_call(switched):8.1f}")
+    with conv_gemm_precision(x2d.dtype, device.type):
+        print(f"  flags off for the whole loop {per_call(plain):7.1f}")
+
+
 def _steps(s, device, variants):
     w = build_workload(s, device, quick=False)
     steps = {}
@@ -86,6 +118,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     variants = ("torch", "converted", "linear", "function_precise", "function_plain")
+    _precision_context_cost(device, sync)
     for name in ("qwen2vl_patch_embed_fwd", "qwen2vl_patch_embed_fwd_bwd"):
         s = dataclasses.replace(next(x for x in SCENARIOS if x.name == name), batch=args.patches)
         steps = _steps(s, device, variants)

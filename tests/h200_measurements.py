@@ -21,7 +21,6 @@ RESULTS = Path(__file__).resolve().parent / "data" / "h200_suite.json"
 STILL_OFF = {
     "sam_vit_h-cf-fwd-bf16",
     "videomae-cf-bwd_weights-bf16",
-    "convnext_down-cl-bwd_data-bf16",
 }
 
 

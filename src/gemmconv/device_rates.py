@@ -35,7 +35,6 @@ FACTORS = {
     "vendor_large_patch_backward_data": "the vendor's backward-data on those",
     "vendor_point_output": "the vendor on those with one output pixel per sample",
     "vendor_small_patch": "the vendor on channels-last patches of fewer taps",
-    "vendor_small_patch_backward_data": "the vendor's backward-data on those",
     "vendor_small_patch_channels_first": "the vendor on channels-first patches of fewer taps",
     "vendor_other": "the vendor on every other convolution",
 }
@@ -114,20 +113,22 @@ H200 = DeviceRates(
     # nothing over the rewrite (bench/NOTES.md, "Host path and cost table, measured").
     autograd_node_us=80.0,
     # The vendor's fraction of the floor in the suite run: 1x1 at 0.78-0.94 of it
-    # (NHWC backward-data 0.17); patch embeddings of 16 taps or more 0.007-0.45, 0.038
+    # (NHWC backward-data 0.17 there, 0.87 without the stand-in input below); patch embeddings of 16 taps or more 0.007-0.45, 0.038
     # at the median of 48 rows; DiT-XL/2 and ConvNeXt downsample (2x2) channels-first
-    # 0.12-0.25; channels-last forward and weight gradient 0.25-0.72, backward-data
-    # 0.03-0.11. The estimate only has to rank the vendor behind a real GEMM where one
-    # exists; find measures the truth. With a single small-patch factor (0.33) the
-    # ConvNeXt channels-last forward and weight gradient, where cuDNN is fastest, went
-    # to a GEMM solver running 1.6x and 1.25x its time.
+    # 0.12-0.25; channels-last forward and weight gradient 0.25-0.72. Channels-last
+    # backward-data measured 0.03-0.11 in that run, through a stand-in input that made
+    # cuDNN convert dY to channels-first; as users call it, 0.21 and 0.47, within the
+    # same factor, so it no longer has its own. The
+    # estimate only has to rank the vendor behind a real GEMM where one exists; find
+    # measures the truth. With a single small-patch factor (0.33) the ConvNeXt
+    # channels-last forward and weight gradient, where cuDNN is fastest, went to a GEMM
+    # solver running 1.6x and 1.25x its time.
     factors={
         "vendor_pointwise": 0.95,
         "vendor_large_patch": 0.04,
         "vendor_large_patch_backward_data": 0.04,
         "vendor_point_output": 0.04,
         "vendor_small_patch": 0.6,
-        "vendor_small_patch_backward_data": 0.1,
         "vendor_small_patch_channels_first": 0.2,
         "vendor_other": 0.5,
     },
@@ -135,7 +136,8 @@ H200 = DeviceRates(
     "gemmconv 0.1.0 with prepared runs, bench/results/h200.json at commit 9acd9a1; the "
     "vendor factors were fitted to the device times of the run before the host-path work, "
     "the 1x1 and small-patch ones refitted to the same file and bench/results/h200.json "
-    "at 22a7a55)",
+    "at 22a7a55; the vendor's channels-last small-patch backward-data re-measured without a "
+    "stand-in input, see the file's 'amended')",
 )
 
 # The CPU machines of this project (2 cores): orders of magnitude below any GPU; only
@@ -165,7 +167,6 @@ CPU = DeviceRates(
         # The refit's evidence is cuDNN's, which says nothing of the CPU's kernels.
         "vendor_pointwise": 0.8,
         "vendor_small_patch": 0.33,
-        "vendor_small_patch_backward_data": 0.33,
         "vendor_large_patch": 1.0,
         "vendor_large_patch_backward_data": 0.1,
         "vendor_point_output": 0.1,

@@ -32,8 +32,6 @@ def vendor_efficiency(p: ConvProblem, rates: DeviceRates) -> float:
             return rates.factor("vendor_large_patch")
         if p.layout is Layout.CHANNELS_FIRST:
             return rates.factor("vendor_small_patch_channels_first")
-        if p.direction is Direction.BACKWARD_DATA:
-            return rates.factor("vendor_small_patch_backward_data")
         return rates.factor("vendor_small_patch")
     return rates.factor("vendor_other")
 
