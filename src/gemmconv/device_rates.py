@@ -113,16 +113,16 @@ H200 = DeviceRates(
     # nothing over the rewrite (bench/NOTES.md, "Host path and cost table, measured").
     autograd_node_us=80.0,
     # The vendor's fraction of the floor in the suite run: 1x1 at 0.78-0.94 of it
-    # (NHWC backward-data 0.17 there, 0.87 without the stand-in input below); patch embeddings of 16 taps or more 0.007-0.45, 0.038
-    # at the median of 48 rows; DiT-XL/2 and ConvNeXt downsample (2x2) channels-first
-    # 0.12-0.25; channels-last forward and weight gradient 0.25-0.72. Channels-last
-    # backward-data measured 0.03-0.11 in that run, through a stand-in input that made
-    # cuDNN convert dY to channels-first; as users call it, 0.21 and 0.47, within the
-    # same factor, so it no longer has its own. The
-    # estimate only has to rank the vendor behind a real GEMM where one exists; find
-    # measures the truth. With a single small-patch factor (0.33) the ConvNeXt
-    # channels-last forward and weight gradient, where cuDNN is fastest, went to a GEMM
-    # solver running 1.6x and 1.25x its time.
+    # (NHWC backward-data 0.17 there, 0.87 without the stand-in input below); patch
+    # embeddings of 16 taps or more 0.007-0.45, 0.038 at the median of 48 rows;
+    # DiT-XL/2 and ConvNeXt downsample (2x2) channels-first 0.12-0.25; channels-last
+    # forward and weight gradient 0.25-0.72. Channels-last backward-data measured
+    # 0.03-0.11 in that run, through a stand-in input that made cuDNN convert dY to
+    # channels-first; as users call it 0.21 and 0.47, within the small-patch factor,
+    # so it no longer has its own. The estimate only has to rank the vendor behind a
+    # real GEMM where one exists; find measures the truth. With a single small-patch
+    # factor (0.33) the ConvNeXt channels-last forward and weight gradient, where cuDNN
+    # is fastest, went to a GEMM solver running 1.6x and 1.25x its time.
     factors={
         "vendor_pointwise": 0.95,
         "vendor_large_patch": 0.04,
