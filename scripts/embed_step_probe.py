@@ -24,6 +24,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from host_profile import issue_us  # this folder is the script's first import path
 
 from gemmconv.e2e_scenarios import SCENARIOS, build_workload, make_step, prepare_variant
 from gemmconv.precision import conv_gemm_precision
@@ -81,13 +82,7 @@ def _precision_context_cost(device: torch.device, sync) -> None:
     def per_call(fn, calls=300):
         for _ in range(20):
             fn()
-        sync()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        issued = time.perf_counter() - start
-        sync()
-        return issued / calls * 1e6
+        return issue_us(fn, calls, sync)
 
     print("host us to issue one F.linear [8192x1176] @ [1176x1280]^T, back to back:")
     print(f"  plain                       {per_call(plain):8.1f}")

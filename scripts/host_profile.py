@@ -43,7 +43,7 @@ def _shape(name: str, n: int | None, k: int | None):
     return shape if k is None else dataclasses.replace(shape, k=k)
 
 
-def _issue_us(fn, calls: int, sync) -> float:
+def issue_us(fn, calls: int, sync) -> float:
     """Microseconds per call the host takes to issue ``calls`` back-to-back calls."""
     sync()
     start = time.perf_counter()
@@ -94,7 +94,7 @@ def main() -> None:
     print(f"{row} on {device}, torch {torch.__version__}; us per call")
     for name, fns in calls.items():
         line = f"  {name:9s} wall {times[name].median_ms * 1e3:9.1f}"
-        line += f"  host issue {_issue_us(fns[0], args.calls, sync):9.1f}"
+        line += f"  host issue {issue_us(fns[0], args.calls, sync):9.1f}"
         if device.type == "cuda":
             line += f"  device {_device_us(fns[0], args.calls):9.1f}"
         print(line, flush=True)
