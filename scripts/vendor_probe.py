@@ -1,12 +1,11 @@
 """Why the vendor's measured time and its public call disagree (a diagnostic).
 
 For one suite row, times the vendor's result of the row's direction several ways, back
-to back and interleaved: as gemmconv's VendorSolver runs it (the operand whose gradient
-is computed passed as a one-element placeholder, the result copied into a buffer of
-the problem's layout, as the suite's device-time measure does), the same without the
-copy, aten.convolution_backward with the real operand, and through autograd as a user
-calls it (gemmconv.api_timing's vendor call). Prints us per call and each result's
-strides.
+to back and interleaved: gemmconv's VendorSolver into a result buffer of the problem's
+layout (as the check before find's timing runs it) and returning its own result (what
+find, the suite and an eager call time and run), aten.convolution_backward with the
+real operand, and torch's gradient through autograd as a user calls it
+(gemmconv.api_timing's vendor call). Prints us per call and each result's strides.
 
     PYTHONPATH=src python scripts/vendor_probe.py convnext_down --layout cl --kind bwd_data
 """

@@ -127,7 +127,8 @@ def weight_gradient(
     """dW as aten's convolution_backward with only the weight's gradient asked for."""
     # convolution_backward reads the weight only for its shape when it computes just
     # the weight's gradient; an uninitialised tensor of that shape (as small as the
-    # result) stands in for it. Its memory format does not matter: the input's decides.
+    # result) stands in for it. Contiguous, it never asks for channels-last, so the
+    # input's memory format decides the kernels' layout, as in torch's own backward.
     shape_only_weight = grad_output.new_empty(weight_size)
     no_output_padding = [0] * len(stride)
     _, grad_weight, _ = torch.ops.aten.convolution_backward.default(
