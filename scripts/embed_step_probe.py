@@ -28,6 +28,7 @@ from host_profile import issue_us  # this folder is the script's first import pa
 
 from gemmconv.e2e_scenarios import SCENARIOS, build_workload, make_step, prepare_variant
 from gemmconv.precision import conv_gemm_precision
+from gemmconv.timing import interleaved_orders
 
 
 class _PlainEmbed(torch.autograd.Function):
@@ -79,6 +80,21 @@ def _precision_context_cost(device: torch.device, sync) -> None:
         with conv_gemm_precision(x2d.dtype, device.type):
             F.linear(x2d, w2d)
 
+    get, set_ = (
+        getattr(torch._C, f"_{verb}_cublas_allow_bf16_reduced_precision_reduction")
+        for verb in ("get", "set")
+    )
+
+    def bf16_flag_only():
+        # Only the flag a bf16 GEMM reads, switched inline: no context manager.
+        state = get()
+        state = state if isinstance(state, tuple) else (state,)
+        set_(False, *state[1:])
+        try:
+            F.linear(x2d, w2d)
+        finally:
+            set_(*state)
+
     def per_call(fn, calls=300):
         for _ in range(20):
             fn()
@@ -87,6 +103,7 @@ def _precision_context_cost(device: torch.device, sync) -> None:
     print("host us to issue one F.linear [8192x1176] @ [1176x1280]^T, back to back:")
     print(f"  plain                       {per_call(plain):8.1f}")
     print(f"  in the precision context    {per_call(switched):8.1f}")
+    print(f"  bf16 flag switched inline   {per_call(bf16_flag_only):8.1f}")
     with conv_gemm_precision(x2d.dtype, device.type):
         print(f"  flags off for the whole loop {per_call(plain):7.1f}")
 
@@ -122,21 +139,34 @@ def main() -> None:
                 step()
         idle = {v: [] for v in steps}
         issue = {v: [] for v in steps}
-        for _ in range(args.steps):
-            for v, step in steps.items():
+        # Host issue time by the variant stepped just before: the host's caches hold
+        # what that step touched, so a fixed order would favour some variants.
+        issue_after = {v: {u: [] for u in steps} for v in steps}
+        previous = None
+        for order in interleaved_orders(list(steps), args.steps):
+            for v in order:
                 sync()
                 start = time.perf_counter()
-                step()
+                steps[v]()
                 issued = time.perf_counter()
                 sync()
                 idle[v].append((time.perf_counter() - start) * 1e6)
                 issue[v].append((issued - start) * 1e6)
-        print(f"{name}, {args.patches} patches on {device}: median us per step")
+                if previous is not None:
+                    issue_after[v][previous].append((issued - start) * 1e6)
+                previous = v
+        print(f"{name}, {args.patches} patches on {device}: median us per step, order shuffled")
         for v in steps:
             print(
                 f"  {v:17s} idle-to-end {statistics.median(idle[v]):8.1f}"
                 f"  host issue {statistics.median(issue[v]):8.1f}"
             )
+        print("  host issue by the variant stepped before it:")
+        for v in steps:
+            cells = "  ".join(
+                f"{u} {statistics.median(t):7.1f}" for u, t in issue_after[v].items() if t
+            )
+            print(f"    {v:17s} after  {cells}")
         for v in ("converted", "linear", "function_precise"):
             profiler = cProfile.Profile()
             profiler.enable()

@@ -3,11 +3,12 @@ state) and the cheap precision context: same answers as deciding afresh every ca
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import gemmconv
 from gemmconv import dispatch, ops
-from gemmconv.precision import conv_gemm_precision
+from gemmconv.precision import conv_gemm_precision, with_conv_precision
 from gemmconv.solvers import get_solver
 
 _matmul = torch.backends.cuda.matmul
@@ -110,11 +111,16 @@ def test_precision_context_sets_and_restores_only_what_differs() -> None:
             assert _matmul.fp32_precision == "tf32"
         assert _matmul.fp32_precision == "tf32"
         _matmul.allow_fp16_reduced_precision_reduction = True
-        _matmul.allow_bf16_reduced_precision_reduction = False
+        _matmul.allow_bf16_reduced_precision_reduction = True
         with conv_gemm_precision(torch.bfloat16, "cuda"):
-            assert not _matmul.allow_fp16_reduced_precision_reduction
+            # Only the flag of the dtype: a bf16 GEMM reads no other.
+            assert _matmul.allow_fp16_reduced_precision_reduction
             assert not _matmul.allow_bf16_reduced_precision_reduction
         assert _matmul.allow_fp16_reduced_precision_reduction
+        assert _matmul.allow_bf16_reduced_precision_reduction
+        _matmul.allow_bf16_reduced_precision_reduction = False
+        with conv_gemm_precision(torch.bfloat16, "cuda"):
+            assert not _matmul.allow_bf16_reduced_precision_reduction
         assert not _matmul.allow_bf16_reduced_precision_reduction
         with conv_gemm_precision(torch.float32, "cpu"):
             assert _matmul.fp32_precision == "tf32"  # the CPU path touches nothing
@@ -146,3 +152,54 @@ def test_half_precision_context_restores_each_flag_exactly() -> None:
     finally:
         _matmul.allow_fp16_reduced_precision_reduction = saved[0]
         _matmul.allow_bf16_reduced_precision_reduction = saved[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_wrapped_run_turns_its_dtypes_flag_off_and_back_even_when_it_raises(dtype) -> None:
+    """with_conv_precision switches the flag inline (no context manager): inside the
+    run it is off, after it (returned or raised) exactly as before, split-K half
+    included; the other half dtype's flag is never touched."""
+    kinds = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+    other = torch.bfloat16 if dtype == torch.float16 else torch.float16
+    get = getattr(torch._C, f"_get_cublas_allow_{kinds[dtype]}_reduced_precision_reduction")
+    get_other = getattr(torch._C, f"_get_cublas_allow_{kinds[other]}_reduced_precision_reduction")
+    names = {d: f"allow_{kinds[d]}_reduced_precision_reduction" for d in kinds}
+    saved = {d: getattr(_matmul, names[d]) for d in kinds}
+    seen = []
+
+    def run(fail: bool) -> str:
+        seen.append((get(), get_other()))
+        if fail:
+            raise ValueError("solver failed")
+        return "result"
+
+    try:
+        setattr(_matmul, names[dtype], True)
+        setattr(_matmul, names[other], True)
+        before, other_before = get(), get_other()
+        wrapped = with_conv_precision(dtype, "cuda", run)
+        assert wrapped(False) == "result"
+        with pytest.raises(ValueError, match="solver failed"):
+            wrapped(True)
+        assert (get(), get_other()) == (before, other_before)
+        off = (False, *before[1:]) if isinstance(before, tuple) else False
+        assert seen == [(off, other_before)] * 2
+        setattr(_matmul, names[dtype], False)  # already off: left alone
+        off_before = get()
+        assert wrapped(False) == "result" and get() == off_before
+        assert with_conv_precision(dtype, "cpu", run) is run  # nothing to switch off CUDA
+    finally:
+        for d, value in saved.items():
+            setattr(_matmul, names[d], value)
+
+
+def test_a_wrapped_fp32_run_follows_the_convolution_tf32_flag() -> None:
+    saved = torch.backends.cudnn.allow_tf32, _matmul.fp32_precision
+    try:
+        torch.backends.cudnn.allow_tf32 = False
+        _matmul.fp32_precision = "tf32"
+        modes = []
+        with_conv_precision(torch.float32, "cuda", lambda: modes.append(_matmul.fp32_precision))()
+        assert modes == ["ieee"] and _matmul.fp32_precision == "tf32"
+    finally:
+        torch.backends.cudnn.allow_tf32, _matmul.fp32_precision = saved

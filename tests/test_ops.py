@@ -11,6 +11,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.library import opcheck
 
 import gemmconv
+from gemmconv import ops
 from gemmconv.memory_format import Layout
 from gemmconv.verify import rms_range, tolerance
 
@@ -202,6 +203,29 @@ def test_autocast_leaves_float64_alone_like_torch():
     x, w, b = (t.double() for t in _operands((2, 3, 4, 4), (5, 3, 2, 2), Layout.CHANNELS_FIRST))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert gemmconv.conv2d(x, w, b, stride=2).dtype == F.conv2d(x, w, b, stride=2).dtype
+
+
+def test_a_solver_runs_with_autocast_off_and_it_comes_back_on_even_when_it_raises():
+    """ops switches the device's autocast flag off around a solver's run (its GEMMs
+    must not be re-cast) and on again after it, the same way on an exception."""
+    x, w, b = _operands((2, 3, 8, 8), (6, 3, 4, 4), Layout.CHANNELS_FIRST)
+    plan = ops.forward_plan(x, w, b, [4, 4], [0, 0], [1, 1], 1)
+    inside = []
+
+    def run(fail: bool) -> str:
+        inside.append(torch.is_autocast_enabled("cpu"))
+        if fail:
+            raise ValueError("solver failed")
+        return "result"
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ops._without_autocast(plan, run, False) == "result"
+        with pytest.raises(ValueError, match="solver failed"):
+            ops._without_autocast(plan, run, True)
+        assert torch.is_autocast_enabled("cpu")
+    assert inside == [False, False]
+    assert not torch.is_autocast_enabled("cpu")
+    assert ops._without_autocast(plan, run, False) == "result" and inside[-1] is False
 
 
 def test_gradient_checkpointing_matches_plain_backward():

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import collections
 import time
 
 import pytest
 import torch
 
-from gemmconv.timing import Timing, head_start_cycles, time_interleaved, time_ms
+from gemmconv.timing import (
+    Timing,
+    head_start_cycles,
+    interleaved_orders,
+    time_interleaved,
+    time_ms,
+)
 
 CPU = torch.device("cpu")
 
@@ -128,7 +135,22 @@ def test_cuda_flush_keeps_operands_out_of_l2():
 # ---- back-to-back calls ------------------------------------------------------
 
 
-def test_interleaved_blocks_rotate_and_time_back_to_back_calls():
+def test_interleaved_orders_are_seeded_shuffles_that_mix_who_runs_after_whom():
+    names = ["torch", "linear", "gemmconv"]
+    orders = list(interleaved_orders(names, 300))
+    assert len(orders) == 300 and all(sorted(o) == sorted(names) for o in orders)
+    assert orders == list(interleaved_orders(names, 300))  # seeded: a run repeats
+    assert orders != list(interleaved_orders(names, 300, seed=1))
+    sequence = [name for order in orders for name in order]
+    follows = collections.Counter(zip(sequence, sequence[1:], strict=False))
+    # A rotation keeps the cyclic order, so each name would mostly follow one same
+    # other; shuffled, each ordered pair of different names comes up about equally
+    # often (100 times within rounds, 33 across them).
+    pairs = [(first, then) for first in names for then in names if first != then]
+    assert all(110 <= follows[pair] <= 160 for pair in pairs), follows
+
+
+def test_interleaved_blocks_shuffle_and_time_back_to_back_calls():
     log = []
 
     def recorder(name, seconds=0.0):
@@ -142,10 +164,11 @@ def test_interleaved_blocks_rotate_and_time_back_to_back_calls():
     calls = {"a": [recorder("a", 0.004)], "b": [recorder("b0"), recorder("b1")]}
     times = time_interleaved(calls, CPU, reps=3, warmup=1, calls_per_rep=2)
     # Warm-up: one pass over each implementation's operand sets; then per repetition a
-    # block of 2 calls per implementation, the order rotating, the sets alternating.
-    assert log == ["a", "b0", "b1"] + ["a", "a", "b0", "b1"] + ["b0", "b1", "a", "a"] + [
-        "a", "a", "b0", "b1"
-    ]  # fmt: skip
+    # block of 2 calls per implementation, in interleaved_orders' order, the sets
+    # alternating.
+    blocks = {"a": ["a", "a"], "b": ["b0", "b1"]}
+    expected = [blocks[name] for order in interleaved_orders(["a", "b"], 3) for name in order]
+    assert log == ["a", "b0", "b1"] + [call for block in expected for call in block]
     assert times["a"].reps == 3 and times["b"].reps == 3
     assert 4.0 <= times["a"].median_ms < 40.0  # the sleep, per call, not per block
     assert times["b"].median_ms < times["a"].median_ms

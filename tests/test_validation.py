@@ -275,21 +275,55 @@ def _torch_error_type(d: int, kwargs: dict) -> type[BaseException]:
     return caught.type
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
 @pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize("case", BAD_CALLS, ids=lambda c: c.label)
-def test_bad_call_raises_torch_type_before_any_kernel(case: BadCall, d: int, no_kernel_runs):
+def test_bad_call_raises_torch_type_before_any_kernel(
+    case: BadCall, d: int, autocast: bool, no_kernel_runs
+):
+    """Also under autocast, where the operands are cast first and checked after, as
+    torch's autocast casts before its convolution checks."""
     torch.manual_seed(0)
     kwargs = case.args(d)
-    expected_type = _torch_error_type(d, kwargs)
-    with pytest.raises(Exception) as caught:
-        GEMMCONV_CONV[d](**kwargs)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        expected_type = _torch_error_type(d, kwargs)
+        with pytest.raises(Exception) as caught:
+            GEMMCONV_CONV[d](**kwargs)
     assert caught.type is expected_type, (
         f"torch raises {expected_type.__name__}, gemmconv {caught.type.__name__}: {caught.value}"
     )
     message = str(caught.value)
     assert message.startswith(f"conv{d}d: "), message
+    if autocast and case.label in _DTYPE_CALLS:
+        return  # the cast changed the dtypes the message names: the next test's subject
     for part in case.says(d):
         assert part in message, f"{part!r} missing from {message!r}"
+
+
+_DTYPE_CALLS = {"weight_dtype_mismatch", "bias_dtype_mismatch", "bool_operands_float_bias"}
+
+
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize(
+    ("input_dtype", "weight_dtype"),
+    [(torch.int64, torch.float32), (torch.float64, torch.float32), (torch.float32, torch.float64)],
+)
+def test_a_dtype_autocast_leaves_alone_is_refused_after_the_cast(
+    d: int, input_dtype: torch.dtype, weight_dtype: torch.dtype, no_kernel_runs
+):
+    """Autocast casts float32 operands and leaves float64 and integer ones: where the
+    dtypes still differ after that, torch refuses the call, and gemmconv names both
+    dtypes as they are after the cast."""
+    x, w = x_of(d).to(input_dtype), w_of(d).to(weight_dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected_type = _torch_error_type(d, {"input": x, "weight": w})
+        with pytest.raises(Exception) as caught:
+            GEMMCONV_CONV[d](x, w)
+    assert caught.type is expected_type
+    cast = {t: torch.bfloat16 if t == torch.float32 else t for t in (input_dtype, weight_dtype)}
+    message = str(caught.value)
+    assert f"weight dtype {cast[weight_dtype]}" in message, message
+    assert f"input dtype {cast[input_dtype]}" in message, message
 
 
 # explain() infers the dimensionality from the weight, so a weight of the wrong rank

@@ -3,10 +3,11 @@
 For each scenario of gemmconv.e2e_scenarios, every variant (torch, converted,
 converted_channels_last, linear) is built from the same random model in one process;
 each is warmed up (compilation happens there), then the variants take their timed
-steps in turn, interleaved, the order rotating. A step's time is the wall clock from
-an idle device to the end of the step (synchronised); a variant's time is the median
-of its steps. The first warm-up output of every variant is compared with torch's, so
-a fast wrong answer cannot pass unnoticed.
+steps in turn, interleaved, in a fresh random order each round
+(timing.interleaved_orders). A step's time is the wall clock from an idle device to
+the end of the step (synchronised); a variant's time is the median of its steps. The
+first warm-up output of every variant is compared with torch's, so a fast wrong answer
+cannot pass unnoticed.
 
 Results go to <out>/<device>_e2e.json and .md, rewritten after every scenario so a run
 cut short keeps what finished; no scenario starts once ``--time-budget`` seconds have
@@ -40,6 +41,7 @@ from gemmconv.e2e_scenarios import (
     prepare_variant,
     scenarios,
 )
+from gemmconv.timing import interleaved_orders
 from gemmconv.usage import Parser, UsageError, reports_usage_errors
 from gemmconv.verify import rms_range
 
@@ -108,10 +110,8 @@ def run_scenario(
             del runners[variant]
 
     samples: dict[str, list[float]] = {v: [] for v in runners}
-    names = list(runners)
-    for i in range(steps):
-        shift = i % max(len(names), 1)
-        for variant in names[shift:] + names[:shift]:
+    for i, order in enumerate(interleaved_orders(list(runners), steps)):
+        for variant in order:
             if variant not in runners:
                 continue
             try:

@@ -120,8 +120,10 @@ def _conv(
             if device_type not in _DEVICES_WITHOUT_AUTOCAST and torch.is_autocast_enabled(
                 device_type
             ):
-                # Checked before the cast: under autocast, mixed operand dtypes are fine.
-                check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
+                # Cast first, then checked as any call (on the road's first sight of
+                # these operands, or on the op road), as torch's autocast casts before
+                # its convolution checks: mixed operand dtypes are fine, and a dtype
+                # autocast leaves alone (float64, an integer) is named as torch names it.
                 input, weight, bias = _autocast(input, weight, bias, device_type=device_type)
         if eager.road_is_open(input):
             y = eager.convolve(dims, input, weight, bias, stride, padding, dilation, groups, module)
@@ -257,8 +259,9 @@ def problem_of(
 ) -> ConvProblem:
     """The forward ConvProblem the custom op would build for these F.conv* arguments."""
     dims = weight.dim() - 2
-    check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
-    input, weight, bias = _autocast(input, weight, bias, device_type=input.device.type)
+    if isinstance(input, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor)):
+        # As the convolution does: cast as autocast would, then check.
+        input, weight, bias = _autocast(input, weight, bias, device_type=input.device.type)
     args = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)
     if input.dim() == dims + 1:
         input = input.unsqueeze(0)

@@ -185,9 +185,19 @@ def _without_autocast(plan: Plan, fn: Callable, *arguments: object):
     """``fn(*arguments)`` with autocast off on the plan's device. Autocast would re-cast
     the GEMMs inside a solver (and undo their fp32 accumulation); the operands were
     already cast before the op, as for F.conv*. Callers first ask whether autocast is
-    on for any device, one C call; turning it off where it was off changes nothing."""
-    with torch.autocast(plan.problem.device_type, enabled=False):
+    on for any device, one C call.
+
+    The device's flag is switched directly: ``torch.autocast(..., enabled=False)``
+    does the same plus checks and cache bookkeeping that cost 3.3 us a call on the
+    CPU machine against 0.6, on every convolution of a model trained under autocast."""
+    device_type = plan.problem.device_type
+    if not torch.is_autocast_enabled(device_type):
         return fn(*arguments)
+    torch.set_autocast_enabled(device_type, False)
+    try:
+        return fn(*arguments)
+    finally:
+        torch.set_autocast_enabled(device_type, True)
 
 
 def _run(plan: Plan, tensors: ConvTensors) -> torch.Tensor:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 _matmul = torch.backends.cuda.matmul
+R = TypeVar("R")
 
 
 def convolutions_allow_tf32() -> bool:
@@ -60,56 +62,59 @@ def _fp32_matmul_mode(allow_tf32: bool) -> contextlib.AbstractContextManager[Non
     return _set_matmul_flags({"allow_tf32": allow_tf32})
 
 
-# torch's C accessors of the two reduced-precision flags (None where a torch lacks
-# them). Read and written directly: torch.backends.cuda.matmul's Python attribute
-# hooks, four reads and four writes per GEMM, were most of the host time of a
-# half-precision GEMM call on the H200's host.
-_REDUCED_PRECISION_ACCESSORS = tuple(
-    (
+# Per half dtype, torch's C accessors of the reduced-precision flag its GEMMs read
+# (None where a torch lacks them). Read and written directly: torch.backends.cuda.matmul's
+# Python attribute hooks were most of the host time of a half-precision GEMM call on
+# the H200's host.
+_KINDS = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_REDUCED_PRECISION_FLAGS = {
+    dtype: (
         getattr(torch._C, f"_get_cublas_allow_{kind}_reduced_precision_reduction", None),
         getattr(torch._C, f"_set_cublas_allow_{kind}_reduced_precision_reduction", None),
     )
-    for kind in ("fp16", "bf16")
-)
+    for dtype, kind in _KINDS.items()
+}
+_ACCESSORS_EXIST = all(get and set_ for get, set_ in _REDUCED_PRECISION_FLAGS.values())
+
+
+def _turn_off(get: Callable, set_: Callable) -> tuple | None:
+    """Turns a reduced-precision flag off; returns the arguments that set it back, or
+    None where it was off already. A flag is a bool, or from torch 2.8 on (allow
+    reduced precision, allow split-K), whose second half is kept."""
+    state = get()
+    if isinstance(state, tuple):
+        if not state[0]:
+            return None
+        set_(False, *state[1:])
+        return state
+    if not state:
+        return None
+    set_(False)
+    return (state,)
 
 
 class _FullPrecisionReductions:
     """Turns cuBLAS's reduced-precision (half-precision split-K) reductions off for a
-    block, then restores each flag it changed exactly as it was. A flag is a bool, or
-    from torch 2.8 on (allow reduced precision, allow split-K)."""
+    block of GEMMs of one half dtype, then restores the flag exactly as it was. Only
+    that dtype's flag: a GEMM reads the flag of its operands' dtype alone."""
 
-    __slots__ = ("_changed",)
+    __slots__ = ("_flag", "_saved")
+
+    def __init__(self, flag: tuple[Callable, Callable]) -> None:
+        self._flag = flag
 
     def __enter__(self) -> None:
-        changed = []
-        for get, set_ in _REDUCED_PRECISION_ACCESSORS:
-            state = get()
-            if isinstance(state, tuple):
-                if state[0]:
-                    set_(False, *state[1:])
-                    changed.append((set_, state))
-            elif state:
-                set_(False)
-                changed.append((set_, (state,)))
-        self._changed = changed
+        self._saved = _turn_off(*self._flag)
 
     def __exit__(self, *exc_info: object) -> None:
-        for set_, state in self._changed:
-            set_(*state)
+        if self._saved is not None:
+            self._flag[1](*self._saved)
 
 
-_ACCESSORS_EXIST = all(get and set_ for get, set_ in _REDUCED_PRECISION_ACCESSORS)
-
-
-def _full_precision_reductions() -> contextlib.AbstractContextManager[None]:
+def _full_precision_reductions(dtype: torch.dtype) -> contextlib.AbstractContextManager[None]:
     if _ACCESSORS_EXIST:
-        return _FullPrecisionReductions()
-    return _set_matmul_flags(
-        {
-            "allow_fp16_reduced_precision_reduction": False,
-            "allow_bf16_reduced_precision_reduction": False,
-        }
-    )
+        return _FullPrecisionReductions(_REDUCED_PRECISION_FLAGS[dtype])
+    return _set_matmul_flags({f"allow_{_KINDS[dtype]}_reduced_precision_reduction": False})
 
 
 def changes_gemm_precision(dtype: torch.dtype, device_type: str) -> bool:
@@ -131,7 +136,37 @@ def conv_gemm_precision(
         return _NOTHING_TO_CHANGE
     if dtype == torch.float32:
         return _fp32_matmul_mode(convolutions_allow_tf32())
-    return _full_precision_reductions()
+    return _full_precision_reductions(dtype)
+
+
+def with_conv_precision(
+    dtype: torch.dtype, device_type: str, run: Callable[..., R]
+) -> Callable[..., R]:
+    """``run`` made to run under conv_gemm_precision(dtype, device_type), decided once:
+    ``run`` itself where that changes nothing (off CUDA), and for half precision the
+    one flag switched inline around it, without a context manager's frames (a call
+    of a prepared run pays this on every GEMM it issues)."""
+    if not changes_gemm_precision(dtype, device_type):
+        return run
+    if dtype == torch.float32 or not _ACCESSORS_EXIST:
+
+        def in_context(*args: object) -> R:
+            with conv_gemm_precision(dtype, device_type):
+                return run(*args)
+
+        return in_context
+    get, set_ = _REDUCED_PRECISION_FLAGS[dtype]
+
+    def full_precision(*args: object) -> R:
+        saved = _turn_off(get, set_)
+        if saved is None:
+            return run(*args)
+        try:
+            return run(*args)
+        finally:
+            set_(*saved)
+
+    return full_precision
 
 
 def reduce_batched_products(a: torch.Tensor, b: torch.Tensor, workspace_cap: int) -> torch.Tensor:

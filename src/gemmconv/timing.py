@@ -19,16 +19,18 @@ or rotate inputs.
 the block (the device is idle when the first call is launched) and nothing
 synchronises inside it, so the host's launch work counts as it does for a user. On
 CUDA the block is bracketed by two events, on the CPU by time.perf_counter. Several
-callables are interleaved repetition by repetition, their order rotating, so none
-always runs first; each may rotate over several operand sets.
+callables are interleaved repetition by repetition, in a fresh random order each
+time (interleaved_orders), so none always runs first or always after the same other;
+each may rotate over several operand sets.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -223,9 +225,8 @@ def time_interleaved(
              for name, fns in calls.items()}  # fmt: skip
     names = list(calls)
     marks: dict[str, list] = {name: [] for name in names}
-    for rep in range(reps):
-        shift = rep % len(names)  # rotate the order: no callable always runs first
-        for name in names[shift:] + names[:shift]:
+    for order in interleaved_orders(names, reps):
+        for name in order:
             fns, k = calls[name], block[name]
             sync()  # the device is idle: no head start for the block
             if cuda:
@@ -255,6 +256,19 @@ def time_interleaved(
     return result
 
 
+def interleaved_orders(names: Sequence[str], reps: int, seed: int = 0) -> Iterator[list[str]]:
+    """Per repetition, ``names`` in a fresh random order (seeded, so a run repeats), so
+    that each runs right after each other about equally often. A rotation would not
+    do: it keeps the cyclic order, so one name nearly always follows the same other and
+    pays for what that one left in the host's caches (on the CPU machine a patch-embed
+    step right after torch's Conv3d ran 10-25 us slower than right after itself)."""
+    shuffle = random.Random(seed).shuffle
+    order = list(names)
+    for _ in range(reps):
+        shuffle(order)
+        yield list(order)
+
+
 def _calls_per_block(fns: Sequence[Callable[[], object]], target_ms: float, sync) -> int:
     """Calls that fill a block of about ``target_ms``, from one synchronised pass."""
     sync()
@@ -267,4 +281,4 @@ def _calls_per_block(fns: Sequence[Callable[[], object]], target_ms: float, sync
     return min(high, max(low, round(target_ms / max(per_call_ms, 1e-6))))
 
 
-__all__ = ["DEFAULT_BLOCK_MS", "Timing", "time_interleaved", "time_ms"]
+__all__ = ["DEFAULT_BLOCK_MS", "Timing", "interleaved_orders", "time_interleaved", "time_ms"]

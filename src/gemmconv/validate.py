@@ -93,13 +93,6 @@ def _padding(fn: str, padding: Any, strides: tuple[int, ...], dims: int) -> tupl
     return None
 
 
-def _autocast_enabled(device_type: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except RuntimeError:  # a device type autocast does not know (meta, for one)
-        return False
-
-
 def check_conv_args(
     dims: int,
     input: Any,
@@ -199,16 +192,15 @@ def check_conv_args(
 def _check_dtypes_and_devices(fn: str, input, weight, bias) -> None:
     """In torch's order: the bias's dtype, a bool input (which no convolution kernel
     takes), the weight's dtype, then the dtypes gemmconv does not compute in."""
-    autocast = _autocast_enabled(input.device.type)
-    if bias is not None and bias.dtype != input.dtype and not autocast:
+    if bias is not None and bias.dtype != input.dtype:
         _refuse_dtype_mismatch(fn, "bias", bias, input)
     if input.dtype == torch.bool:
         raise NotImplementedError(
             f"{fn}: input dtype torch.bool is not supported; expected one of {_DTYPE_NAMES}"
         )
-    if weight.dtype != input.dtype and not autocast:
+    if weight.dtype != input.dtype:
         _refuse_dtype_mismatch(fn, "weight", weight, input)
-    if input.dtype not in SUPPORTED_DTYPES and not autocast:
+    if input.dtype not in SUPPORTED_DTYPES:
         raise RuntimeError(
             f"{fn}: input dtype {input.dtype} is not supported; expected one of {_DTYPE_NAMES}"
         )

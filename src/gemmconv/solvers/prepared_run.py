@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import torch
 
-from gemmconv.precision import changes_gemm_precision, conv_gemm_precision
+from gemmconv.precision import with_conv_precision
 from gemmconv.problem import ConvProblem
 from gemmconv.solvers.base import ConvTensors
 from gemmconv.solvers.views import meta_like, result_buffer
@@ -48,18 +48,10 @@ class ResultBuffer:
 
 
 def with_precision(p: ConvProblem, run: Callable[..., R]) -> Callable[..., R]:
-    """``run`` under the problem's GEMM accumulation rules, as Solver.run applies them;
-    ``run`` itself where those rules change nothing (off CUDA), so a CPU call pays
-    no context manager."""
-    if not changes_gemm_precision(p.dtype, p.device_type):
-        return run
-    precision = (p.dtype, p.device_type)
-
-    def runner(*args: object) -> R:
-        with conv_gemm_precision(*precision):
-            return run(*args)
-
-    return runner
+    """``run`` under the problem's GEMM accumulation rules, as Solver.run applies them
+    (precision.with_conv_precision: ``run`` itself off CUDA, so a CPU call pays
+    nothing)."""
+    return with_conv_precision(p.dtype, p.device_type, run)
 
 
 __all__ = ["ResultBuffer", "Runner", "meta_operands", "with_precision"]
