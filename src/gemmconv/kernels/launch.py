@@ -128,13 +128,11 @@ class PreparedLaunch:
         refused its first call (a Triton whose launcher takes other arguments), after
         which this launch always takes the ordinary route. A refusal comes before the
         kernel runs, and the ordinary launch writes the same outputs."""
-        values = self._fill(list(self._ordered), tensors)
-        if self._direct_proven:
-            self._direct(*values)
-            return True
-        try:
-            self._direct(*values)
-        except Exception as exc:  # any refusal: the ordinary route still works
+        try:  # costs nothing measurable when nothing is raised
+            self._direct(*self._fill(list(self._ordered), tensors))
+        except Exception as exc:
+            if self._direct_proven:
+                raise  # a launcher that took its arguments before: a real failure
             log.warning("direct Triton launch refused (%s: %s); launching the ordinary "
                         "way from now on", type(exc).__name__, exc)  # fmt: skip
             self._direct, self._direct_ok = None, False
