@@ -261,7 +261,7 @@ def interleaved_orders(names: Sequence[str], reps: int, seed: int = 0) -> Iterat
     that each runs right after each other about equally often. A rotation would not
     do: it keeps the cyclic order, so one name nearly always follows the same other and
     pays for what that one left in the host's caches (on the CPU machine a patch-embed
-    step right after torch's Conv3d ran 10-25 us slower than right after itself)."""
+    step right after torch's Conv3d ran 13-33 us slower than right after itself)."""
     shuffle = random.Random(seed).shuffle
     order = list(names)
     for _ in range(reps):
