@@ -80,6 +80,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--calls", type=int, default=200, help="calls issued and profiled")
     parser.add_argument("--top", type=int, default=25, help="cProfile rows")
+    parser.add_argument(
+        "--rotated",
+        action="store_true",
+        help="interleave in a rotating order, as the timings before the shuffle did",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -89,8 +94,9 @@ def main() -> None:
     p = make_problem(shape, LAYOUT_NAMES[args.layout], DTYPES[dtype_key], device, Direction.FORWARD)
     calls = public_calls(p, args.kind, operand_sets(p, device, 0, every_operand=True))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = time_interleaved(calls, device, reps=args.reps)
-    row = f"{args.case} {args.layout} {args.kind} {dtype_key} n={shape.n} k={shape.k}"
+    times = time_interleaved(calls, device, reps=args.reps, shuffled=not args.rotated)
+    order = "rotated" if args.rotated else "shuffled"
+    row = f"{args.case} {args.layout} {args.kind} {dtype_key} n={shape.n} k={shape.k} {order}"
     print(f"{row} on {device}, torch {torch.__version__}; us per call")
     for name, fns in calls.items():
         line = f"  {name:9s} wall {times[name].median_ms * 1e3:9.1f}"

@@ -150,6 +150,15 @@ def test_interleaved_orders_are_seeded_shuffles_that_mix_who_runs_after_whom():
     assert all(110 <= follows[pair] <= 160 for pair in pairs), follows
 
 
+def test_interleaved_orders_can_rotate_as_the_timings_before_the_shuffle():
+    orders = list(interleaved_orders(["a", "b", "c"], 4, shuffled=False))
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    log = []
+    calls = {name: [lambda name=name: log.append(name)] for name in "ab"}
+    time_interleaved(calls, CPU, reps=2, warmup=0, calls_per_rep=1, shuffled=False)
+    assert log == ["a", "b", "b", "a"]
+
+
 def test_interleaved_blocks_shuffle_and_time_back_to_back_calls():
     log = []
 

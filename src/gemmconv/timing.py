@@ -204,11 +204,13 @@ def time_interleaved(
     warmup: int = 2,
     calls_per_rep: int | None = None,
     block_ms: float | None = None,
+    shuffled: bool = True,
 ) -> dict[str, Timing]:
     """Per name, milliseconds per call: ``reps`` repetitions of a block of back-to-back
     calls (rotating over that name's callables, one per operand set), the names
-    interleaved. A block holds ``calls_per_rep`` calls, else as many as last about
-    ``block_ms`` (default DEFAULT_BLOCK_MS), judged from one synchronised pass."""
+    interleaved in interleaved_orders' order (``shuffled=False``: rotated). A block
+    holds ``calls_per_rep`` calls, else as many as last about ``block_ms`` (default
+    DEFAULT_BLOCK_MS), judged from one synchronised pass."""
     if reps < 1:
         raise ValueError(f"reps={reps}: expected at least 1")
     if warmup < 0:
@@ -225,7 +227,7 @@ def time_interleaved(
              for name, fns in calls.items()}  # fmt: skip
     names = list(calls)
     marks: dict[str, list] = {name: [] for name in names}
-    for order in interleaved_orders(names, reps):
+    for order in interleaved_orders(names, reps, shuffled=shuffled):
         for name in order:
             fns, k = calls[name], block[name]
             sync()  # the device is idle: no head start for the block
@@ -256,14 +258,23 @@ def time_interleaved(
     return result
 
 
-def interleaved_orders(names: Sequence[str], reps: int, seed: int = 0) -> Iterator[list[str]]:
+def interleaved_orders(
+    names: Sequence[str], reps: int, seed: int = 0, shuffled: bool = True
+) -> Iterator[list[str]]:
     """Per repetition, ``names`` in a fresh random order (seeded, so a run repeats), so
     that each runs right after each other about equally often. A rotation would not
     do: it keeps the cyclic order, so one name nearly always follows the same other and
     pays for what that one left in the host's caches (on the CPU machine a patch-embed
-    step right after torch's Conv3d ran 13-33 us slower than right after itself)."""
-    shuffle = random.Random(seed).shuffle
+    step right after torch's Conv3d ran 13-33 us slower than right after itself).
+    ``shuffled=False`` gives that rotation, as the timings before the shuffle ran, to
+    compare with them."""
     order = list(names)
+    if not shuffled:
+        for rep in range(reps):
+            shift = rep % max(len(order), 1)
+            yield order[shift:] + order[:shift]
+        return
+    shuffle = random.Random(seed).shuffle
     for _ in range(reps):
         shuffle(order)
         yield list(order)
