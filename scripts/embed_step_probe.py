@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from host_profile import issue_us  # this folder is the script's first import path
 
 from gemmconv.e2e_scenarios import SCENARIOS, build_workload, make_step, prepare_variant
-from gemmconv.precision import conv_gemm_precision
+from gemmconv.precision import conv_gemm_precision, with_conv_precision
 from gemmconv.timing import interleaved_orders
 
 
@@ -68,8 +68,9 @@ class _FunctionEmbed(torch.nn.Module):
 
 def _precision_context_cost(device: torch.device, sync) -> None:
     """Host us per back-to-back F.linear of the patch embed's forward GEMM: plain, inside
-    gemmconv's precision context (flags turned off and back per call), and with the
-    flags off for the whole loop (no switching)."""
+    gemmconv's precision context manager (the flag turned off and back per call), with
+    the flag switched inline as prepared runs do (with_conv_precision), and with the
+    flag off for the whole loop (no switching)."""
     x2d = torch.randn(8192, 1176, device=device, dtype=torch.bfloat16)
     w2d = torch.randn(1280, 1176, device=device, dtype=torch.bfloat16)
 
@@ -80,20 +81,8 @@ def _precision_context_cost(device: torch.device, sync) -> None:
         with conv_gemm_precision(x2d.dtype, device.type):
             F.linear(x2d, w2d)
 
-    get, set_ = (
-        getattr(torch._C, f"_{verb}_cublas_allow_bf16_reduced_precision_reduction")
-        for verb in ("get", "set")
-    )
-
-    def bf16_flag_only():
-        # Only the flag a bf16 GEMM reads, switched inline: no context manager.
-        state = get()
-        state = state if isinstance(state, tuple) else (state,)
-        set_(False, *state[1:])
-        try:
-            F.linear(x2d, w2d)
-        finally:
-            set_(*state)
+    # What a prepared run does: the bf16 flag switched inline, no context manager.
+    bf16_flag_only = with_conv_precision(x2d.dtype, device.type, plain)
 
     def per_call(fn, calls=300):
         for _ in range(20):
