@@ -6,15 +6,19 @@
 #   bash scripts/h200_session.sh probe     # a Triton launch's host cost, host profiles of rows
 #   bash scripts/h200_session.sh suite     # the suite (about 3 min of rows)
 #   bash scripts/h200_session.sh models    # the end-to-end table (about 3 min)
+#   OLD_TREE=old bash scripts/h200_session.sh ab   # order vs machine, below
 set -u
 : "${OUT:?set OUT to the folder for the results}"
 export PYTHONPATH=src
-stage=${1:?stage: tests, probe, suite or models}
+stage=${1:?stage: tests, probe, suite, models or ab}
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 echo "$stage at $commit, $(date -u +%FT%TZ)" >>"$OUT/session.log"
 case $stage in
 tests)
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -60 >"$OUT/gpu_tests.log"
+    # The whole log, with a line per failure or error at its end: a log cut to its tail
+    # once lost which tests had run (bench/NOTES.md, the run at 316a61b).
+    python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests >"$OUT/gpu_tests.log" 2>&1
+    echo "pytest exit $?" >>"$OUT/gpu_tests.log"
     ;;
 probe)
     timeout 120 python3 scripts/launch_cost.py >"$OUT/launch_cost.txt" 2>&1
@@ -32,8 +36,28 @@ suite)
 models)
     python3 -m gemmconv bench --models --out "$OUT/e2e" --time-budget 300 >"$OUT/e2e.log" 2>&1
     ;;
+ab)
+    # Whether the suite's backward calls moved with the machine or with the order of
+    # the interleaved calls: the same rows, alternating processes, in the shuffled
+    # order, in the old rotation (--rotated) and, where $OLD_TREE holds an older
+    # checkout (its src/ and scripts/), from that code, which rotates. About 15 s a
+    # process (imports, Triton compiling); $AB_ROUNDS rounds, one by default.
+    for ((round = 1; round <= ${AB_ROUNDS:-1}; round++)); do
+        for row in "vit_b16 cf bwd_weights" "videomae cf bwd_data" "point2d cl bwd_weights"; do
+            set -- $row
+            args=("$1" --layout "$2" --kind "$3" --top 0)
+            timeout 100 python3 scripts/host_profile.py "${args[@]}" >>"$OUT/ab_shuffled.txt" 2>&1
+            timeout 100 python3 scripts/host_profile.py "${args[@]}" --rotated \
+                >>"$OUT/ab_rotated.txt" 2>&1
+            if [ -n "${OLD_TREE:-}" ]; then
+                (cd "$OLD_TREE" && PYTHONPATH=src timeout 100 python3 scripts/host_profile.py \
+                    "${args[@]}") >>"$OUT/ab_old_tree.txt" 2>&1
+            fi
+        done
+    done
+    ;;
 *)
-    echo "stage=$stage: expected tests, probe, suite or models" >&2
+    echo "stage=$stage: expected tests, probe, suite, models or ab" >&2
     exit 2
     ;;
 esac

@@ -57,6 +57,13 @@ def remember_input(module: torch.nn.Module, input: torch.Tensor) -> None:
     module.__dict__[LAST_INPUT] = SeenInput(input.shape, input.stride(), input.dtype, input.device)
 
 
+# torch's C questions, bound once: every eager call asks them, and the lookups through
+# the torch module cost a fifth of the answers.
+_is_compiling = torch.compiler.is_compiling
+_is_tracing = torch._C._is_tracing
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
 def road_is_open(input: torch.Tensor) -> bool:
     """Whether a call may take the eager road: nothing is tracing, transforming or
     intercepting it, and the input is a plain CPU or CUDA tensor. The caller has
@@ -65,13 +72,10 @@ def road_is_open(input: torch.Tensor) -> bool:
 
     Compilation is asked first: under dynamo the answer is a constant and the rest
     is never traced."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return False
-    return not (
-        torch._C._is_tracing()
-        or transforms_active()
-        or torch._C._len_torch_dispatch_stack()
-        or not (input.is_cuda or input.is_cpu)
+    return (input.is_cuda or input.is_cpu) and not (
+        _is_tracing() or _dispatch_modes() or transforms_active()
     )
 
 
