@@ -110,6 +110,45 @@ def _steps(s, device, variants):
     return steps
 
 
+def time_steps(steps: dict, rounds: int, sync, title: str) -> None:
+    """Time ``steps`` (name -> step) interleaved in a fresh order each round, each from
+    an idle device, and print per step the median wall time to its synchronised end
+    and the host's time to issue it, the latter also split by the step run just before
+    (the host's caches hold what that step touched, so a fixed order would favour
+    some)."""
+    for step in steps.values():
+        for _ in range(5):
+            step()
+    idle = {v: [] for v in steps}
+    issue = {v: [] for v in steps}
+    issue_after = {v: {u: [] for u in steps} for v in steps}
+    previous = None
+    for order in interleaved_orders(list(steps), rounds):
+        for v in order:
+            sync()
+            start = time.perf_counter()
+            steps[v]()
+            issued = time.perf_counter()
+            sync()
+            idle[v].append((time.perf_counter() - start) * 1e6)
+            issue[v].append((issued - start) * 1e6)
+            if previous is not None:
+                issue_after[v][previous].append((issued - start) * 1e6)
+            previous = v
+    print(f"{title}: median us per step, order shuffled")
+    for v in steps:
+        print(
+            f"  {v:17s} idle-to-end {statistics.median(idle[v]):8.1f}"
+            f"  host issue {statistics.median(issue[v]):8.1f}"
+        )
+    print("  host issue by the variant stepped before it:")
+    for v in steps:
+        cells = "  ".join(
+            f"{u} {statistics.median(t):7.1f}" for u, t in issue_after[v].items() if t
+        )
+        print(f"    {v:17s} after  {cells}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--patches", type=int, default=8192)
@@ -123,39 +162,7 @@ def main() -> None:
     for name in ("qwen2vl_patch_embed_fwd", "qwen2vl_patch_embed_fwd_bwd"):
         s = dataclasses.replace(next(x for x in SCENARIOS if x.name == name), batch=args.patches)
         steps = _steps(s, device, variants)
-        for step in steps.values():
-            for _ in range(5):
-                step()
-        idle = {v: [] for v in steps}
-        issue = {v: [] for v in steps}
-        # Host issue time by the variant stepped just before: the host's caches hold
-        # what that step touched, so a fixed order would favour some variants.
-        issue_after = {v: {u: [] for u in steps} for v in steps}
-        previous = None
-        for order in interleaved_orders(list(steps), args.steps):
-            for v in order:
-                sync()
-                start = time.perf_counter()
-                steps[v]()
-                issued = time.perf_counter()
-                sync()
-                idle[v].append((time.perf_counter() - start) * 1e6)
-                issue[v].append((issued - start) * 1e6)
-                if previous is not None:
-                    issue_after[v][previous].append((issued - start) * 1e6)
-                previous = v
-        print(f"{name}, {args.patches} patches on {device}: median us per step, order shuffled")
-        for v in steps:
-            print(
-                f"  {v:17s} idle-to-end {statistics.median(idle[v]):8.1f}"
-                f"  host issue {statistics.median(issue[v]):8.1f}"
-            )
-        print("  host issue by the variant stepped before it:")
-        for v in steps:
-            cells = "  ".join(
-                f"{u} {statistics.median(t):7.1f}" for u, t in issue_after[v].items() if t
-            )
-            print(f"    {v:17s} after  {cells}")
+        time_steps(steps, args.steps, sync, f"{name}, {args.patches} patches on {device}")
         for v in ("converted", "linear", "function_precise"):
             profiler = cProfile.Profile()
             profiler.enable()

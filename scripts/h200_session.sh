@@ -3,7 +3,7 @@
 # 10-minute call, every result written under $OUT as it finishes (a timeout keeps the
 # rest). Run from the repository root on the GPU machine:
 #   bash scripts/h200_session.sh tests     # the GPU tests (about 4 min)
-#   bash scripts/h200_session.sh probe     # a Triton launch's host cost, host profiles of rows
+#   bash scripts/h200_session.sh probe     # launch cost, CUDA-graph step, host profiles of rows
 #   bash scripts/h200_session.sh suite     # the suite (about 3 min of rows)
 #   bash scripts/h200_session.sh models    # the end-to-end table (about 3 min)
 #   OLD_TREE=old bash scripts/h200_session.sh ab   # order vs machine, below
@@ -22,6 +22,8 @@ tests)
     ;;
 probe)
     timeout 120 python3 scripts/launch_cost.py >"$OUT/launch_cost.txt" 2>&1
+    timeout 240 python3 scripts/compiled_step_probe.py vit_b16_infer_b8_cudagraphs \
+        >"$OUT/compiled_step_probe.txt" 2>&1
     for row in "point3d cf fwd" "point3d cf fwd_wgrad" "vit_b16 cf fwd" "vit_b16 cf bwd_weights" \
         "resnet_1x1 cf fwd" "convnext_down cl bwd_data"; do
         set -- $row
