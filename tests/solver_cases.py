@@ -223,22 +223,11 @@ def operands(problem: ConvProblem, device, seed: int):
 
 def nan_output(problem: ConvProblem, device) -> torch.Tensor:
     """The direction's result buffer, NaN everywhere, in the layout the result takes."""
-    from gemmconv.memory_format import output_layout
+    from gemmconv.solvers.views import result_shape_and_layout
 
     from conftest import nan_in
 
-    if problem.direction is Direction.FORWARD:
-        shape, layout = (
-            problem.output_shape,
-            output_layout(problem.layout, problem.dims, problem.dtype, problem.device_type),
-        )
-    elif problem.direction is Direction.BACKWARD_DATA:
-        shape, layout = (
-            problem.input_shape,
-            output_layout(problem.layout, problem.dims, problem.dtype, problem.device_type),
-        )
-    else:
-        shape, layout = problem.weight_shape, problem.layout
+    shape, layout = result_shape_and_layout(problem)
     return nan_in(shape, layout, problem.dtype, device)
 
 

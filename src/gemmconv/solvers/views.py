@@ -110,25 +110,23 @@ def rows(t: torch.Tensor) -> torch.Tensor:
     return t.movedim(1, -1).reshape(-1, t.shape[1])
 
 
+def result_shape_and_layout(problem: ConvProblem) -> tuple[tuple[int, ...], Layout]:
+    """The direction's result: its shape, and the layout F.conv* would give it (forward,
+    backward-data) or the weight's own (backward-weights)."""
+    if problem.direction is Direction.BACKWARD_WEIGHTS:
+        return problem.weight_shape, problem.layout
+    shape = problem.output_shape if problem.direction is Direction.FORWARD else problem.input_shape
+    return shape, output_layout(problem.layout, problem.dims, problem.dtype, problem.device_type)
+
+
 def result_buffer(
     problem: ConvProblem, like: torch.Tensor, out: torch.Tensor | None
 ) -> torch.Tensor:
-    """``out`` when the caller gave one, else a new uninitialised result in the layout
-    F.conv* would give (forward, backward-data) or the weight's own (backward-weights)."""
+    """``out`` when the caller gave one, else a new uninitialised result
+    (result_shape_and_layout) on ``like``'s device."""
     if out is not None:
         return out
-    if problem.direction is Direction.FORWARD:
-        shape, layout = (
-            problem.output_shape,
-            output_layout(problem.layout, problem.dims, problem.dtype, problem.device_type),
-        )
-    elif problem.direction is Direction.BACKWARD_DATA:
-        shape, layout = (
-            problem.input_shape,
-            output_layout(problem.layout, problem.dims, problem.dtype, problem.device_type),
-        )
-    else:
-        shape, layout = problem.weight_shape, problem.layout
+    shape, layout = result_shape_and_layout(problem)
     return empty_in(shape, layout, problem.dtype, like.device)
 
 
