@@ -3,7 +3,7 @@
 Under torch.compile a converted model's patch convolution is gemmconv's custom op,
 called from inductor's graph as an opaque kernel, while the reshape + F.linear
 rewrite is a permute and a matmul that inductor fuses with what is around them. In
-the end-to-end table the rewrite led by 0.5-1% on the compiled training step and by
+the end-to-end table the rewrite led by 0.5-1.2% on the compiled training step and by
 0.3-5.8% on the CUDA-graph inference step, the larger gaps on the slower hosts. This
 times one compiled scenario's steps as scripts/embed_step_probe.py does (interleaved,
 each from an idle device, host issue split by predecessor), then profiles a few steps
@@ -22,6 +22,7 @@ import argparse
 
 import torch
 from embed_step_probe import time_steps  # this folder is the script's first import path
+from torch.autograd import DeviceType
 
 from gemmconv.e2e_scenarios import build_workload, make_step, prepare_variant, scenarios
 
@@ -46,7 +47,8 @@ def _profile_counts(step, steps: int, sync) -> dict[str, float]:
         elif name.startswith("gemmconv::"):
             counts["gemmconv op calls"] += event.count
             counts["gemmconv op host us"] += event.cpu_time_total
-        counts["kernel device us"] += getattr(event, "self_device_time_total", 0.0)
+        if event.device_type == DeviceType.CUDA:  # the kernels themselves, not their callers
+            counts["kernel device us"] += event.self_device_time_total
     return {key: value / steps for key, value in counts.items()}
 
 
