@@ -183,6 +183,55 @@ def test_compile_mark_dynamic_channels_last_module():
     assert counter.frame_count == 1
 
 
+def test_a_compiled_call_leaves_the_tensor_checks_to_the_fake_implementation(monkeypatch):
+    # Traced, the checks against the tensors would make guards every compiled call
+    # checks; the op's fake implementation makes the same checks without them.
+    import gemmconv.functional
+    import gemmconv.validate
+
+    def traced(*args):
+        raise AssertionError("the trace ran the tensor checks")
+
+    # Both names the trace could reach them by (ops keeps its own for the fake).
+    monkeypatch.setattr(gemmconv.functional, "check_against_tensors", traced, raising=False)
+    monkeypatch.setattr(gemmconv.validate, "check_against_tensors", traced)
+    torch._dynamo.reset()
+    x, w, b = _operands((2, 3, 8, 8), (4, 3, 2, 2), Layout.CHANNELS_FIRST, seed=9)
+    y = torch.compile(_patch_embed_loss, backend="eager", fullgraph=True)(x, w, b)
+    assert torch.isfinite(y)
+    with pytest.raises(RuntimeError, match=r"conv2d: input of shape \(2, 5, 8, 8\) has 5 channels"):
+        ops.conv_forward(
+            torch.empty(2, 5, 8, 8, device="meta"), torch.empty(4, 3, 2, 2, device="meta"),
+            None, [2, 2], [0, 0], [1, 1], 1,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        pytest.param(lambda x, w: gemmconv.conv2d(x, w[:, :2], stride=2), RuntimeError,
+                     r"conv2d: input of shape \(2, 3, 8, 8\) has 3 channels", id="channels"),
+        pytest.param(lambda x, w: gemmconv.conv2d(x, w, stride=0), RuntimeError,
+                     r"conv2d: stride=\(0, 0\); expected every value > 0", id="stride"),
+        pytest.param(lambda x, w: gemmconv.conv2d(x, w, stride=0.5), TypeError,
+                     r"conv2d: stride=0.5 of type float", id="kind"),
+        pytest.param(lambda x, w: gemmconv.conv2d(x > 0, w, stride=2), NotImplementedError,
+                     r"conv2d: input dtype torch.bool is not supported", id="bool"),
+    ],
+)  # fmt: skip
+def test_a_compiled_call_refuses_a_bad_call_with_the_eager_message(call, error, message):
+    # Checks made in the fake implementation reach the caller through dynamo's own
+    # error (a RuntimeError, as torch's convolution's do under torch.compile); a bool
+    # input, whose NotImplementedError dynamo would take as "run eagerly", is checked
+    # in the trace.
+    torch._dynamo.reset()
+    x, w, _ = _operands((2, 3, 8, 8), (4, 3, 2, 2), Layout.CHANNELS_FIRST, seed=10)
+    with pytest.raises(error, match=message):
+        call(x, w)
+    with pytest.raises(error, match=message):
+        torch.compile(call, backend="eager")(x, w)
+
+
 # ---- autocast, checkpointing, needed gradients -----------------------------------
 
 

@@ -24,7 +24,12 @@ from gemmconv import decompositions, eager, func_transforms, onnx_symbolic
 from gemmconv.dispatch import Choice, explain_problem
 from gemmconv.problem import ConvProblem
 from gemmconv.transform_state import transforms_active
-from gemmconv.validate import check_conv_args
+from gemmconv.validate import (
+    ConvArgs,
+    check_against_tensors,
+    check_argument_kinds,
+    check_conv_args,
+)
 
 IntOrTuple = int | Sequence[int]
 Padding = IntOrTuple | str
@@ -54,6 +59,11 @@ def resolve_arguments(
 ) -> ResolvedArguments:
     """Check a call as F.conv{dims}d would (raising its errors) and resolve its arguments."""
     args = check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
+    return _resolved(args, weight)
+
+
+def _resolved(args: ConvArgs, weight: torch.Tensor) -> ResolvedArguments:
+    """``args`` with 'same' padding resolved from the kernel."""
     if args.padding is not None:
         return ResolvedArguments(args.stride, args.padding, args.dilation, args.groups, ())
     totals = [d * (r - 1) for d, r in zip(args.dilation, weight.shape[2:])]
@@ -125,6 +135,8 @@ def _conv(
                 # its convolution checks: mixed operand dtypes are fine, and a dtype
                 # autocast leaves alone (float64, an integer) is named as torch names it.
                 input, weight, bias = _autocast(input, weight, bias, device_type=device_type)
+        if torch.compiler.is_dynamo_compiling():
+            return _traced_convolution(dims, input, weight, bias, stride, padding, dilation, groups)
         if eager.road_is_open(input):
             y = eager.convolve(dims, input, weight, bias, stride, padding, dilation, groups, module)
             if y is not None:
@@ -132,11 +144,6 @@ def _conv(
         else:
             _remember_off_the_road(module, input)
     args = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)
-    unbatched = input.dim() == dims + 1
-    if unbatched:
-        input = input.unsqueeze(0)
-    if args.input_padding:
-        input = F.pad(input, args.input_padding)
     onnx_symbolic.register_if_tracing()
     if decompositions.exporting():
         convolve = decompositions.conv_forward  # an exported program: portable aten
@@ -144,6 +151,35 @@ def _conv(
         convolve = func_transforms.conv_forward
     else:
         convolve = torch.ops.gemmconv.conv_forward
+    return _convolve_resolved(convolve, dims, input, weight, bias, args)
+
+
+def _traced_convolution(dims, input, weight, bias, stride, padding, dilation, groups):
+    """The convolution as dynamo traces it (torch.compile, strict export). Every module
+    global and function a trace reads becomes a guard that each call of the compiled
+    code checks. So only the arguments' kinds are checked here; their values against
+    the tensors are checked by the op's fake implementation, which dynamo runs without
+    guarding what it reads (a mistake is raised from there, wrapped by dynamo, as
+    torch's own convolution's are under torch.compile). On the CPU machine that took
+    2 us off each call of a compiled function (bench/NOTES.md)."""
+    kinds = check_argument_kinds(dims, input, weight, bias, stride, padding, dilation, groups)
+    transformed = transforms_active()
+    if transformed or input.dtype == torch.bool:
+        # torch.func's form of the op has no fake implementation of its own, and a bool
+        # input is refused with NotImplementedError, which dynamo takes from a fake
+        # implementation as "run this op eagerly", where it would run unchecked.
+        check_against_tensors(dims, input, weight, bias, kinds)
+    convolve = func_transforms.conv_forward if transformed else torch.ops.gemmconv.conv_forward
+    return _convolve_resolved(convolve, dims, input, weight, bias, _resolved(kinds, weight))
+
+
+def _convolve_resolved(convolve, dims, input, weight, bias, args: ResolvedArguments):
+    """``convolve`` (the op, or a form of it) on batched, padded operands."""
+    unbatched = input.dim() == dims + 1
+    if unbatched:
+        input = input.unsqueeze(0)
+    if args.input_padding:
+        input = F.pad(input, args.input_padding)
     y = convolve(
         input, weight, bias, list(args.stride), list(args.padding), list(args.dilation),
         args.groups,

@@ -36,6 +36,7 @@ from gemmconv.memory_format import (
 )
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers import ConvTensors, Solver
+from gemmconv.validate import ConvArgs, check_against_tensors
 
 _FORWARD_SCHEMA = (
     "(Tensor input, Tensor weight, Tensor? bias, int[] stride, int[] padding, "
@@ -301,6 +302,10 @@ conv_forward = torch.library.custom_op(
 
 @conv_forward.register_fake
 def _(input, weight, bias, stride, padding, dilation, groups):
+    # Under dynamo gemmconv.functional checks only the arguments' kinds; what they and
+    # the tensors must agree on is checked here, where dynamo guards nothing it reads.
+    args = ConvArgs(tuple(stride), tuple(padding), tuple(dilation), groups)
+    check_against_tensors(len(stride), input, weight, bias, args)
     spatial = _output_spatial(input.shape[2:], weight.shape[2:], stride, padding, dilation)
     shape = (input.shape[0], weight.shape[0], *spatial)
     return empty_in(shape, forward_output_layout(input, weight, shape), input.dtype, input.device)

@@ -105,7 +105,29 @@ def check_conv_args(
 ) -> ConvArgs:
     """Raise, before any work is done, for every call F.conv{dims}d would refuse
     (and for the dtypes and layouts gemmconv does not compute in); return the
-    non-tensor arguments as plain ints."""
+    non-tensor arguments as plain ints. The two halves, in this order: the
+    arguments' kinds (check_argument_kinds), then their values against the tensors
+    (check_against_tensors)."""
+    args = check_argument_kinds(dims, input, weight, bias, stride, padding, dilation, groups)
+    check_against_tensors(dims, input, weight, bias, args)
+    return args
+
+
+def check_argument_kinds(
+    dims: int,
+    input: Any,
+    weight: Any,
+    bias: Any,
+    stride: Any,
+    padding: Any,
+    dilation: Any,
+    groups: Any,
+) -> ConvArgs:
+    """The first half of check_conv_args: the operands are tensors and the other
+    arguments are integers of the right count (or a padding string), returned as
+    plain ints. Reads nothing of the tensors but their type, so a dynamo trace of it
+    guards on little (gemmconv.functional traces this half and leaves the other to
+    the op's fake implementation)."""
     fn = f"conv{dims}d"
     for name, t in (("input", input), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
@@ -116,7 +138,16 @@ def check_conv_args(
     strides = _int_tuple(fn, "stride", stride, dims)
     dilations = _int_tuple(fn, "dilation", dilation, dims)
     pads = _padding(fn, padding, strides, dims)
-    args = ConvArgs(strides, pads, dilations, groups)
+    return ConvArgs(strides, pads, dilations, groups)
+
+
+def check_against_tensors(
+    dims: int, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: ConvArgs
+) -> None:
+    """The second half of check_conv_args: the tensors' layouts, ranks, dtypes, devices
+    and shapes, and the arguments' values against them."""
+    fn = f"conv{dims}d"
+    strides, pads, dilations, groups = args
     for name, t in (("input", input), ("weight", weight), ("bias", bias)):
         if t is not None and t.layout != torch.strided:
             raise RuntimeError(
@@ -178,7 +209,7 @@ def check_conv_args(
             "expected every spatial size >= 1 (only the batch or channel size may be 0)"
         )
     if pads is None:
-        return args  # 'same' pads d*(r-1) in total, so any non-empty input fits the kernel
+        return  # 'same' pads d*(r-1) in total, so any non-empty input fits the kernel
     for i, (s, r, p, d) in enumerate(zip(spatial, kernel, pads, dilations, strict=True)):
         if s + 2 * p < d * (r - 1) + 1:
             raise RuntimeError(
@@ -186,7 +217,6 @@ def check_conv_args(
                 f"padded input: spatial dimension {i} has input size {s} and padding {p}, "
                 f"so {s + 2 * p} positions; expected at least {d * (r - 1) + 1}"
             )
-    return args
 
 
 def _check_dtypes_and_devices(fn: str, input, weight, bias) -> None:
