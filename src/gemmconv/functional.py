@@ -28,7 +28,6 @@ from gemmconv.validate import (
     ConvArgs,
     check_against_tensors,
     check_argument_kinds,
-    check_conv_args,
 )
 
 IntOrTuple = int | Sequence[int]
@@ -58,7 +57,8 @@ def resolve_arguments(
     groups: int,
 ) -> ResolvedArguments:
     """Check a call as F.conv{dims}d would (raising its errors) and resolve its arguments."""
-    args = check_conv_args(dims, input, weight, bias, stride, padding, dilation, groups)
+    args = check_argument_kinds(dims, input, weight, bias, stride, padding, dilation, groups)
+    check_against_tensors(dims, input, weight, bias, args)
     return _resolved(args, weight)
 
 

@@ -5,7 +5,8 @@ Each error is of the type torch.nn.functional.conv* raises for the same mistake
 NotImplementedError for a bool input, RuntimeError for every other bad value: shapes,
 dtypes, devices, layouts, padding strings) and names the argument, the value it got
 and what was expected. The checks run in the order torch runs its own, so an input
-with several mistakes reports the one torch would.
+with several mistakes reports the one torch would: check_argument_kinds, then
+check_against_tensors.
 """
 
 from __future__ import annotations
@@ -93,26 +94,6 @@ def _padding(fn: str, padding: Any, strides: tuple[int, ...], dims: int) -> tupl
     return None
 
 
-def check_conv_args(
-    dims: int,
-    input: Any,
-    weight: Any,
-    bias: Any,
-    stride: Any,
-    padding: Any,
-    dilation: Any,
-    groups: Any,
-) -> ConvArgs:
-    """Raise, before any work is done, for every call F.conv{dims}d would refuse
-    (and for the dtypes and layouts gemmconv does not compute in); return the
-    non-tensor arguments as plain ints. The two halves, in this order: the
-    arguments' kinds (check_argument_kinds), then their values against the tensors
-    (check_against_tensors)."""
-    args = check_argument_kinds(dims, input, weight, bias, stride, padding, dilation, groups)
-    check_against_tensors(dims, input, weight, bias, args)
-    return args
-
-
 def check_argument_kinds(
     dims: int,
     input: Any,
@@ -123,11 +104,11 @@ def check_argument_kinds(
     dilation: Any,
     groups: Any,
 ) -> ConvArgs:
-    """The first half of check_conv_args: the operands are tensors and the other
-    arguments are integers of the right count (or a padding string), returned as
-    plain ints. Reads nothing of the tensors but their type, so a dynamo trace of it
-    guards on little (gemmconv.functional traces this half and leaves the other to
-    the op's fake implementation)."""
+    """The first half of a call's check, as F.conv{dims}d would refuse it: the
+    operands are tensors and the other arguments are integers of the right count (or
+    a padding string), returned as plain ints. It reads nothing of the tensors but
+    their type, so a dynamo trace of it guards on little (gemmconv.functional traces
+    this half and leaves the other to the op's fake implementation)."""
     fn = f"conv{dims}d"
     for name, t in (("input", input), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
@@ -144,8 +125,9 @@ def check_argument_kinds(
 def check_against_tensors(
     dims: int, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: ConvArgs
 ) -> None:
-    """The second half of check_conv_args: the tensors' layouts, ranks, dtypes, devices
-    and shapes, and the arguments' values against them."""
+    """The second half (after check_argument_kinds): the tensors' layouts, ranks,
+    dtypes, devices and shapes, and the arguments' values against them, and the
+    dtypes and layouts gemmconv does not compute in."""
     fn = f"conv{dims}d"
     strides, pads, dilations, groups = args
     for name, t in (("input", input), ("weight", weight), ("bias", bias)):
