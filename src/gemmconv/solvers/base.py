@@ -76,7 +76,8 @@ class Solver:
     # such a solver is refused under torch.use_deterministic_algorithms(True).
     deterministic: ClassVar[bool] = True
     # Whether its GEMMs run on cuBLAS on CUDA (reproducible only with a
-    # CUBLAS_WORKSPACE_CONFIG from CUBLAS_DETERMINISTIC_CONFIGS).
+    # CUBLAS_WORKSPACE_CONFIG from CUBLAS_DETERMINISTIC_CONFIGS, and governed by the
+    # precision flags Solver.run sets).
     uses_cublas: ClassVar[bool] = True
     # Whether its weight gradient is one GEMM of dY with the column matrix its forward
     # multiplies: the eager road then runs that GEMM on the columns the forward kept
@@ -218,13 +219,23 @@ class Solver:
         """Compute the problem's direction and return its result.
 
         Writes every element of ``out`` when one is given (forward: y,
-        backward-data: dx, backward-weights: dw), else allocates the result."""
+        backward-data: dx, backward-weights: dw), else allocates the result. The
+        accumulation rules are cuBLAS's flags, so a solver that issues no cuBLAS GEMM
+        (the vendor's cuDNN, the Triton kernels) runs without switching them: each
+        switch is host time on every call of a prepared run."""
+        if not self.uses_cublas:
+            return self._direction(problem, tensors, out)
         with conv_gemm_precision(problem.dtype, problem.device_type):
-            if problem.direction is Direction.FORWARD:
-                return self.forward(problem, tensors, out)
-            if problem.direction is Direction.BACKWARD_DATA:
-                return self.backward_data(problem, tensors, out)
-            return self.backward_weights(problem, tensors, out)
+            return self._direction(problem, tensors, out)
+
+    def _direction(
+        self, problem: ConvProblem, tensors: ConvTensors, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        if problem.direction is Direction.FORWARD:
+            return self.forward(problem, tensors, out)
+        if problem.direction is Direction.BACKWARD_DATA:
+            return self.backward_data(problem, tensors, out)
+        return self.backward_weights(problem, tensors, out)
 
     def forward(
         self, problem: ConvProblem, t: ConvTensors, out: torch.Tensor | None

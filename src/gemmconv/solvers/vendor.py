@@ -57,7 +57,10 @@ class VendorSolver(Solver):
         return (list(p.stride), list(p.padding), list(p.dilation), False, [0] * p.dims, p.groups)
 
     def forward(self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None) -> torch.Tensor:
-        y = torch.ops.aten.convolution(t.input, t.weight, t.bias, *self._args(p))
+        # torch.convolution is aten.convolution through torch's C binding, traced as the
+        # same op: 4.4 us a call less than torch.ops.aten's Python overload on the CPU
+        # machine (transposed_input_gradient calls it too).
+        y = torch.convolution(t.input, t.weight, t.bias, *self._args(p))
         return _deliver(y, out)
 
     def backward_data(
@@ -106,7 +109,7 @@ def transposed_input_gradient(
         # the forward's stride skipped at the far end; output_padding adds them back
         # (always fewer than the stride, as aten requires).
         output_padding.append(s - ((o - 1) * u - 2 * p + d * (r - 1) + 1))
-    return torch.ops.aten.convolution.default(
+    return torch.convolution(
         grad_output, weight, None, steps, list(padding), list(dilation), True,
         output_padding, groups,
     )  # fmt: skip
