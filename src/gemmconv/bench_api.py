@@ -310,6 +310,9 @@ def _parser() -> Parser:
     ap.add_argument(
         "--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on the CPU)"
     )
+    # 15 on the CPU too: with 5, single rows of the shared 2-core machine's table moved
+    # by 10% between runs (the ResNet 1x1 weight gradient read 0.86-0.93x torch; with
+    # 15, 0.97x).
     ap.add_argument("--reps", type=int, default=15, help="repetitions (default 15)")
     ap.add_argument(
         "--out",
@@ -343,10 +346,6 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"--cases: {e}") from None
     if args.reps < 1:
         raise UsageError(f"--reps {args.reps}: expected a value >= 1")
-    # 15 on the CPU too: with 5, single rows of the shared 2-core machine's table moved
-    # by 10% between runs (the ResNet 1x1 weight gradient read 0.86-0.93x torch; with
-    # 15, 0.97x).
-    reps = args.reps
     machine = args.label or machine_label(device)
     stem = args.name or (
         "cpu" if device.type == "cpu" else default_stem(environment(device)["device"]) + "_api"
@@ -355,7 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     def save(partial: dict) -> None:
         write(partial, args.out, stem)
 
-    results = run(cases, kinds, layouts, dtype_key, device, args.quick, reps, machine, on_row=save)
+    results = run(
+        cases, kinds, layouts, dtype_key, device, args.quick, args.reps, machine, on_row=save
+    )
     for path in write(results, args.out, stem):
         print(f"wrote {path}")
     print(markdown(results).split("\n\n")[-1], end="")
