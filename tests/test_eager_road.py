@@ -106,12 +106,88 @@ def test_tracing_takes_the_ops():
 
 def test_forward_mode_and_meta_tensors_close_the_road():
     x, w, b = _operands(8)
+    eager.clear()
     with torch.autograd.forward_ad.dual_level():
-        assert not eager.road_is_open(x)
+        assert eager.convolve(2, x, w, b, 3, 0, 1, 1) is None
+    assert not eager._calls  # closed before the key: nothing was looked up
     meta = x.to("meta")
-    assert not eager.road_is_open(meta)
+    assert eager.convolve(2, meta, w.to("meta"), None, 3, 0, 1, 1) is None
+    assert list(eager._calls.values()) == [None]  # the meta device: the op road, kept
     y = gemmconv.conv2d(meta, w.to("meta"), None, stride=3)
     assert y.device.type == "meta" and y.shape == (3, 6, 4, 4)
+
+
+@pytest.mark.parametrize(
+    "bad", [{"stride": 3.0}, {"stride": (3, 3.0)}, {"padding": False}, {"groups": True}]
+)
+def test_arguments_equal_to_a_checked_call_but_of_other_kinds_are_refused(bad):
+    # 3.0 == 3 and False == 0 hash alike, so they find the checked call's entry; torch
+    # refuses floats and bools there, and so must the road.
+    x, w, b = _operands(11)
+    good = {"stride": 3, "padding": 0, "groups": 1}
+    gemmconv.conv2d(x, w, b, **good)
+    gemmconv.conv2d(x, w, b, **{**good, "stride": (3, 3)})
+    call = {**good, **bad}
+    with pytest.raises(TypeError) as torch_error:
+        F.conv2d(x, w, b, **call)
+    with pytest.raises(TypeError, match="expected an integer") as ours:
+        gemmconv.conv2d(x, w, b, **call)
+    assert ours.type is torch_error.type
+
+
+def test_equal_arguments_built_afresh_take_the_checked_call():
+    x, w, b = _operands(12)
+    gemmconv.conv2d(x, w, b, stride=(3, 3))
+    assert len(eager._calls) >= 1
+    before = dict(eager._calls)
+    stride = tuple([3] * 2)  # equal, of the same kinds, another object
+    y = gemmconv.conv2d(x, w, b, stride=stride)
+    torch.testing.assert_close(y, F.conv2d(x, w, b, stride=3), rtol=1e-12, atol=1e-12)
+    assert eager._calls == before
+
+
+@pytest.mark.parametrize(
+    ("dims", "kw"),
+    [
+        (2, {}),
+        (2, {"stride": 2}),
+        (2, {"stride": (2, 1), "padding": 1}),
+        (2, {"padding": "same", "dilation": 2}),
+        (2, {"groups": 2}),
+        (1, {"stride": 3, "padding": 1}),
+        (3, {"dilation": (1, 2, 1)}),
+    ],
+)
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "unbatched"])
+def test_vendor_calls_on_the_road_match_torch(monkeypatch, dims, kw, batched):
+    monkeypatch.setenv("GEMMCONV_SOLVER", "vendor")
+    gen = torch.Generator().manual_seed(13)
+    x = torch.rand(2, 4, *(9,) * dims, generator=gen, dtype=torch.float64)
+    w = torch.rand(6, 4 // kw.get("groups", 1), *(3,) * dims, generator=gen, dtype=torch.float64)
+    b = torch.rand(6, generator=gen, dtype=torch.float64)
+    if not batched:
+        x = x[0]
+    conv = {1: gemmconv.conv1d, 2: gemmconv.conv2d, 3: gemmconv.conv3d}[dims]
+    reference = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
+    eager.clear()
+    for _ in range(2):  # the first call builds the road's entry, the second uses it
+        y, grads = _grads(conv, x, w, b, **kw)
+        (call,) = eager._calls.values()
+        assert call is not None and call.vendor_forward
+        y_ref, grads_ref = _grads(reference, x, w, b, **kw)
+        torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+        for got, want in zip(grads, grads_ref, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_vendor_arguments_are_the_shortest_that_say_the_same():
+    shortest = eager._shortest_arguments
+    assert shortest([1, 1], [0, 0], [1, 1], 1) == ()
+    assert shortest([16, 16], [0, 0], [1, 1], 1) == (16,)
+    assert shortest([2, 1], [0, 0], [1, 1], 1) == ((2, 1),)
+    assert shortest([1, 1], [1, 1], [1, 1], 1) == (1, 1)
+    assert shortest([1, 1, 1], [0, 0, 0], [1, 2, 1], 1) == (1, 0, (1, 2, 1))
+    assert shortest([1], [0], [1], 2) == (1, 0, 1, 2)
 
 
 def test_errors_on_the_eager_road_are_torchs():
@@ -211,3 +287,22 @@ def test_only_the_needed_gradients_decide_between_torchs_backward_and_gemmconvs(
         w64 = w.detach().double().requires_grad_()
         (want,) = torch.autograd.grad(F.conv2d(x.double(), w64, stride=16), w64, dy.double())
         torch.testing.assert_close(dw.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_non_strict_export_takes_the_ops(monkeypatch):
+    # It sets torch.compiler.is_compiling(), which the road does not ask: it traces
+    # under dispatch modes, which close the road.
+    x, w, b = _operands(14)
+    gemmconv.conv2d(x, w, b, stride=3)  # the road's entry exists before the export
+    answers = []
+    road = eager.convolve
+    monkeypatch.setattr(eager, "convolve", lambda *a: answers.append(road(*a)) or answers[-1])
+
+    class Embed(torch.nn.Module):
+        def forward(self, x):
+            return gemmconv.conv2d(x, w, b, stride=3)
+
+    program = torch.export.export(Embed(), (x,), strict=False)
+    assert answers == [None]
+    targets = [node.target for node in program.graph.nodes if node.op == "call_function"]
+    assert targets == [torch.ops.aten.convolution.default]  # the ops' portable form

@@ -24,12 +24,13 @@ import dataclasses
 from typing import NamedTuple
 
 import torch
+import torch.autograd.forward_ad as forward_ad
+import torch.nn.functional as F
 
 from gemmconv import device_rates, dispatch, ops
 from gemmconv.memory_format import Layout
 from gemmconv.problem import Direction
 from gemmconv.solvers.views import bias_grad
-from gemmconv.transform_state import transforms_active
 
 
 class SeenInput(NamedTuple):
@@ -59,41 +60,29 @@ def remember_input(module: torch.nn.Module, input: torch.Tensor) -> None:
 
 # torch's C questions, bound once: every eager call asks them, and the lookups through
 # the torch module cost a fifth of the answers.
-_is_compiling = torch.compiler.is_compiling
 _is_tracing = torch._C._is_tracing
 _dispatch_modes = torch._C._len_torch_dispatch_stack
-
-
-def road_is_open(input: torch.Tensor) -> bool:
-    """Whether a call may take the eager road: nothing is tracing, transforming or
-    intercepting it, and the input is a plain CPU or CUDA tensor. The caller has
-    already ruled out ``__torch_function__`` on every operand (functional._conv
-    hands those to handle_torch_function first), so that is not asked again.
-
-    Compilation is asked first: under dynamo the answer is a constant and the rest
-    is never traced."""
-    if _is_compiling():
-        return False
-    return (input.is_cuda or input.is_cpu) and not (
-        _is_tracing() or _dispatch_modes() or transforms_active()
-    )
+_functorch_transforms = torch._C._are_functorch_transforms_active
+_is_grad_enabled = torch.is_grad_enabled
+# The devices the road covers; a call on any other takes the op road.
+_DEVICE_TYPES = frozenset({"cpu", "cuda"})
 
 
 class _Call:
     """What one distinct eager call needs besides its tensors."""
 
-    __slots__ = ("plan", "unbatched", "conv_args", "vendor_arguments", "input_size",
-                 "weight_size", "channels_last", "vendor_forward", "_vendor_gradients",
-                 "_backward_plans")  # fmt: skip
+    __slots__ = ("plan", "unbatched", "arguments", "conv_args", "vendor_function",
+                 "vendor_arguments", "input_size", "weight_size", "channels_last",
+                 "vendor_forward", "_vendor_gradients", "_backward_plans")  # fmt: skip
 
-    def __init__(self, plan: ops.Plan, unbatched: bool, conv_args: tuple, input: torch.Tensor,
-                 weight: torch.Tensor) -> None:  # fmt: skip
+    def __init__(self, dims: int, plan: ops.Plan, unbatched: bool, arguments: tuple,
+                 conv_args: tuple, input: torch.Tensor, weight: torch.Tensor) -> None:  # fmt: skip
         self.plan = plan
         self.unbatched = unbatched
-        self.conv_args = conv_args  # stride, padding, dilation (lists), groups
-        # aten.convolution's arguments after input, weight and bias.
-        stride, padding, dilation, groups = conv_args
-        self.vendor_arguments = (stride, padding, dilation, False, [0] * len(stride), groups)
+        self.arguments = arguments  # stride, padding, dilation, groups as the caller gave them
+        self.conv_args = conv_args  # the same resolved: stride, padding, dilation (lists), groups
+        self.vendor_function = _TORCH_CONVOLUTIONS[dims]
+        self.vendor_arguments = _shortest_arguments(*conv_args)
         self.input_size = list(input.shape)
         self.weight_size = list(weight.shape)
         self.channels_last = plan.problem.layout is Layout.CHANNELS_LAST
@@ -155,6 +144,8 @@ def _saving_over_vendor(choice: dispatch.Choice) -> float | None:
     return times["vendor"] - times[choice.solver]
 
 
+# torch's public convolution per spatial rank, for the calls that go to the vendor.
+_TORCH_CONVOLUTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 # dY of one call comes in few layouts (usually one); a bound all the same.
 _BACKWARD_PLANS_MAX = 8
 # Bounded like the ops' plans; emptied by dispatch.clear_cache() with the choices.
@@ -176,26 +167,29 @@ def convolve(
     """The convolution on the eager road, or None where the road does not cover the
     call (the caller then takes the custom-op road). Operands are already cast as
     autocast would (the cast is autograd's business, outside this road). ``module``,
-    a gemmconv.nn module making the call, remembers the input (remember_input)."""
-    # The input's part of the key, and what a module remembers of it.
-    seen = (input.shape, input.stride(), input.dtype, input.device)
-    if module is not None:
-        module.__dict__[LAST_INPUT] = SeenInput._make(seen)
+    a gemmconv.nn module making the call, remembers the input (remember_input).
+
+    The road is closed (None) while anything traces, transforms or intercepts the
+    call. The caller has already ruled out ``__torch_function__`` on every operand
+    and dynamo's trace; torch.compile's other stages and non-strict export trace
+    under dispatch modes, so ``torch.compiler.is_compiling()`` adds nothing here.
+    The questions of transform_state.transforms_active are asked inline: a function
+    call is a tenth of a microsecond on a path where each tenth shows against
+    torch's own 5 us call (bench/results/overhead_cpu.md)."""
+    if (
+        _is_tracing() or _dispatch_modes() or _functorch_transforms()
+        or forward_ad._current_level >= 0
+    ):  # fmt: skip
+        return None
+    shape, strides, dtype, device = input.shape, input.stride(), input.dtype, input.device
+    # One flat tuple: each level of nesting is another tuple built and hashed per call.
+    key = (
+        dims, shape, strides, dtype, device,
+        weight.shape, weight.stride(), weight.dtype, weight.device,
+        None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
+        stride, padding, dilation, groups, dispatch.selection_key(),
+    )  # fmt: skip
     try:
-        key = (
-            dims,
-            seen,
-            weight.shape,
-            weight.stride(),
-            weight.dtype,
-            weight.device,
-            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
-            stride,
-            padding,
-            dilation,
-            groups,
-            dispatch.selection_key(),
-        )
         call = _calls[key]
     except TypeError:  # an argument that cannot be hashed (a list): the op road
         return None
@@ -206,9 +200,17 @@ def convolve(
         _calls[key] = call
     if call is None:
         return None
-    if call.unbatched:
-        input = input.unsqueeze(0)
-    needs_grad = torch.is_grad_enabled() and (
+    if module is not None:
+        module.__dict__[LAST_INPUT] = SeenInput(shape, strides, dtype, device)
+    checked = call.arguments
+    if not (
+        stride is checked[0] and padding is checked[1] and dilation is checked[2]
+        and groups is checked[3]
+    ) and not _same_kinds((stride, padding, dilation, groups), checked):  # fmt: skip
+        # Equal keys hold equal values, but 1.0 and True equal 1: arguments of other
+        # kinds than the checked ones are checked afresh (and refused as F.conv* would).
+        return None
+    needs_grad = _is_grad_enabled() and (
         input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
     if call.vendor_forward and (
@@ -216,13 +218,47 @@ def convolve(
     ):
         # Where every direction needed goes to the vendor (tiny problems, where one
         # launch beats any GEMM path on host time), torch's own convolution with its
-        # own fused backward is the cheapest road to the same kernels.
-        y = torch.convolution(input, weight, bias, *call.vendor_arguments)
-    elif needs_grad:
+        # own fused backward is the cheapest road to the same kernels: its public
+        # function, given as few arguments as say the same (each parsed costs).
+        if call.vendor_arguments:
+            return call.vendor_function(input, weight, bias, *call.vendor_arguments)
+        return call.vendor_function(input, weight, bias)
+    if call.unbatched:
+        input = input.unsqueeze(0)
+    if needs_grad:
         y = _EagerConvolution.apply(input, weight, bias, call)
     else:
         y = ops.run_forward(call.plan, input, weight, bias)
     return y.squeeze(0) if call.unbatched else y
+
+
+def _shortest_arguments(stride: list, padding: list, dilation: list, groups: int) -> tuple:
+    """torch's convolution arguments after the operands, as few as say the same: a
+    value equal in every dimension as one int, trailing defaults left out. Passing
+    (1, 1), (0, 0), (1, 1), 1 costs torch's parser half a microsecond more than
+    passing nothing (the CPU machine)."""
+    given = [s[0] if len(set(s)) == 1 else tuple(s) for s in (stride, padding, dilation)]
+    given.append(groups)
+    while given and given[-1] == _DEFAULT_ARGUMENTS[len(given) - 1]:
+        given.pop()
+    return tuple(given)
+
+
+_DEFAULT_ARGUMENTS = (1, 0, 1, 1)  # stride, padding, dilation, groups
+
+
+def _same_kinds(arguments: tuple, checked: tuple) -> bool:
+    """Whether ``arguments``, equal to ``checked``, are of the same types all through."""
+    for value, known in zip(arguments, checked):
+        if type(value) is not type(known):
+            return False
+        if isinstance(value, tuple) and any(map(_differ_in_type, value, known)):
+            return False
+    return True
+
+
+def _differ_in_type(a: object, b: object) -> bool:
+    return type(a) is not type(b)
 
 
 def _new_call(dims, input, weight, bias, stride, padding, dilation, groups) -> _Call | None:
@@ -230,6 +266,8 @@ def _new_call(dims, input, weight, bias, stride, padding, dilation, groups) -> _
     for a call the road does not cover."""
     from gemmconv.functional import resolve_arguments
 
+    if input.device.type not in _DEVICE_TYPES:
+        return None
     resolved = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)
     if resolved.input_padding:
         return None  # 'same' with an odd total pads the input first: the op road does it
@@ -243,7 +281,9 @@ def _new_call(dims, input, weight, bias, stride, padding, dilation, groups) -> _
         resolved.groups,
     )
     plan = ops.forward_plan(input, weight, bias, *conv_args)
-    return _Call(plan, unbatched, conv_args, input, weight)
+    return _Call(
+        dims, plan, unbatched, (stride, padding, dilation, groups), conv_args, input, weight
+    )
 
 
 class _EagerConvolution(torch.autograd.Function):
@@ -304,4 +344,4 @@ def clear() -> None:
     _calls.clear()
 
 
-__all__ = ["LAST_INPUT", "SeenInput", "clear", "convolve", "remember_input", "road_is_open"]
+__all__ = ["LAST_INPUT", "SeenInput", "clear", "convolve", "remember_input"]

@@ -82,16 +82,28 @@ def _resolved(args: ConvArgs, weight: torch.Tensor) -> ResolvedArguments:
 _DEVICES_WITHOUT_AUTOCAST = frozenset({"meta"})
 
 
-def _autocast(*tensors: torch.Tensor | None, device_type: str) -> list[torch.Tensor | None]:
-    """Cast to the autocast dtype as torch's convolutions are, when autocast is on:
-    autocast casts floating-point operands except float64 ones (torch's is_eligible)."""
+def _autocast(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The operands cast as torch's convolutions are when autocast is on for the
+    input's device: autocast casts floating-point operands except float64 ones
+    (torch's is_eligible). Cast first, then checked as any call, as torch's autocast
+    casts before its convolution checks: mixed operand dtypes are fine, and a dtype
+    autocast leaves alone (float64, an integer) is named as torch names it."""
+    device_type = "cuda" if input.is_cuda else input.device.type
     if device_type in _DEVICES_WITHOUT_AUTOCAST or not torch.is_autocast_enabled(device_type):
-        return list(tensors)
+        return input, weight, bias
     dtype = torch.get_autocast_dtype(device_type)
-    return [
+    input, weight, bias = (
         t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
-        for t in tensors
-    ]
+        for t in (input, weight, bias)
+    )
+    return input, weight, bias
+
+
+# Bound once for the eager branch of _conv, where each lookup through the torch
+# module shows (bench/results/overhead_cpu.md); dynamo's trace reads torch's own.
+_any_autocast_enabled = torch._C._is_any_autocast_enabled
 
 
 def _remember_off_the_road(module: torch.nn.Module | None, input: object) -> None:
@@ -125,24 +137,16 @@ def _conv(
         )  # fmt: skip
     tensors = isinstance(input, torch.Tensor) and isinstance(weight, torch.Tensor)
     if tensors and (bias is None or isinstance(bias, torch.Tensor)):
-        if torch._C._is_any_autocast_enabled():  # one C call where autocast is off
-            device_type = "cuda" if input.is_cuda else input.device.type
-            if device_type not in _DEVICES_WITHOUT_AUTOCAST and torch.is_autocast_enabled(
-                device_type
-            ):
-                # Cast first, then checked as any call (on the road's first sight of
-                # these operands, or on the op road), as torch's autocast casts before
-                # its convolution checks: mixed operand dtypes are fine, and a dtype
-                # autocast leaves alone (float64, an integer) is named as torch names it.
-                input, weight, bias = _autocast(input, weight, bias, device_type=device_type)
         if torch.compiler.is_dynamo_compiling():
             return _traced_convolution(dims, input, weight, bias, stride, padding, dilation, groups)
-        if eager.road_is_open(input):
-            y = eager.convolve(dims, input, weight, bias, stride, padding, dilation, groups, module)
-            if y is not None:
-                return y
-        else:
-            _remember_off_the_road(module, input)
+        if _any_autocast_enabled():  # one C call where autocast is off
+            input, weight, bias = _autocast(input, weight, bias)
+        y = eager.convolve(dims, input, weight, bias, stride, padding, dilation, groups, module)
+        if y is not None:
+            return y
+        # The op road. The eager road remembered a module's input only where it found
+        # the call's entry; remembering it again is harmless.
+        _remember_off_the_road(module, input)
     args = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)
     onnx_symbolic.register_if_tracing()
     if decompositions.exporting():
@@ -162,6 +166,8 @@ def _traced_convolution(dims, input, weight, bias, stride, padding, dilation, gr
     guarding what it reads (a mistake is raised from there, wrapped by dynamo, as
     torch's own convolution's are under torch.compile). On the CPU machine that took
     2 us off each call of a compiled function (bench/NOTES.md)."""
+    if torch._C._is_any_autocast_enabled():
+        input, weight, bias = _autocast(input, weight, bias)
     kinds = check_argument_kinds(dims, input, weight, bias, stride, padding, dilation, groups)
     transformed = transforms_active()
     if transformed or input.dtype == torch.bool:
@@ -297,7 +303,7 @@ def problem_of(
     dims = weight.dim() - 2
     if isinstance(input, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor)):
         # As the convolution does: cast as autocast would, then check.
-        input, weight, bias = _autocast(input, weight, bias, device_type=input.device.type)
+        input, weight, bias = _autocast(input, weight, bias)
     args = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)
     if input.dim() == dims + 1:
         input = input.unsqueeze(0)
