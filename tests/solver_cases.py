@@ -198,7 +198,9 @@ def case_id(case) -> str:
 
 
 def operands(problem: ConvProblem, device, seed: int):
-    """Fresh seeded random operands of the problem's direction, dense in its layout."""
+    """Fresh seeded random operands of the problem's direction, dense in its layout,
+    but for the bias of every other seed, which is every other element of a longer
+    vector (a bias is taken with any stride)."""
     from gemmconv import ConvTensors
 
     from conftest import random_in
@@ -211,7 +213,10 @@ def operands(problem: ConvProblem, device, seed: int):
 
     x_shape, x_layout = problem.input_shape, problem.input_layout
     if problem.direction is Direction.FORWARD:
-        bias = rand((problem.k,), Layout.CHANNELS_FIRST) if problem.has_bias else None
+        bias = None
+        if problem.has_bias:
+            step = 1 + seed % 2
+            bias = rand((problem.k * step,), Layout.CHANNELS_FIRST)[::step]
         return ConvTensors(
             input=rand(x_shape, x_layout), weight=rand(problem.weight_shape), bias=bias
         )

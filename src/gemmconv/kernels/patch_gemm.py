@@ -66,7 +66,7 @@ def _forward_kernel(
     M, KOUT, KRED, C, O1, O2, O3, R1, R2, R3,
     XSN, XSC, XS1, XS2, XS3,
     YSN, YSC, YS1, YS2, YS3,
-    WLD,
+    WLD, BS,
     HAS_BIAS: tl.constexpr,
     CHANNELS_LAST_COLUMNS: tl.constexpr,
     RUN: tl.constexpr,
@@ -107,7 +107,7 @@ def _forward_kernel(
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
     if HAS_BIAS:
-        acc += tl.load(b_ptr + kout, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(b_ptr + kout * BS, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = acc.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + y_row[:, None] + kout[None, :].to(tl.int64) * YSC, out,
              mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
@@ -293,6 +293,7 @@ def patch_gemm_forward(
             TensorSlot(0), TensorSlot(1), bias_slot, TensorSlot(3),
             g.rows, kout, g.reduction, g.c, *g.outs, *g.kernel, *g.strides,
             *_output_strides(out), weight_rows.stride(0),
+            1 if bias is None else bias.stride(0),  # a bias is taken with any stride
         )  # fmt: skip
         constants = {
             **_tile_constants(g, cfg, x.dtype, channels_last_columns, allow_tf32),
