@@ -306,3 +306,14 @@ def test_non_strict_export_takes_the_ops(monkeypatch):
     assert answers == [None]
     targets = [node.target for node in program.graph.nodes if node.op == "call_function"]
     assert targets == [torch.ops.aten.convolution.default]  # the ops' portable form
+
+
+def test_a_strided_bias_takes_the_dense_ones_entry_and_is_read_through_its_strides():
+    x, w, b = _operands(15)
+    eager.clear()
+    gemmconv.conv2d(x, w, b, stride=3)
+    strided = torch.stack([b, torch.full_like(b, float("nan"))], dim=1)[:, 0]
+    assert strided.stride() == (2,)
+    y = gemmconv.conv2d(x, w, strided, stride=3)
+    assert len(eager._calls) == 1  # its strides are not in the key
+    torch.testing.assert_close(y, F.conv2d(x, w, b, stride=3), rtol=1e-12, atol=1e-12)

@@ -135,8 +135,11 @@ def _conv(
             _PUBLIC[dims], (input, weight, bias), input, weight, bias, stride, padding,
             dilation, groups,
         )  # fmt: skip
-    tensors = isinstance(input, torch.Tensor) and isinstance(weight, torch.Tensor)
-    if tensors and (bias is None or isinstance(bias, torch.Tensor)):
+    if (
+        isinstance(input, torch.Tensor)
+        and isinstance(weight, torch.Tensor)
+        and (bias is None or isinstance(bias, torch.Tensor))
+    ):
         if torch.compiler.is_dynamo_compiling():
             return _traced_convolution(dims, input, weight, bias, stride, padding, dilation, groups)
         if _any_autocast_enabled():  # one C call where autocast is off
