@@ -20,7 +20,7 @@ import torch
 # CI installs hypothesis (the test extra); a machine without it skips this module by name.
 pytest.importorskip("hypothesis")
 
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 import gemmconv
@@ -38,6 +38,8 @@ from random_conv import (
     check_against_torch,
     check_every_solver,
 )
+
+from solver_cases import INTERPRETER_DTYPES, TRITON_SOLVERS
 
 # torch warns that 'same' padding with an even kernel copies the input; not under test.
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same'")
@@ -238,6 +240,39 @@ def test_conv_matches_torch_in_every_selection_mode(mode, tmp_path, monkeypatch)
 def test_every_applicable_solver_matches_float64(case: ConvCase):
     for solver_id in sorted(set(check_every_solver(case))):
         event(f"solver {solver_id}")
+
+
+GEMM_KINDS = ("patch", "point_output", "pointwise", "strided_pointwise")
+
+
+@pytest.mark.parametrize("solver_id", sorted(TRITON_SOLVERS))
+@settings(
+    max_examples=60,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+@given(
+    conv_cases(integer_padding_only=True, kinds=GEMM_KINDS),
+    st.sampled_from(sorted(INTERPRETER_DTYPES, key=str)),
+)
+def test_triton_solvers_through_the_public_call_interpreted(solver_id, case: ConvCase, dtype):
+    """The Triton solvers forced on random calls with non-dense operands (strided
+    views, offsets, a sliced bias, expanded dY), forward and every gradient, in
+    Triton's interpreter: the solver matrix gives them dense operands only, and a
+    bias read as dense whatever its stride got through it."""
+    solver = get_solver(solver_id)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(solver), "devices", solver.devices | {"cpu"})
+        patch.setenv("GEMMCONV_SOLVER", solver_id)
+        dispatch.clear_cache()
+        try:
+            check_against_torch(dataclasses.replace(case, dtype=dtype))
+        except dispatch.SolverNotApplicable:
+            assume(False)
+        finally:
+            dispatch.clear_cache()
 
 
 @pytest.mark.gpu
