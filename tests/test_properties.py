@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import gemmconv
 import gemmconv.nn
-from gemmconv import Direction, dispatch, finddb, get_solver, measure
+from gemmconv import Direction, dispatch, finddb, get_solver, measure, solver_ids
 from random_conv import (
     CF,
     CL,
@@ -39,7 +39,7 @@ from random_conv import (
     check_every_solver,
 )
 
-from solver_cases import INTERPRETER_DTYPES, TRITON_SOLVERS
+from solver_cases import INTERPRETER_DTYPES, interpreted
 
 # torch warns that 'same' padding with an even kernel copies the input; not under test.
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same'")
@@ -242,29 +242,28 @@ def test_every_applicable_solver_matches_float64(case: ConvCase):
         event(f"solver {solver_id}")
 
 
-GEMM_KINDS = ("patch", "point_output", "pointwise", "strided_pointwise")
-
-
-@pytest.mark.parametrize("solver_id", sorted(TRITON_SOLVERS))
+@pytest.mark.parametrize("solver_id", solver_ids())
 @settings(
-    max_examples=60,
+    max_examples=50,
     derandomize=True,
     database=None,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-@given(
-    conv_cases(integer_padding_only=True, kinds=GEMM_KINDS),
-    st.sampled_from(sorted(INTERPRETER_DTYPES, key=str)),
-)
-def test_triton_solvers_through_the_public_call_interpreted(solver_id, case: ConvCase, dtype):
-    """The Triton solvers forced on random calls with non-dense operands (strided
-    views, offsets, a sliced bias, expanded dY), forward and every gradient, in
-    Triton's interpreter: the solver matrix gives them dense operands only, and a
-    bias read as dense whatever its stride got through it."""
+@given(conv_cases(integer_padding_only=True), st.data())
+def test_each_solver_forced_through_the_public_call(solver_id, case: ConvCase, data):
+    """Each solver forced on random calls with non-dense operands (strided views,
+    offsets, a sliced bias, expanded dY), forward and every gradient: what the eager
+    road runs is the solver's prepared run, which the solver matrix checks on dense
+    operands only (a Triton kernel that read a strided bias as dense got through
+    it). The Triton solvers run in Triton's interpreter, in its dtypes."""
     solver = get_solver(solver_id)
+    interpreted_here = interpreted(solver)
+    dtypes = INTERPRETER_DTYPES if interpreted_here else {torch.float32, torch.float64}
+    dtype = data.draw(st.sampled_from(sorted(dtypes, key=str)))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(type(solver), "devices", solver.devices | {"cpu"})
+        if interpreted_here:
+            patch.setattr(type(solver), "devices", solver.devices | {"cpu"})
         patch.setenv("GEMMCONV_SOLVER", solver_id)
         dispatch.clear_cache()
         try:
