@@ -14,8 +14,9 @@ themselves when the backward is being differentiated, so double backward keeps t
 autograd formulas).
 
 Anything this road does not cover (an argument that cannot be hashed, 'same' padding
-that pads the input first, a tensor subclass, a device other than cpu/cuda) takes
-the custom-op road, which checks and computes everything afresh.
+that pads the input first, a tensor subclass, a device other than cpu/cuda, arguments
+equal to a checked call's but of other types) takes the custom-op road, which checks
+and computes everything afresh.
 """
 
 from __future__ import annotations
