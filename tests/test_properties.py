@@ -255,8 +255,9 @@ def test_each_solver_forced_through_the_public_call(solver_id, case: ConvCase, d
     """Each solver forced on random calls with non-dense operands (strided views,
     offsets, a sliced bias, expanded dY), forward and every gradient: what the eager
     road runs is the solver's prepared run, which the solver matrix checks on dense
-    operands only (a Triton kernel that read a strided bias as dense got through
-    it). The Triton solvers run in Triton's interpreter, in its dtypes."""
+    operands and a strided bias only (a Triton kernel that read a strided bias as
+    dense had got through it). The Triton solvers run in Triton's interpreter, in its
+    dtypes."""
     solver = get_solver(solver_id)
     interpreted_here = interpreted(solver)
     dtypes = INTERPRETER_DTYPES if interpreted_here else {torch.float32, torch.float64}
