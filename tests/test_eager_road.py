@@ -135,15 +135,24 @@ def test_arguments_equal_to_a_checked_call_but_of_other_kinds_are_refused(bad):
     assert ours.type is torch_error.type
 
 
-def test_equal_arguments_built_afresh_take_the_checked_call():
+def test_equal_arguments_built_afresh_take_the_checked_call(monkeypatch):
     x, w, b = _operands(12)
+    eager.clear()
     gemmconv.conv2d(x, w, b, stride=(3, 3))
-    assert len(eager._calls) >= 1
-    before = dict(eager._calls)
+    (call,) = eager._calls.values()
+    typed_checks = []
+    same_kinds = eager._same_kinds
+    monkeypatch.setattr(eager, "_same_kinds", lambda *a: typed_checks.append(a) or same_kinds(*a))
     stride = tuple([3] * 2)  # equal, of the same kinds, another object
-    y = gemmconv.conv2d(x, w, b, stride=stride)
-    torch.testing.assert_close(y, F.conv2d(x, w, b, stride=3), rtol=1e-12, atol=1e-12)
-    assert eager._calls == before
+    for _ in range(2):
+        y = gemmconv.conv2d(x, w, b, stride=stride)
+        torch.testing.assert_close(y, F.conv2d(x, w, b, stride=3), rtol=1e-12, atol=1e-12)
+    assert list(eager._calls.values()) == [call]
+    # Checked by type once, then found by identity (as a second module of the same
+    # configuration, with its own tuples, would be).
+    assert len(typed_checks) == 1 and call.accepted[-1][0] is stride
+    with pytest.raises(TypeError, match="expected an integer"):
+        gemmconv.conv2d(x, w, b, stride=(3, 3.0))
 
 
 @pytest.mark.parametrize(
@@ -317,3 +326,15 @@ def test_a_strided_bias_takes_the_dense_ones_entry_and_is_read_through_its_strid
     y = gemmconv.conv2d(x, w, strided, stride=3)
     assert len(eager._calls) == 1  # its strides are not in the key
     torch.testing.assert_close(y, F.conv2d(x, w, b, stride=3), rtol=1e-12, atol=1e-12)
+
+
+def test_an_entry_remembers_a_bounded_few_argument_objects():
+    x, w, b = _operands(16)
+    eager.clear()
+    first = (3, 3)
+    gemmconv.conv2d(x, w, b, stride=first)
+    (call,) = eager._calls.values()
+    for _ in range(3 * eager._ACCEPTED_MAX):
+        gemmconv.conv2d(x, w, b, stride=tuple([3] * 2))
+    assert 1 < len(call.accepted) <= eager._ACCEPTED_MAX
+    assert call.accepted[0][0] is first  # the checked call's, kept

@@ -72,7 +72,7 @@ _DEVICE_TYPES = frozenset({"cpu", "cuda"})
 class _Call:
     """What one distinct eager call needs besides its tensors."""
 
-    __slots__ = ("plan", "unbatched", "arguments", "conv_args", "vendor_function",
+    __slots__ = ("plan", "unbatched", "accepted", "conv_args", "vendor_function",
                  "vendor_arguments", "input_size", "weight_size", "channels_last",
                  "vendor_forward", "_vendor_gradients", "_backward_plans")  # fmt: skip
 
@@ -80,7 +80,10 @@ class _Call:
                  conv_args: tuple, input: torch.Tensor, weight: torch.Tensor) -> None:  # fmt: skip
         self.plan = plan
         self.unbatched = unbatched
-        self.arguments = arguments  # stride, padding, dilation, groups as the caller gave them
+        # The stride, padding, dilation and groups objects calls have passed, the checked
+        # call's first: a call passing these very objects needs no check of their types.
+        # Modules of one configuration share an entry, each with its own tuples.
+        self.accepted = [arguments]
         self.conv_args = conv_args  # the same resolved: stride, padding, dilation (lists), groups
         self.vendor_function = _TORCH_CONVOLUTIONS[dims]
         self.vendor_arguments = _shortest_arguments(*conv_args)
@@ -91,6 +94,17 @@ class _Call:
         # Per (dx needed, dW needed): whether torch's fused backward serves the call.
         self._vendor_gradients: dict[tuple[bool, bool], bool] = {}
         self._backward_plans: dict[tuple, ops.Plan] = {}
+
+    def accepts(self, arguments: tuple) -> bool:
+        """Whether ``arguments``, equal to the checked call's, are of the same types all
+        through; if so they are remembered (a bounded few), so their next call finds
+        them by identity."""
+        if not _same_kinds(arguments, self.accepted[0]):
+            return False
+        if len(self.accepted) >= _ACCEPTED_MAX:
+            del self.accepted[1:]
+        self.accepted.append(arguments)
+        return True
 
     def vendor_gradients(self, need_dx: bool, need_dw: bool) -> bool:
         """Whether the backward, like this call's forward, goes to the vendor: torch's
@@ -147,6 +161,9 @@ def _saving_over_vendor(choice: dispatch.Choice) -> float | None:
 
 # torch's public convolution per spatial rank, for the calls that go to the vendor.
 _TORCH_CONVOLUTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+# Argument objects an entry remembers: a model's modules of one configuration each pass
+# their own; past this many, the entry starts again from the checked call's.
+_ACCEPTED_MAX = 64
 # dY of one call comes in few layouts (usually one); a bound all the same.
 _BACKWARD_PLANS_MAX = 8
 # Bounded like the ops' plans; emptied by dispatch.clear_cache() with the choices.
@@ -204,14 +221,18 @@ def convolve(
         return None
     if module is not None:
         module.__dict__[LAST_INPUT] = SeenInput(shape, strides, dtype, device)
-    checked = call.arguments
-    if not (
-        stride is checked[0] and padding is checked[1] and dilation is checked[2]
-        and groups is checked[3]
-    ) and not _same_kinds((stride, padding, dilation, groups), checked):  # fmt: skip
-        # Equal keys hold equal values, but 1.0 and True equal 1: arguments of other
-        # kinds than the checked ones are checked afresh (and refused as F.conv* would).
-        return None
+    for known_stride, known_padding, known_dilation, known_groups in call.accepted:
+        if (
+            stride is known_stride and padding is known_padding
+            and dilation is known_dilation and groups is known_groups
+        ):  # fmt: skip
+            break
+    else:
+        if not call.accepts((stride, padding, dilation, groups)):
+            # Equal keys hold equal values, but 1.0 and True equal 1: arguments of other
+            # types than the checked ones take the op road, which refuses them as
+            # F.conv* would.
+            return None
     needs_grad = _is_grad_enabled() and (
         input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
