@@ -185,15 +185,20 @@ def _traced_convolution(dims, input, weight, bias, stride, padding, dilation, gr
 def _convolve_resolved(convolve, dims, input, weight, bias, args: ResolvedArguments):
     """``convolve`` (the op, or a form of it) on batched, padded operands."""
     unbatched = input.dim() == dims + 1
-    if unbatched:
+    y = convolve(
+        _op_input(input, dims, args), weight, bias, list(args.stride), list(args.padding),
+        list(args.dilation), args.groups,
+    )  # fmt: skip
+    return y.squeeze(0) if unbatched else y
+
+
+def _op_input(input: torch.Tensor, dims: int, args: ResolvedArguments) -> torch.Tensor:
+    """``input`` as the op takes it: batched, and padded first where 'same' needs it."""
+    if input.dim() == dims + 1:
         input = input.unsqueeze(0)
     if args.input_padding:
         input = F.pad(input, args.input_padding)
-    y = convolve(
-        input, weight, bias, list(args.stride), list(args.padding), list(args.dilation),
-        args.groups,
-    )  # fmt: skip
-    return y.squeeze(0) if unbatched else y
+    return input
 
 
 def conv1d(
@@ -308,11 +313,12 @@ def problem_of(
         # As the convolution does: cast as autocast would, then check.
         input, weight, bias = _autocast(input, weight, bias)
     args = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)
-    if input.dim() == dims + 1:
-        input = input.unsqueeze(0)
-    if args.input_padding:
-        input = F.pad(input, args.input_padding)
-    pad = args.padding
     return ConvProblem.from_tensors(
-        input, weight, bias, args.stride, pad, args.dilation, args.groups
+        _op_input(input, dims, args),
+        weight,
+        bias,
+        args.stride,
+        args.padding,
+        args.dilation,
+        args.groups,
     )
