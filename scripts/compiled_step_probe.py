@@ -29,15 +29,17 @@ from gemmconv.e2e_scenarios import build_workload, make_step, prepare_variant, s
 VARIANTS = ("torch", "converted", "converted_channels_last", "linear")
 
 
-def _profile_counts(step, steps: int, sync) -> dict[str, float]:
+def _profile_counts(step, steps: int, sync) -> tuple[dict[str, float], dict[str, float]]:
     """Per step: CUDA-graph launches, host kernel launches, gemmconv op calls, their host
-    us, and the device us of every kernel, from torch.profiler over ``steps`` steps."""
+    us, and the device us of every kernel, from torch.profiler over ``steps`` steps;
+    and each kernel's device us per step by name (to compare variants)."""
     with torch.profiler.profile() as prof:
         for _ in range(steps):
             step()
         sync()
     counts = dict.fromkeys(("graph launches", "host kernel launches", "gemmconv op calls"), 0.0)
     counts["gemmconv op host us"] = counts["kernel device us"] = 0.0
+    kernels: dict[str, float] = {}
     for event in prof.key_averages():
         name = event.key
         if "GraphLaunch" in name:
@@ -49,7 +51,8 @@ def _profile_counts(step, steps: int, sync) -> dict[str, float]:
             counts["gemmconv op host us"] += event.cpu_time_total
         if event.device_type == DeviceType.CUDA:  # the kernels themselves, not their callers
             counts["kernel device us"] += event.self_device_time_total
-    return {key: value / steps for key, value in counts.items()}
+            kernels[name] = kernels.get(name, 0.0) + event.self_device_time_total / steps
+    return {key: value / steps for key, value in counts.items()}, kernels
 
 
 def _cudagraph_counters() -> dict[str, int]:
@@ -70,6 +73,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="timed rounds")
     parser.add_argument("--profiled", type=int, default=10, help="profiled steps per variant")
     parser.add_argument("--quick", action="store_true", help="the CPU-sized model")
+    parser.add_argument("--top-kernels", type=int, default=15, help="kernels listed per variant")
     args = parser.parse_args()
     (s,) = scenarios([args.scenario])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -82,11 +86,16 @@ def main() -> None:
             steps[v] = make_step(s, prepared[0], w, device)
     time_steps(steps, args.steps, sync, f"{s.name} on {device}, torch {torch.__version__}")
     print(f"per step, over {args.profiled} profiled steps:")
+    kernels = {}
     for v, step in steps.items():
-        cells = "  ".join(
-            f"{k} {x:.1f}" for k, x in _profile_counts(step, args.profiled, sync).items()
-        )
+        counts, kernels[v] = _profile_counts(step, args.profiled, sync)
+        cells = "  ".join(f"{k} {x:.1f}" for k, x in counts.items())
         print(f"  {v:23s} {cells}", flush=True)
+    for v, by_name in kernels.items():
+        top = sorted(by_name.items(), key=lambda item: -item[1])[: args.top_kernels]
+        print(f"{v}: the {len(top)} kernels with the most device us per step")
+        for name, us in top:
+            print(f"  {us:9.1f}  {name[:100]}")
     print("inductor's CUDA-graph counters (all variants):", _cudagraph_counters())
 
 

@@ -24,6 +24,10 @@ probe)
     timeout 120 python3 scripts/launch_cost.py >"$OUT/launch_cost.txt" 2>&1
     timeout 240 python3 scripts/compiled_step_probe.py vit_b16_infer_b8_cudagraphs \
         >"$OUT/compiled_step_probe.txt" 2>&1
+    # The compiled training step's gap to the rewrite: two variants (each compiles).
+    timeout 240 python3 scripts/compiled_step_probe.py vit_b16_train_b256_compiled \
+        --variants converted_channels_last linear --steps 10 --profiled 3 \
+        >"$OUT/compiled_train_probe.txt" 2>&1
     for row in "point3d cf fwd" "point3d cf fwd_wgrad" "vit_b16 cf fwd" "vit_b16 cf bwd_weights" \
         "resnet_1x1 cf fwd" "convnext_down cl bwd_data"; do
         set -- $row
@@ -36,7 +40,8 @@ suite)
     python3 -m gemmconv bench --out "$OUT/suite" --time-budget 160 >"$OUT/suite.log" 2>&1
     ;;
 models)
-    python3 -m gemmconv bench --models --out "$OUT/e2e" --time-budget 300 >"$OUT/e2e.log" 2>&1
+    # 230 s of steps ran all ten scenarios at 316a61b, in about 290 s with the imports.
+    python3 -m gemmconv bench --models --out "$OUT/e2e" --time-budget 230 >"$OUT/e2e.log" 2>&1
     ;;
 ab)
     # Whether the suite's backward calls moved with the machine or with the order of
