@@ -4,13 +4,14 @@
 # rest). Run from the repository root on the GPU machine:
 #   bash scripts/h200_session.sh tests     # the GPU tests (about 4 min)
 #   bash scripts/h200_session.sh probe     # launch cost, CUDA-graph step, host profiles of rows
+#   bash scripts/h200_session.sh compiled  # the compiled training step, split by kernel
 #   bash scripts/h200_session.sh suite     # the suite (about 3 min of rows)
 #   bash scripts/h200_session.sh models    # the end-to-end table (about 3 min)
 #   OLD_TREE=old bash scripts/h200_session.sh ab   # order vs machine, below
 set -u
 : "${OUT:?set OUT to the folder for the results}"
 export PYTHONPATH=src
-stage=${1:?stage: tests, probe, suite, models or ab}
+stage=${1:?stage: tests, probe, compiled, suite, models or ab}
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 echo "$stage at $commit, $(date -u +%FT%TZ)" >>"$OUT/session.log"
 case $stage in
@@ -24,23 +25,28 @@ probe)
     timeout 120 python3 scripts/launch_cost.py >"$OUT/launch_cost.txt" 2>&1
     timeout 240 python3 scripts/compiled_step_probe.py vit_b16_infer_b8_cudagraphs \
         >"$OUT/compiled_step_probe.txt" 2>&1
-    # The compiled training step's gap to the rewrite: two variants (each compiles).
-    timeout 240 python3 scripts/compiled_step_probe.py vit_b16_train_b256_compiled \
-        --variants converted_channels_last linear --steps 10 --profiled 3 \
-        >"$OUT/compiled_train_probe.txt" 2>&1
     for row in "point3d cf fwd" "point3d cf fwd_wgrad" "vit_b16 cf fwd" "vit_b16 cf bwd_weights" \
         "resnet_1x1 cf fwd" "convnext_down cl bwd_data"; do
         set -- $row
+        # One file for all rows: the device tool brings back at most eight.
+        echo "== $row" >>"$OUT/host_profiles.txt"
         timeout 120 python3 scripts/host_profile.py "$1" --layout "$2" --kind "$3" --top 30 \
-            >"$OUT/profile_$1_$2_$3.txt" 2>&1
+            >>"$OUT/host_profiles.txt" 2>&1
     done
+    ;;
+compiled)
+    # The compiled training step's gap to the rewrite: two variants, each compiling
+    # ViT-B/16's training step.
+    timeout 500 python3 scripts/compiled_step_probe.py vit_b16_train_b256_compiled \
+        --variants converted_channels_last linear --steps 10 --profiled 3 \
+        >"$OUT/compiled_train_probe.txt" 2>&1
     ;;
 suite)
     # 110 s of rows left 9 of 66 unrun on a slow host (the run at 316a61b); 140 ran all.
     python3 -m gemmconv bench --out "$OUT/suite" --time-budget 160 >"$OUT/suite.log" 2>&1
     ;;
 models)
-    # 230 s of steps ran all ten scenarios at 316a61b, in about 290 s with the imports.
+    # A budget of 230 s ran all ten scenarios at 316a61b.
     python3 -m gemmconv bench --models --out "$OUT/e2e" --time-budget 230 >"$OUT/e2e.log" 2>&1
     ;;
 ab)
@@ -64,7 +70,7 @@ ab)
     done
     ;;
 *)
-    echo "stage=$stage: expected tests, probe, suite, models or ab" >&2
+    echo "stage=$stage: expected tests, probe, compiled, suite, models or ab" >&2
     exit 2
     ;;
 esac
