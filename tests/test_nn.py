@@ -108,6 +108,28 @@ def test_unbatched_input_like_torch():
     assert rms_range(y, theirs.double()(x.double())) <= tolerance(torch.float32, "cpu")
 
 
+@pytest.mark.parametrize("kind", ["plain_attribute", "weight_norm"])
+def test_a_weight_that_is_not_a_registered_parameter_is_read_as_torch_reads_it(kind):
+    """The forward reads a registered Parameter directly; a weight held otherwise (a
+    plain tensor attribute, torch's hook-based weight_norm recomputing one before each
+    forward) is read through the attribute, as torch's forward reads it."""
+    torch.manual_seed(0)
+    ours = gemmconv.nn.Conv2d(3, 8, 4, stride=4)
+    theirs = torch.nn.Conv2d(3, 8, 4, stride=4)
+    theirs.load_state_dict(ours.state_dict())
+    for m in (ours, theirs):
+        if kind == "plain_attribute":
+            weight = m.weight.detach() * 2
+            del m.weight
+            m.weight = weight
+        else:
+            with pytest.warns(FutureWarning):
+                torch.nn.utils.weight_norm(m)
+    assert "weight" not in ours._parameters
+    x = torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(ours(x), theirs(x))
+
+
 @pytest.mark.usefixtures("work_costs_only")
 def test_solvers_reports_each_direction_and_is_not_state():
     conv = gemmconv.nn.Conv2d(3, 8, kernel_size=2, stride=2)

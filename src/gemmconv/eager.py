@@ -22,7 +22,6 @@ and computes everything afresh.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import torch
 import torch.autograd.forward_ad as forward_ad
@@ -30,21 +29,14 @@ import torch.nn.functional as F
 
 from gemmconv import device_rates, dispatch, ops
 from gemmconv.memory_format import Layout
-from gemmconv.problem import Direction
+from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.views import bias_grad
 
-
-class SeenInput(NamedTuple):
-    """A forward's input without its data, as a gemmconv.nn module remembers it for
-    ``solvers()``: shape, strides, the dtype the convolution ran in (autocast
-    resolved) and the device, as the eager road reads them for its key. A NamedTuple,
-    not a dataclass: one is built on every eager forward of a module, and a frozen
-    dataclass costs several times more."""
-
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
+# A forward's input without its data, as a gemmconv.nn module remembers it for
+# ``solvers()``: (shape, strides, dtype, device), the dtype the convolution ran in
+# (autocast resolved), as the eager road reads them for its key. A plain tuple: one is
+# built on every eager forward of a module, and a NamedTuple costs 0.2 us more.
+SeenInput = tuple[torch.Size, tuple[int, ...], torch.dtype, torch.device]
 
 
 # The attribute under which a gemmconv.nn module keeps the SeenInput of its last
@@ -56,7 +48,7 @@ def remember_input(module: torch.nn.Module, input: torch.Tensor) -> None:
     """Keep ``input``'s SeenInput on ``module`` (a gemmconv.nn module)."""
     # Past nn.Module.__setattr__, whose checks for parameters, buffers and submodules
     # cost a microsecond a forward.
-    module.__dict__[LAST_INPUT] = SeenInput(input.shape, input.stride(), input.dtype, input.device)
+    module.__dict__[LAST_INPUT] = (input.shape, input.stride(), input.dtype, input.device)
 
 
 # torch's C questions, bound once: every eager call asks them, and the lookups through
@@ -74,7 +66,8 @@ class _Call:
 
     __slots__ = ("plan", "unbatched", "accepted", "conv_args", "vendor_function",
                  "vendor_arguments", "input_size", "weight_size", "channels_last",
-                 "vendor_forward", "_vendor_gradients", "_backward_plans")  # fmt: skip
+                 "vendor_forward", "_vendor_gradients", "_backward_plans", "bias_sum_dims",
+                 "_weight_gradient_from_columns")  # fmt: skip
 
     def __init__(self, dims: int, plan: ops.Plan, unbatched: bool, arguments: tuple,
                  conv_args: tuple, input: torch.Tensor, weight: torch.Tensor) -> None:  # fmt: skip
@@ -93,7 +86,10 @@ class _Call:
         self.vendor_forward = plan.solver.id == "vendor"
         # Per (dx needed, dW needed): whether torch's fused backward serves the call.
         self._vendor_gradients: dict[tuple[bool, bool], bool] = {}
-        self._backward_plans: dict[tuple, ops.Plan] = {}
+        # Backward plans of backward-data, then of backward-weights.
+        self._backward_plans: tuple[dict[tuple, ops.Plan], ...] = ({}, {})
+        self.bias_sum_dims = (0, *range(2, dims + 2))
+        self._weight_gradient_from_columns: bool | None = None
 
     def accepts(self, arguments: tuple) -> bool:
         """Whether ``arguments``, equal to the checked call's, are of the same types all
@@ -116,35 +112,87 @@ class _Call:
         needed = (need_dx, need_dw)
         verdict = self._vendor_gradients.get(needed)
         if verdict is None:
-            problem = dataclasses.replace(self.plan.problem, has_bias=False)
             directions = (Direction.BACKWARD_DATA, Direction.BACKWARD_WEIGHTS)
             savings = [
-                _saving_over_vendor(dispatch.choose(problem.with_direction(d)))
+                _saving_over_vendor(dispatch.choose(self._backward_problem(d)))
                 for d, needed_here in zip(directions, needed)
                 if needed_here
             ]
-            node_ms = device_rates.rates_for(problem.device_type).autograd_node_us / 1000
+            device_type = self.plan.problem.device_type
+            node_ms = device_rates.rates_for(device_type).autograd_node_us / 1000
             verdict = None not in savings and (not any(savings) or sum(savings) < node_ms)
             self._vendor_gradients[needed] = verdict
         return verdict
 
-    def backward_plan(
-        self, direction: Direction, grad_output: torch.Tensor, operand: torch.Tensor
+    def weight_gradient_from_columns(self) -> bool:
+        """Whether dW multiplies the forward's columns: where the weight gradient's
+        solver, decided (found, logged) as for any call, is a column GEMM. Decided once,
+        in the first forward that needs dW: the entry's key holds the selection state,
+        and the weight gradient's problem is the forward's in another direction."""
+        verdict = self._weight_gradient_from_columns
+        if verdict is None:
+            solver = dispatch.solver_for(self._backward_problem(Direction.BACKWARD_WEIGHTS))
+            verdict = self._weight_gradient_from_columns = solver.weight_gradient_multiplies_columns
+        return verdict
+
+    def _backward_problem(self, direction: Direction) -> ConvProblem:
+        """The problem of a backward direction of this call, as its backward plan
+        builds it: the forward's, without the bias, in ``direction``."""
+        return dataclasses.replace(self.plan.problem, has_bias=False).with_direction(direction)
+
+    def gradients(
+        self,
+        grad_output: torch.Tensor,
+        input: torch.Tensor | None,
+        weight: torch.Tensor | None,
+        columns: torch.Tensor | None,
+        need_dx: bool,
+        need_dw: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """dx and dW of this call, each where needed: dW from the forward's ``columns``
+        where it kept them (weight_gradient_from_columns), else each by its backward
+        plan."""
+        dw = None
+        if need_dw and columns is not None:
+            dw = ops.weight_gradient_from_columns(self.plan, grad_output, columns)
+            need_dw = False
+        if not (need_dx or need_dw):
+            return None, dw
+        # Everything else a backward plan's key holds is fixed by the call (its operand
+        # is the forward's own weight or input).
+        key = (grad_output.stride(), grad_output.dtype, dispatch.selection_key())
+        dx = None
+        if need_dx:
+            plan = self._backward_plan(Direction.BACKWARD_DATA, key, grad_output, weight)
+            dx = ops.run_backward(plan, grad_output, weight)
+        if need_dw:
+            plan = self._backward_plan(Direction.BACKWARD_WEIGHTS, key, grad_output, input)
+            dw = ops.run_backward(plan, grad_output, input)
+        return dx, dw
+
+    def _backward_plan(
+        self, direction: Direction, key: tuple, grad_output: torch.Tensor, operand: torch.Tensor
     ) -> ops.Plan:
-        """The plan of a backward direction of this call. Everything else its key holds
-        is fixed by the call (the operand is the forward's own weight or input), so
-        it is kept here under dY's strides and dtype and the selection state."""
-        key = (direction, grad_output.stride(), grad_output.dtype, dispatch.selection_key())
-        plan = self._backward_plans.get(key)
+        """The plan of a backward direction under ``key`` (dY's strides and dtype, the
+        selection state), kept per direction."""
+        plans = self._backward_plans[direction is Direction.BACKWARD_WEIGHTS]
+        plan = plans.get(key)
         if plan is None:
             size = self.input_size if direction is Direction.BACKWARD_DATA else self.weight_size
             plan = ops.backward_plan(
                 direction, grad_output, operand, size, *self.conv_args, self.channels_last
             )
-            if len(self._backward_plans) >= _BACKWARD_PLANS_MAX:
-                self._backward_plans.clear()
-            self._backward_plans[key] = plan
+            if len(plans) >= _BACKWARD_PLANS_MAX:
+                plans.clear()
+            plans[key] = plan
         return plan
+
+    def bias_gradient(self, grad_output: torch.Tensor) -> torch.Tensor:
+        """views.bias_grad, with the dimensions it sums found once: building them
+        costs more than the sum of a small dY."""
+        if grad_output.shape[1] != self.weight_size[0]:
+            return bias_grad(grad_output, out_channels=self.weight_size[0])
+        return grad_output.sum(self.bias_sum_dims)
 
 
 def _saving_over_vendor(choice: dispatch.Choice) -> float | None:
@@ -220,7 +268,7 @@ def convolve(
     if call is None:
         return None
     if module is not None:
-        module.__dict__[LAST_INPUT] = SeenInput(shape, strides, dtype, device)
+        module.__dict__[LAST_INPUT] = (shape, strides, dtype, device)
     for known_stride, known_padding, known_dilation, known_groups in call.accepted:
         if (
             stride is known_stride and padding is known_padding
@@ -314,9 +362,9 @@ class _EagerConvolution(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, bias, call: _Call):  # type: ignore[override]
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_dx, need_dw, _, _ = ctx.needs_input_grad
         columns = None
-        if need_dw:
+        if need_dw and call.weight_gradient_from_columns():
             # A forward that gathers columns keeps them for dW, as the reshape + linear
             # rewrite does: a column-GEMM weight gradient then runs its GEMM alone.
             y, columns = ops.run_forward_keeping_columns(call.plan, input, weight, bias)
@@ -332,34 +380,26 @@ class _EagerConvolution(torch.autograd.Function):
     def backward(ctx, grad_output):  # type: ignore[override]
         input, weight, columns = ctx.saved_tensors
         call: _Call = ctx.call
-        dx = dw = db = None
-        if torch.is_grad_enabled():
-            # Differentiating the backward (create_graph=True) needs the custom ops,
-            # whose own autograd formulas make double backward work.
-            args = (*call.conv_args, call.channels_last)
-            if ctx.needs_input_grad[0]:
-                dx = torch.ops.gemmconv.conv_backward_data(
-                    grad_output, weight, call.input_size, *args
-                )
-            if ctx.needs_input_grad[1]:
-                dw = torch.ops.gemmconv.conv_backward_weights(
-                    grad_output, input, call.weight_size, *args
-                )
+        need_dx, need_dw, need_db, _ = ctx.needs_input_grad
+        if _is_grad_enabled():
+            dx, dw = _differentiable_gradients(call, grad_output, input, weight, need_dx, need_dw)
         else:
-            if ctx.needs_input_grad[0]:
-                plan = call.backward_plan(Direction.BACKWARD_DATA, grad_output, weight)
-                dx = ops.run_backward(plan, grad_output, weight)
-            if ctx.needs_input_grad[1]:
-                # The weight gradient is decided (found, logged) as always; where its
-                # solver multiplies the same columns, the forward's are used.
-                plan = call.backward_plan(Direction.BACKWARD_WEIGHTS, grad_output, input)
-                if columns is not None and plan.solver.weight_gradient_multiplies_columns:
-                    dw = ops.weight_gradient_from_columns(call.plan, grad_output, columns)
-                else:
-                    dw = ops.run_backward(plan, grad_output, input)
-        if ctx.needs_input_grad[2]:
-            db = bias_grad(grad_output, out_channels=call.weight_size[0])
+            dx, dw = call.gradients(grad_output, input, weight, columns, need_dx, need_dw)
+        db = call.bias_gradient(grad_output) if need_db else None
         return dx, dw, db, None
+
+
+def _differentiable_gradients(call, grad_output, input, weight, need_dx, need_dw):
+    """dx and dW through the custom ops, whose own autograd formulas make double
+    backward work: the backward of a backward that is itself differentiated
+    (create_graph=True)."""
+    args = (*call.conv_args, call.channels_last)
+    dx = dw = None
+    if need_dx:
+        dx = torch.ops.gemmconv.conv_backward_data(grad_output, weight, call.input_size, *args)
+    if need_dw:
+        dw = torch.ops.gemmconv.conv_backward_weights(grad_output, input, call.weight_size, *args)
+    return dx, dw
 
 
 def clear() -> None:

@@ -110,7 +110,7 @@ class Plan:
     prepared on the first call (Solver.prepare), from that call's operands."""
 
     __slots__ = ("problem", "solver", "copy_first", "copy_second", "result_layout",
-                 "result_strides", "runner")  # fmt: skip
+                 "result_strides", "runner", "with_columns", "columns_as_promised")  # fmt: skip
 
     def __init__(
         self,
@@ -125,6 +125,11 @@ class Plan:
         self.copy_first, self.copy_second = copy_first, copy_second
         self.result_layout, self.result_strides = result_layout, result_strides
         self.runner: Callable[[ConvTensors], torch.Tensor] | None = None
+        # The prepared run's form that also returns its columns (None where it has
+        # none), and whether its results already have ``result_strides``: both known
+        # once the run is prepared.
+        self.with_columns: Callable[[ConvTensors], tuple] | None = None
+        self.columns_as_promised = False
 
 
 # Bounded so that a stream of ever-new shapes cannot grow it without limit; emptied
@@ -179,6 +184,8 @@ def _operands(
 def _prepared_runner(plan: Plan, tensors: ConvTensors) -> Callable[[ConvTensors], torch.Tensor]:
     """The plan's run, prepared from its first call's operands and kept."""
     runner = plan.runner = plan.solver.prepare(plan.problem, tensors)
+    plan.with_columns = getattr(runner, "with_columns", None)
+    plan.columns_as_promised = getattr(runner, "result_strides", None) == plan.result_strides
     return runner
 
 
@@ -263,16 +270,17 @@ def run_forward_keeping_columns(
     if plan.copy_first or plan.copy_second:
         input, weight = _operands(plan, input, weight)
     tensors = ConvTensors(input, weight, bias)
-    runner = plan.runner
-    if runner is None:
-        runner = _prepared_runner(plan, tensors)
-    keep = getattr(runner, "with_columns", None)
+    if plan.runner is None:
+        _prepared_runner(plan, tensors)
+    keep = plan.with_columns
     if keep is None:
         return _run(plan, tensors), None
     if torch._C._is_any_autocast_enabled():
         y, columns = _without_autocast(plan, keep, tensors)
     else:
         y, columns = keep(tensors)
+    if plan.columns_as_promised:
+        return y, columns
     return _as_promised(y, plan.result_layout, plan.result_strides), columns
 
 

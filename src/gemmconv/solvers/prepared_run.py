@@ -31,20 +31,20 @@ class ResultBuffer:
     """The direction's result as the solvers allocate it (views.result_buffer), its
     sizes and strides found once; ``meta`` is it on the meta device, for finding views."""
 
-    __slots__ = ("meta", "_size", "_stride")
+    __slots__ = ("meta", "size", "stride")
 
     def __init__(self, p: ConvProblem, like: torch.Tensor) -> None:
         self.meta = result_buffer(p, like, None)
-        self._size, self._stride = tuple(self.meta.shape), self.meta.stride()
+        self.size, self.stride = tuple(self.meta.shape), self.meta.stride()
 
     def __call__(self, like: torch.Tensor) -> torch.Tensor:
         """A new uninitialised result, of ``like``'s dtype and device."""
-        return torch.empty_strided(self._size, self._stride, dtype=like.dtype, device=like.device)
+        return torch.empty_strided(self.size, self.stride, dtype=like.dtype, device=like.device)
 
     def over(self, memory: torch.Tensor) -> torch.Tensor:
         """The result as a view of ``memory``, a dense tensor holding its elements in
         the result's own memory order."""
-        return memory.as_strided(self._size, self._stride)  # from memory's own offset
+        return memory.as_strided(self.size, self.stride)  # from memory's own offset
 
 
 def with_precision(p: ConvProblem, run: Callable[..., R]) -> Callable[..., R]:

@@ -64,8 +64,9 @@ def prepare(solver, p: ConvProblem, t: ConvTensors) -> Runner | None:
         return None
     meta = meta_operands(t)
     if p.direction is Direction.FORWARD:
-        forward = _forward(solver, p, ld, meta)
-        return None if forward is None else ColumnKeepingForward(p, ld, forward)
+        result = ResultBuffer(p, meta.input)
+        forward = _forward(solver, p, ld, meta, result)
+        return None if forward is None else ColumnKeepingForward(p, ld, forward, result.stride)
     views = _output_views(solver, p, meta.grad_output)
     if views is None:
         return None
@@ -74,8 +75,7 @@ def prepare(solver, p: ConvProblem, t: ConvTensors) -> Runner | None:
     return None if run is None else with_precision(p, run)
 
 
-def _forward(solver, p: ConvProblem, ld: int, t: ConvTensors):
-    result = ResultBuffer(p, t.input)
+def _forward(solver, p: ConvProblem, ld: int, t: ConvTensors, result: ResultBuffer):
     views = _output_views(solver, p, result.meta)
     if views is None:
         return None
@@ -120,10 +120,11 @@ class ColumnKeepingForward:
     reshape + linear rewrite does, instead of again in the backward. dW is the same
     GEMM the solvers' weight gradient runs, on the same columns."""
 
-    __slots__ = ("_forward", "_product", "_dy_rows", "_transpose_dy")
+    __slots__ = ("_forward", "_product", "_dy_rows", "_transpose_dy", "result_strides")
 
-    def __init__(self, p: ConvProblem, ld: int, forward) -> None:
+    def __init__(self, p: ConvProblem, ld: int, forward, result_strides: tuple[int, ...]) -> None:
         self._forward = with_precision(p, forward)
+        self.result_strides = result_strides  # of every y it returns (a ResultBuffer's)
         self._product = with_precision(p, _weight_gradient_product(p, ld))
         # How dY becomes rows (a view, or a copy) per dY strides; a call meets one or two.
         self._dy_rows: dict[tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]] = {}
