@@ -2,10 +2,11 @@
 
 Times (time.perf_counter, the median and the minimum of many calls after a warm-up)
 the forward and the forward + backward of tiny convolutions through torch.nn.functional.conv*,
-gemmconv.functional.conv* and gemmconv.nn.Conv*, and prints a Markdown table. The
-problems are so small that the arithmetic costs almost nothing: what is measured is
-the Python and dispatcher work around it. On a shared machine the minimum is the
-steadier figure: other processes only ever add time.
+gemmconv.functional.conv* and gemmconv.nn.Conv*, and for a patch convolution the
+reshape + F.linear rewrite's module too, and prints a Markdown table. The problems are
+so small that the arithmetic costs almost nothing: what is measured is the Python and
+dispatcher work around it. On a shared machine the minimum is the steadier figure:
+other processes only ever add time.
 
     PYTHONPATH=src python bench/overhead.py [--iters 2000] [--device cpu]
 """
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 import gemmconv
 import gemmconv.nn
+from gemmconv.linear_patch_embed import LinearPatchEmbed, is_patch_conv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,10 +32,14 @@ class Case:
     name: str
     input_shape: tuple[int, ...]
     out_channels: int
-    kernel: int
-    stride: int
+    kernel: int | tuple[int, ...]
+    stride: int | tuple[int, ...]
     channels_last: bool = False
     bias: bool = True
+
+    @property
+    def dims(self) -> int:
+        return len(self.input_shape) - 2
 
 
 CASES = (
@@ -42,7 +48,12 @@ CASES = (
     Case("1x1, 2x8x8x8 -> 8", (2, 8, 8, 8), 8, 1, 1),
     Case("1x1, channels-last", (2, 8, 8, 8), 8, 1, 1, channels_last=True),
     Case("1x1 no bias, 2x8x8x8 -> 8", (2, 8, 8, 8), 8, 1, 1, bias=False),
+    # Qwen2-VL's patch embed (kernel = stride = 2x14x14, one patch a sample), narrower.
+    Case("Qwen2-VL-shaped 3-D, 4x3x2x14x14 -> 64", (4, 3, 2, 14, 14), 64, (2, 14, 14), (2, 14, 14)),
 )
+_FUNCTIONAL = {2: (F.conv2d, gemmconv.conv2d), 3: (F.conv3d, gemmconv.conv3d)}
+_MODULES = {2: (torch.nn.Conv2d, gemmconv.nn.Conv2d), 3: (torch.nn.Conv3d, gemmconv.nn.Conv3d)}
+_CHANNELS_LAST = {2: torch.channels_last, 3: torch.channels_last_3d}
 
 
 def _times_us(
@@ -65,18 +76,19 @@ def _callers(case: Case, device: str) -> dict[str, tuple[Callable, Callable]]:
     """Per implementation: (forward-only call, forward + backward call)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(case.input_shape, generator=gen).to(device)
-    conv = torch.nn.Conv2d(
+    torch_module, gemmconv_module = _MODULES[case.dims]
+    conv = torch_module(
         case.input_shape[1], case.out_channels, case.kernel, case.stride, bias=case.bias
     ).to(device)
     if case.channels_last:
-        x = x.to(memory_format=torch.channels_last)
-        conv = conv.to(memory_format=torch.channels_last)
-    module = gemmconv.nn.Conv2d(
+        x = x.to(memory_format=_CHANNELS_LAST[case.dims])
+        conv = conv.to(memory_format=_CHANNELS_LAST[case.dims])
+    module = gemmconv_module(
         case.input_shape[1], case.out_channels, case.kernel, case.stride, bias=case.bias
     ).to(device)
     module.load_state_dict(conv.state_dict())
     if case.channels_last:
-        module = module.to(memory_format=torch.channels_last)
+        module = module.to(memory_format=_CHANNELS_LAST[case.dims])
     w, b = conv.weight, conv.bias
     x_grad = x.detach().clone().requires_grad_(True)
 
@@ -100,12 +112,16 @@ def _callers(case: Case, device: str) -> dict[str, tuple[Callable, Callable]]:
 
         return forward, forward_backward
 
-    return {
-        "torch F.conv2d": functional_pair(F.conv2d),
-        "gemmconv.conv2d": functional_pair(gemmconv.conv2d),
-        "torch nn.Conv2d": module_pair(conv),
-        "gemmconv.nn.Conv2d": module_pair(module),
+    torch_function, gemmconv_function = _FUNCTIONAL[case.dims]
+    callers = {
+        f"torch F.conv{case.dims}d": functional_pair(torch_function),
+        f"gemmconv.conv{case.dims}d": functional_pair(gemmconv_function),
+        f"torch nn.Conv{case.dims}d": module_pair(conv),
+        f"gemmconv.nn.Conv{case.dims}d": module_pair(module),
     }
+    if is_patch_conv(conv):
+        callers["reshape + linear module"] = module_pair(LinearPatchEmbed(conv))
+    return callers
 
 
 def main() -> None:

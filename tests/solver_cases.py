@@ -271,10 +271,13 @@ def check_prepared(solver, problem: ConvProblem, tensors, result, label: str) ->
     runner = solver.prepare(problem, tensors)
     if isinstance(runner, functools.partial) and runner.func == solver.run:
         return  # not prepared: the run itself, judged above (and maybe not bitwise repeatable)
+    # A run that states its results' strides (ops then skips checking them) keeps to them.
+    stated = getattr(runner, "result_strides", None)
     for call in ("first", "second"):
         prepared = runner(tensors)
         assert prepared.shape == result.shape, f"{label}: {call} prepared call's shape"
         assert torch.equal(prepared, result), f"{label}: {call} prepared call differs from run"
+        assert stated in (None, prepared.stride()), f"{label}: {call} prepared call's strides"
 
 
 def _shape_attr(direction: Direction) -> str:

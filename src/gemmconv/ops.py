@@ -110,7 +110,7 @@ class Plan:
     prepared on the first call (Solver.prepare), from that call's operands."""
 
     __slots__ = ("problem", "solver", "copy_first", "copy_second", "result_layout",
-                 "result_strides", "runner", "with_columns", "columns_as_promised")  # fmt: skip
+                 "result_strides", "runner", "with_columns", "result_as_promised")  # fmt: skip
 
     def __init__(
         self,
@@ -126,10 +126,10 @@ class Plan:
         self.result_layout, self.result_strides = result_layout, result_strides
         self.runner: Callable[[ConvTensors], torch.Tensor] | None = None
         # The prepared run's form that also returns its columns (None where it has
-        # none), and whether its results already have ``result_strides``: both known
-        # once the run is prepared.
+        # none), and whether every result of it has ``result_strides`` already: both
+        # known once the run is prepared.
         self.with_columns: Callable[[ConvTensors], tuple] | None = None
-        self.columns_as_promised = False
+        self.result_as_promised = False
 
 
 # Bounded so that a stream of ever-new shapes cannot grow it without limit; emptied
@@ -185,7 +185,7 @@ def _prepared_runner(plan: Plan, tensors: ConvTensors) -> Callable[[ConvTensors]
     """The plan's run, prepared from its first call's operands and kept."""
     runner = plan.runner = plan.solver.prepare(plan.problem, tensors)
     plan.with_columns = getattr(runner, "with_columns", None)
-    plan.columns_as_promised = getattr(runner, "result_strides", None) == plan.result_strides
+    plan.result_as_promised = getattr(runner, "result_strides", None) == plan.result_strides
     return runner
 
 
@@ -216,6 +216,8 @@ def _run(plan: Plan, tensors: ConvTensors) -> torch.Tensor:
         result = _without_autocast(plan, runner, tensors)
     else:
         result = runner(tensors)
+    if plan.result_as_promised:
+        return result
     return _as_promised(result, plan.result_layout, plan.result_strides)
 
 
@@ -279,7 +281,7 @@ def run_forward_keeping_columns(
         y, columns = _without_autocast(plan, keep, tensors)
     else:
         y, columns = keep(tensors)
-    if plan.columns_as_promised:
+    if plan.result_as_promised:
         return y, columns
     return _as_promised(y, plan.result_layout, plan.result_strides), columns
 

@@ -16,7 +16,12 @@ from gemmconv.memory_format import Layout
 from gemmconv.precision import reduction_mm
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors
-from gemmconv.solvers.prepared_run import ResultBuffer, Runner, meta_operands, with_precision
+from gemmconv.solvers.prepared_run import (
+    ResultBuffer,
+    Runner,
+    meta_operands,
+    with_precision_returning,
+)
 from gemmconv.solvers.views import (
     ViewRecipe,
     batched_view,
@@ -93,7 +98,7 @@ def prepare(solver, p: ConvProblem, t: ConvTensors) -> Runner | None:
         Direction.BACKWARD_DATA: backward_data,
         Direction.BACKWARD_WEIGHTS: backward_weights,
     }[p.direction]
-    return with_precision(p, run)
+    return with_precision_returning(p, run, allocate)
 
 
 __all__ = ["prepare"]

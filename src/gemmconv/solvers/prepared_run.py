@@ -54,4 +54,13 @@ def with_precision(p: ConvProblem, run: Callable[..., R]) -> Callable[..., R]:
     return with_conv_precision(p.dtype, p.device_type, run)
 
 
-__all__ = ["ResultBuffer", "Runner", "meta_operands", "with_precision"]
+def with_precision_returning(p: ConvProblem, run: Runner, result: ResultBuffer) -> Runner:
+    """with_precision(p, run) for a ``run`` whose every result is a ``result`` buffer
+    (or its view of the same strides), marked so (``result_strides``): the caller then
+    need not check a result's strides against those it promised."""
+    runner = with_precision(p, run)
+    runner.result_strides = result.stride  # type: ignore[attr-defined]
+    return runner
+
+
+__all__ = ["ResultBuffer", "Runner", "meta_operands", "with_precision", "with_precision_returning"]

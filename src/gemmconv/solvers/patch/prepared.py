@@ -30,7 +30,13 @@ from gemmconv.solvers.patch.mapping import (
     covered_extent,
     padded_weight_rows,
 )
-from gemmconv.solvers.prepared_run import ResultBuffer, Runner, meta_operands, with_precision
+from gemmconv.solvers.prepared_run import (
+    ResultBuffer,
+    Runner,
+    meta_operands,
+    with_precision,
+    with_precision_returning,
+)
 from gemmconv.solvers.views import (
     ViewRecipe,
     batched_view,
@@ -71,8 +77,9 @@ def prepare(solver, p: ConvProblem, t: ConvTensors) -> Runner | None:
     if views is None:
         return None
     data = p.direction is Direction.BACKWARD_DATA
-    run = (_backward_data if data else _backward_weights)(solver, p, ld, meta, *views)
-    return None if run is None else with_precision(p, run)
+    result = ResultBuffer(p, meta.grad_output if data else meta.input)
+    run = (_backward_data if data else _backward_weights)(solver, p, ld, meta, result, *views)
+    return None if run is None else with_precision_returning(p, run, result)
 
 
 def _forward(solver, p: ConvProblem, ld: int, t: ConvTensors, result: ResultBuffer):
@@ -203,17 +210,36 @@ def _output_views(solver, p: ConvProblem, t: torch.Tensor):
     return rows, blocks, rows is None and solver.uses_rows_path(p)
 
 
-def _backward_data(solver, p: ConvProblem, ld: int, t: ConvTensors, dy_rows, dy3, through_rows):
-    result = ResultBuffer(p, t.grad_output)
+def _backward_data(
+    solver,
+    p: ConvProblem,
+    ld: int,
+    t: ConvTensors,
+    result: ResultBuffer,
+    dy_rows,
+    dy3,
+    through_rows,
+):
     covered = covered_extent(p)
     cropped = covered != tuple(p.spatial)
     target = ViewRecipe.of(solver.columns.in_place_target(result.meta, p, ld), result.meta)
     weight_rows = _weight_rows(p, ld, t.weight)
     columns = solver.columns
     scatter = columns.prepared_scatter(result.meta, p, ld)
+    # Where dx's memory is exactly the product's rows in order (one patch a sample),
+    # the product allocates it and dx is its view, as the forward's y_is_rows.
+    dx_is_rows = (
+        dy_rows is not None
+        and target is not None
+        and target.offset == 0
+        and target.stride == (ld, 1)
+        and target.size[0] * ld == result.meta.numel()
+    )
 
     def backward_data(t: ConvTensors) -> torch.Tensor:
         dy = t.grad_output
+        if dx_is_rows:
+            return result.over(torch.mm(dy_rows(dy), weight_rows(t.weight)))
         dx = result(dy)
         if cropped:
             zero_outside(dx, covered)
@@ -233,8 +259,16 @@ def _backward_data(solver, p: ConvProblem, ld: int, t: ConvTensors, dy_rows, dy3
     return backward_data
 
 
-def _backward_weights(solver, p: ConvProblem, ld: int, t: ConvTensors, dy_rows, dy3, through_rows):
-    result = ResultBuffer(p, t.input)
+def _backward_weights(
+    solver,
+    p: ConvProblem,
+    ld: int,
+    t: ConvTensors,
+    result: ResultBuffer,
+    dy_rows,
+    dy3,
+    through_rows,
+):
     order = column_layout(p)
     columns = solver.columns.prepared_gather(t.input, p, ld)
     product = _weight_gradient_product(p, ld)
