@@ -78,7 +78,7 @@ def prepare(solver, p: ConvProblem, t: ConvTensors) -> Runner | None:
         return None
     data = p.direction is Direction.BACKWARD_DATA
     result = ResultBuffer(p, meta.grad_output if data else meta.input)
-    run = (_backward_data if data else _backward_weights)(solver, p, ld, meta, result, *views)
+    run = (_backward_data if data else _backward_weights)(solver, p, ld, meta, result, views)
     return None if run is None else with_precision_returning(p, run, result)
 
 
@@ -210,16 +210,8 @@ def _output_views(solver, p: ConvProblem, t: torch.Tensor):
     return rows, blocks, rows is None and solver.uses_rows_path(p)
 
 
-def _backward_data(
-    solver,
-    p: ConvProblem,
-    ld: int,
-    t: ConvTensors,
-    result: ResultBuffer,
-    dy_rows,
-    dy3,
-    through_rows,
-):
+def _backward_data(solver, p: ConvProblem, ld: int, t: ConvTensors, result: ResultBuffer, views):
+    dy_rows, dy3, through_rows = views
     covered = covered_extent(p)
     cropped = covered != tuple(p.spatial)
     target = ViewRecipe.of(solver.columns.in_place_target(result.meta, p, ld), result.meta)
@@ -259,16 +251,8 @@ def _backward_data(
     return backward_data
 
 
-def _backward_weights(
-    solver,
-    p: ConvProblem,
-    ld: int,
-    t: ConvTensors,
-    result: ResultBuffer,
-    dy_rows,
-    dy3,
-    through_rows,
-):
+def _backward_weights(solver, p: ConvProblem, ld: int, t: ConvTensors, result: ResultBuffer, views):
+    dy_rows, dy3, through_rows = views
     order = column_layout(p)
     columns = solver.columns.prepared_gather(t.input, p, ld)
     product = _weight_gradient_product(p, ld)
