@@ -111,7 +111,7 @@ def test_a_weight_gradient_reuses_the_columns_its_forward_gathered(
     rows = y.shape[0] * y[0, 0].numel()
     assert any(t.dim() == 2 and t.shape[0] == rows for t in saved)
     # dW's solver is decided as always (the same column GEMM); it needs no plan.
-    assert call.weight_gradient_from_columns() and call._backward_plans == ({}, {})
+    assert call.columns_serve_weight_gradient() and call._backward_plans == ({}, {})
     leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
     ref = torch.autograd.grad(F.conv2d(*leaves, stride=kernel), leaves[1:], dy.double())
     for mine, theirs in zip((dw, db), ref):
@@ -166,7 +166,7 @@ def test_a_weight_gradient_reuses_the_forwards_columns_on_cuda(
     (dw,) = torch.autograd.grad(y, w, dy)
     (call,) = [c for c in eager._calls.values() if c is not None]
     assert isinstance(call.plan.runner, ColumnKeepingForward)
-    assert call.weight_gradient_from_columns() and call._backward_plans == ({}, {})
+    assert call.columns_serve_weight_gradient() and call._backward_plans == ({}, {})
     leaves = [t.detach().double().requires_grad_() for t in (x, w)]
     (ref,) = torch.autograd.grad(F.conv2d(*leaves, stride=16), leaves[1], dy.double())
     assert dw.dtype == dtype and rms_range(dw, ref) <= tolerance(dtype, "cuda")

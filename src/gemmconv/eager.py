@@ -66,8 +66,8 @@ class _Call:
 
     __slots__ = ("plan", "unbatched", "accepted", "conv_args", "vendor_function",
                  "vendor_arguments", "input_size", "weight_size", "channels_last",
-                 "vendor_forward", "_vendor_gradients", "_backward_plans", "bias_sum_dims",
-                 "_weight_gradient_from_columns")  # fmt: skip
+                 "vendor_forward", "_vendor_gradients", "_backward_plans",
+                 "_columns_serve_weight_gradient")  # fmt: skip
 
     def __init__(self, dims: int, plan: ops.Plan, unbatched: bool, arguments: tuple,
                  conv_args: tuple, input: torch.Tensor, weight: torch.Tensor) -> None:  # fmt: skip
@@ -88,8 +88,7 @@ class _Call:
         self._vendor_gradients: dict[tuple[bool, bool], bool] = {}
         # Backward plans of backward-data, then of backward-weights.
         self._backward_plans: tuple[dict[tuple, ops.Plan], ...] = ({}, {})
-        self.bias_sum_dims = (0, *range(2, dims + 2))
-        self._weight_gradient_from_columns: bool | None = None
+        self._columns_serve_weight_gradient: bool | None = None
 
     def accepts(self, arguments: tuple) -> bool:
         """Whether ``arguments``, equal to the checked call's, are of the same types all
@@ -124,15 +123,16 @@ class _Call:
             self._vendor_gradients[needed] = verdict
         return verdict
 
-    def weight_gradient_from_columns(self) -> bool:
+    def columns_serve_weight_gradient(self) -> bool:
         """Whether dW multiplies the forward's columns: where the weight gradient's
         solver, decided (found, logged) as for any call, is a column GEMM. Decided once,
         in the first forward that needs dW: the entry's key holds the selection state,
         and the weight gradient's problem is the forward's in another direction."""
-        verdict = self._weight_gradient_from_columns
+        verdict = self._columns_serve_weight_gradient
         if verdict is None:
             solver = dispatch.solver_for(self._backward_problem(Direction.BACKWARD_WEIGHTS))
-            verdict = self._weight_gradient_from_columns = solver.weight_gradient_multiplies_columns
+            verdict = solver.weight_gradient_multiplies_columns
+            self._columns_serve_weight_gradient = verdict
         return verdict
 
     def _backward_problem(self, direction: Direction) -> ConvProblem:
@@ -150,7 +150,7 @@ class _Call:
         need_dw: bool,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """dx and dW of this call, each where needed: dW from the forward's ``columns``
-        where it kept them (weight_gradient_from_columns), else each by its backward
+        where it kept them (columns_serve_weight_gradient), else each by its backward
         plan."""
         dw = None
         if need_dw and columns is not None:
@@ -186,13 +186,6 @@ class _Call:
                 plans.clear()
             plans[key] = plan
         return plan
-
-    def bias_gradient(self, grad_output: torch.Tensor) -> torch.Tensor:
-        """views.bias_grad, with the dimensions it sums found once: building them
-        costs more than the sum of a small dY."""
-        if grad_output.shape[1] != self.weight_size[0]:
-            return bias_grad(grad_output, out_channels=self.weight_size[0])
-        return grad_output.sum(self.bias_sum_dims)
 
 
 def _saving_over_vendor(choice: dispatch.Choice) -> float | None:
@@ -364,7 +357,7 @@ class _EagerConvolution(torch.autograd.Function):
     def forward(ctx, input, weight, bias, call: _Call):  # type: ignore[override]
         need_dx, need_dw, _, _ = ctx.needs_input_grad
         columns = None
-        if need_dw and call.weight_gradient_from_columns():
+        if need_dw and call.columns_serve_weight_gradient():
             # A forward that gathers columns keeps them for dW, as the reshape + linear
             # rewrite does: a column-GEMM weight gradient then runs its GEMM alone.
             y, columns = ops.run_forward_keeping_columns(call.plan, input, weight, bias)
@@ -385,7 +378,7 @@ class _EagerConvolution(torch.autograd.Function):
             dx, dw = _differentiable_gradients(call, grad_output, input, weight, need_dx, need_dw)
         else:
             dx, dw = call.gradients(grad_output, input, weight, columns, need_dx, need_dw)
-        db = call.bias_gradient(grad_output) if need_db else None
+        db = bias_grad(grad_output, out_channels=call.weight_size[0]) if need_db else None
         return dx, dw, db, None
 
 
