@@ -6,8 +6,10 @@ This times that step for torch, the converted module and the reshape + F.linear
 rewrite, and beside them two hand-written autograd Functions doing the same GEMMs
 (with gemmconv's full-precision cuBLAS reductions around each GEMM and without), so
 the gap between the converted module and the rewrite splits into the node, the
-precision context and the rest of gemmconv's path. Prints the median step in us of
-interleaved steps, then profiles (cProfile, torch.profiler) of the steps.
+precision context and the rest of gemmconv's path. Prints the forward's ladder (each
+layer of the converted module's inference call timed alone, down to the bare F.linear),
+the median step in us of interleaved steps, then profiles (cProfile, torch.profiler)
+of the steps.
 
     PYTHONPATH=src python scripts/embed_step_probe.py --patches 8192
 """
@@ -26,8 +28,11 @@ import torch
 import torch.nn.functional as F
 from host_profile import issue_us  # this folder is the script's first import path
 
+import gemmconv
+from gemmconv import eager, ops
 from gemmconv.e2e_scenarios import SCENARIOS, build_workload, make_step, prepare_variant
 from gemmconv.precision import conv_gemm_precision, with_conv_precision
+from gemmconv.solvers.base import ConvTensors
 from gemmconv.timing import interleaved_orders
 
 
@@ -97,6 +102,73 @@ def _precision_context_cost(device: torch.device, sync) -> None:
         print(f"  flags off for the whole loop {per_call(plain):7.1f}")
 
 
+def _forward_ladder(device: torch.device, patches: int, rounds: int, sync) -> None:
+    """The inference forward of the Qwen2-VL patch embed, layer by layer: the whole
+    PatchEmbed (rewrite, converted), its convolution module, gemmconv.conv3d, the eager
+    road, the forward plan's run, the prepared run, and the GEMM on views with and
+    without the precision switch. Per layer, the host's us per call back to back and
+    the median us per call from an idle device (the end-to-end table's regime); the
+    differences between neighbouring layers are what each layer adds."""
+    s = dataclasses.replace(
+        next(x for x in SCENARIOS if x.name == "qwen2vl_patch_embed_fwd"), batch=patches
+    )
+    w = build_workload(s, device, quick=False)
+    converted, _ = prepare_variant(w.model, "converted")
+    rewrite, _ = prepare_variant(w.model, "linear")
+    (pixels,) = w.inputs
+    conv = converted.proj
+    x = pixels.view(-1, conv.in_channels, *conv.kernel_size)
+    weight = conv.weight
+    args = (conv.stride, conv.padding, conv.dilation, conv.groups)
+    x2d, w2d = x.view(x.shape[0], -1), weight.view(weight.shape[0], -1)
+    with torch.inference_mode():
+        eager.clear()
+        conv(x)
+        (call,) = eager._calls.values()
+    tensors = ConvTensors(x, weight, None)
+    switched = with_conv_precision(x.dtype, device.type, F.linear)
+    rungs = {
+        "rewrite PatchEmbed": lambda: rewrite(pixels),
+        "converted PatchEmbed": lambda: converted(pixels),
+        "rewrite proj module": lambda: rewrite.proj(x),
+        "converted proj module": lambda: conv(x),
+        "gemmconv.conv3d": lambda: gemmconv.conv3d(x, weight, None, *args),
+        "eager.convolve": lambda: eager.convolve(3, x, weight, None, *args),
+        "ops.run_forward": lambda: ops.run_forward(call.plan, x, weight, None),
+        "prepared run": lambda: call.plan.runner(tensors),
+        "F.linear, flag switched": lambda: switched(x2d, w2d),
+        "F.linear on views": lambda: F.linear(x2d, w2d),
+    }
+    hot = {name: [] for name in rungs}
+    idle = {name: [] for name in rungs}
+    with torch.inference_mode():
+        for fn in rungs.values():
+            for _ in range(20):
+                fn()
+        # Rounds in shuffled orders, as time_steps does: one-off timings of the layers
+        # one after another moved by tens of us on the H100's host.
+        for order in interleaved_orders(list(rungs), rounds):
+            for name in order:
+                fn = rungs[name]
+                hot[name].append(issue_us(fn, 50, sync))
+                for _ in range(5):
+                    sync()
+                    start = time.perf_counter()
+                    fn()
+                    sync()
+                    idle[name].append((time.perf_counter() - start) * 1e6)
+    print(
+        f"forward ladder, {patches} patches on {device}, inference mode, {rounds} rounds: "
+        "median us per call"
+    )
+    for name in rungs:
+        print(
+            f"  {name:24s} host back to back {statistics.median(hot[name]):7.1f}"
+            f"  idle-to-end {statistics.median(idle[name]):7.1f}",
+            flush=True,
+        )
+
+
 def _steps(s, device, variants):
     w = build_workload(s, device, quick=False)
     steps = {}
@@ -159,6 +231,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     variants = ("torch", "converted", "linear", "function_precise", "function_plain")
     _precision_context_cost(device, sync)
+    _forward_ladder(device, args.patches, args.steps, sync)
     for name in ("qwen2vl_patch_embed_fwd", "qwen2vl_patch_embed_fwd_bwd"):
         s = dataclasses.replace(next(x for x in SCENARIOS if x.name == name), batch=args.patches)
         steps = _steps(s, device, variants)

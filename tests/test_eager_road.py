@@ -338,3 +338,31 @@ def test_an_entry_remembers_a_bounded_few_argument_objects():
         gemmconv.conv2d(x, w, b, stride=tuple([3] * 2))
     assert 1 < len(call.accepted) <= eager._ACCEPTED_MAX
     assert call.accepted[0][0] is first  # the checked call's, kept
+
+
+def test_operands_left_by_a_finished_torch_func_transform_convolve_as_torchs(monkeypatch):
+    """The road calls autograd's C apply itself (torch's Python wrapper, up to torch
+    2.13, unwrapped such operands first; the road does it too): a weight captured
+    inside torch.func.grad and used after it gives torch's result and gradients."""
+    monkeypatch.setenv("GEMMCONV_SOLVER", "patch")
+    x, w, b = _operands(17)
+    leaked = []
+
+    def captured(t):
+        leaked.append(t)
+        return t.sum()
+
+    torch.func.grad(captured)(w)
+    (dead,) = leaked
+    assert torch._C._functorch.is_functorch_wrapped_tensor(dead)
+    x = x.requires_grad_()
+    results = []
+    for conv in (gemmconv.conv2d, F.conv2d):
+        y = conv(x, dead, b, stride=3)
+        results.append((y, *torch.autograd.grad(y.sum(), (x, dead), allow_unused=True)))
+    ((call,),) = [[c for c in eager._calls.values() if c is not None]]
+    assert call.plan.solver.id == "patch"
+    (y, dx, dw), (y_ref, dx_ref, dw_ref) = results
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-12, atol=1e-12)
+    assert dw is None and dw_ref is None  # autograd sees no path to a dead wrapper

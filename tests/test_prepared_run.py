@@ -190,3 +190,35 @@ def test_a_weight_gradient_solver_of_another_kind_runs_its_own_plan(monkeypatch)
     w_ref = w.detach().requires_grad_()
     y_ref = F.conv2d(x, w_ref, stride=3)
     torch.testing.assert_close(dw, torch.autograd.grad(y_ref, w_ref, torch.ones_like(y_ref))[0])
+
+
+def test_a_forward_needing_no_copy_runs_the_column_keeping_form_on_its_operands(monkeypatch):
+    """Where the column-keeping run needs no operand copied, a forward calls its form
+    on the operands themselves (Plan.keeping_columns): bit for bit the general run's
+    y. Under autocast, and for a plan that copies an operand first, the general run
+    serves instead."""
+    from gemmconv import ops
+    from gemmconv.solvers.base import ConvTensors
+
+    monkeypatch.setenv("GEMMCONV_SOLVER", "patch")
+    x, w = torch.randn(2, 3, 8, 8), torch.randn(6, 3, 4, 4)
+    y = gemmconv.conv2d(x, w, stride=4)
+    (plan,) = [call.plan for call in eager._calls.values() if call is not None]
+    assert plan.keeping_columns is not None
+    general = plan.runner(ConvTensors(x, w, None))
+    assert torch.equal(y, general)
+    y_kept, columns = ops.run_forward_keeping_columns(plan, x, w, None)
+    assert torch.equal(y_kept, general) and columns.shape == (2 * 2 * 2, 3 * 4 * 4)
+
+    def refused(*operands):
+        raise AssertionError("the operands' form ran under autocast")
+
+    plan.keeping_columns = refused
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(ops.run_forward(plan, x, w, None), general)
+    eager.clear()
+    strided = torch.randn(2, 3, 8, 16)[..., ::2]  # not dense: the plan copies it first
+    y = gemmconv.conv2d(strided, w, stride=4)
+    (plan,) = [call.plan for call in eager._calls.values() if call is not None]
+    assert plan.copy_first and plan.keeping_columns is None
+    torch.testing.assert_close(y, F.conv2d(strided, w, stride=4))

@@ -290,7 +290,9 @@ def convolve(
     if call.unbatched:
         input = input.unsqueeze(0)
     if needs_grad:
-        y = _EagerConvolution.apply(input, weight, bias, call)
+        if bias is not None:
+            bias = _unwrap_if_dead(bias)
+        y = _apply_convolution(_unwrap_if_dead(input), _unwrap_if_dead(weight), bias, call)
     else:
         y = ops.run_forward(call.plan, input, weight, bias)
     return y.squeeze(0) if call.unbatched else y
@@ -376,10 +378,23 @@ class _EagerConvolution(torch.autograd.Function):
         need_dx, need_dw, need_db, _ = ctx.needs_input_grad
         if _is_grad_enabled():
             dx, dw = _differentiable_gradients(call, grad_output, input, weight, need_dx, need_dw)
+        elif columns is not None and not need_dx:
+            # dW alone, from the kept columns (a patch embed's usual backward): the
+            # shortest way, past call.gradients' frame.
+            dx, dw = None, ops.weight_gradient_from_columns(call.plan, grad_output, columns)
         else:
             dx, dw = call.gradients(grad_output, input, weight, columns, need_dx, need_dw)
         db = bias_grad(grad_output, out_channels=call.weight_size[0]) if need_db else None
         return dx, dw, db, None
+
+
+# torch's Function.apply was a Python wrapper around the C apply up to torch 2.13 (2.11
+# on the GPU machine): it routes a call under torch.func transforms, which never takes
+# this road, and unwraps the operands that are functorch wrappers of exited transforms
+# (dead ones), about a dozen Python calls a convolution. The road calls the C apply
+# itself and unwraps as the wrapper does.
+_apply_convolution = torch._C._FunctionBase.__dict__["apply"].__get__(None, _EagerConvolution)
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 def _differentiable_gradients(call, grad_output, input, weight, need_dx, need_dw):

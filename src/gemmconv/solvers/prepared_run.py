@@ -9,6 +9,7 @@ runs its GEMMs under the same accumulation rules.
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import methodcaller
 from typing import TypeVar
 
 import torch
@@ -31,20 +32,21 @@ class ResultBuffer:
     """The direction's result as the solvers allocate it (views.result_buffer), its
     sizes and strides found once; ``meta`` is it on the meta device, for finding views."""
 
-    __slots__ = ("meta", "size", "stride")
+    __slots__ = ("meta", "size", "stride", "over")
 
     def __init__(self, p: ConvProblem, like: torch.Tensor) -> None:
         self.meta = result_buffer(p, like, None)
         self.size, self.stride = tuple(self.meta.shape), self.meta.stride()
+        # The result as a view of ``memory``, a dense tensor holding its elements in the
+        # result's own memory order (from memory's own offset); a callable without a
+        # Python frame, as ViewRecipe.apply.
+        self.over: Callable[[torch.Tensor], torch.Tensor] = methodcaller(
+            "as_strided", self.size, self.stride
+        )
 
     def __call__(self, like: torch.Tensor) -> torch.Tensor:
         """A new uninitialised result, of ``like``'s dtype and device."""
         return torch.empty_strided(self.size, self.stride, dtype=like.dtype, device=like.device)
-
-    def over(self, memory: torch.Tensor) -> torch.Tensor:
-        """The result as a view of ``memory``, a dense tensor holding its elements in
-        the result's own memory order."""
-        return memory.as_strided(self.size, self.stride)  # from memory's own offset
 
 
 def with_precision(p: ConvProblem, run: Callable[..., R]) -> Callable[..., R]:

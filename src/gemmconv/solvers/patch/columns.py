@@ -150,8 +150,8 @@ class ViewColumns(TorchCopyColumns):
         source = patches(x, p)
         view = ViewRecipe.of(try_view(source, p.gemm_m, p.gemm_k), x)
         if view is not None:
-            return view
-        permuted = ViewRecipe(source, x)
+            return view.apply
+        permuted = ViewRecipe(source, x).apply
         return lambda t: permuted(t).reshape(p.gemm_m, p.gemm_k)  # torch's copy
 
 

@@ -59,7 +59,9 @@ def _weight_rows(
     counter, so a kept copy could silently be stale."""
     layout = column_layout(p)
     view = ViewRecipe.of(weight_rows_target(w, layout), w) if ld == p.gemm_k else None
-    return view or (lambda w: padded_weight_rows(w, layout, ld))
+    if view is not None:
+        return view.apply
+    return lambda w: padded_weight_rows(w, layout, ld)
 
 
 def prepare(solver, p: ConvProblem, t: ConvTensors) -> Runner | None:
@@ -95,26 +97,27 @@ def _forward(solver, p: ConvProblem, ld: int, t: ConvTensors, result: ResultBuff
     # place of the allocation, the rows view and the weight's transposed view.
     y_is_rows = y_rows is not None and y_rows.offset == 0 and y_rows.stride == (p.k, 1)
 
-    def forward(t: ConvTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = t.input
+    def forward(
+        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if y_is_rows:
             col = columns(x)
-            return result.over(F.linear(col, weight_rows(t.weight), t.bias)), col
+            return result.over(F.linear(col, weight_rows(weight), bias)), col
         y = result(x)
-        wm = weight_rows(t.weight)
+        wm = weight_rows(weight)
         if through_rows:
-            return y, rows_path.forward(solver.columns, p, x, wm, t.bias, y3(y))
+            return y, rows_path.forward(solver.columns, p, x, wm, bias, y3(y))
         col = columns(x)
         if y_rows is None:
             # Channels-first y: Y^T per sample lands in y's own order (store_batched).
             col3 = col.view(p.n, -1, ld).transpose(1, 2)
             torch.bmm(wm.expand(p.n, *wm.shape), col3, out=y3(y))
-            if t.bias is not None:
-                y.add_(t.bias.view(bias_shape))
-        elif t.bias is None:
+            if bias is not None:
+                y.add_(bias.view(bias_shape))
+        elif bias is None:
             torch.mm(col, wm.t(), out=y_rows(y))
         else:
-            torch.addmm(t.bias, col, wm.t(), out=y_rows(y))
+            torch.addmm(bias, col, wm.t(), out=y_rows(y))
         return y, col
 
     return forward
@@ -125,12 +128,16 @@ class ColumnKeepingForward:
     (``with_columns``) and turn that matrix and dY into dW (``weight_gradient``): a
     call that needs the weight gradient then gathers once, in the forward, as the
     reshape + linear rewrite does, instead of again in the backward. dW is the same
-    GEMM the solvers' weight gradient runs, on the same columns."""
+    GEMM the solvers' weight gradient runs, on the same columns.
 
-    __slots__ = ("_forward", "_product", "_dy_rows", "_transpose_dy", "result_strides")
+    ``keeping_columns(input, weight, bias)`` is ``with_columns`` on the operands
+    themselves, for callers that hold them apart (the eager road): no ConvTensors is
+    built and no frame of this class's runs."""
+
+    __slots__ = ("keeping_columns", "_product", "_dy_rows", "_transpose_dy", "result_strides")
 
     def __init__(self, p: ConvProblem, ld: int, forward, result_strides: tuple[int, ...]) -> None:
-        self._forward = with_precision(p, forward)
+        self.keeping_columns = with_precision(p, forward)
         self.result_strides = result_strides  # of every y it returns (a ResultBuffer's)
         self._product = with_precision(p, _weight_gradient_product(p, ld))
         # How dY becomes rows (a view, or a copy) per dY strides; a call meets one or two.
@@ -141,29 +148,33 @@ class ColumnKeepingForward:
         self._transpose_dy = rows_path.transpose_kernel_runs(p)
 
     def __call__(self, t: ConvTensors) -> torch.Tensor:
-        return self._forward(t)[0]
+        return self.keeping_columns(t.input, t.weight, t.bias)[0]
 
     def with_columns(self, t: ConvTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
         """y, and the column matrix (None where the pass was chunked)."""
-        return self._forward(t)
+        return self.keeping_columns(t.input, t.weight, t.bias)
 
     def weight_gradient(self, dy: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
         """dW from dY and the columns of the same call's forward."""
-        return self._product(self._rows(dy).t(), col)
-
-    def _rows(self, dy: torch.Tensor) -> torch.Tensor:
-        """dY as rows [M, K]: a view when it is token-major, else a copy."""
         to_rows = self._dy_rows.get(dy.stride())
         if to_rows is None:
-            if len(self._dy_rows) >= _DY_LAYOUTS_MAX:
-                self._dy_rows.clear()
-            meta = meta_like(dy)
-            to_rows = ViewRecipe.of(rows_view(meta), meta)
-            if to_rows is None:
-                transpose = self._transpose_dy and meta.is_contiguous()
-                to_rows = rows_path.channels_first_rows if transpose else rows
-            self._dy_rows[dy.stride()] = to_rows
-        return to_rows(dy)
+            to_rows = self._rows_of(dy)
+        return self._product(to_rows(dy).t(), col)
+
+    def _rows_of(self, dy: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """How a dY of ``dy``'s strides becomes rows [M, K] (a view where it is
+        token-major, else a copy), found and kept."""
+        if len(self._dy_rows) >= _DY_LAYOUTS_MAX:
+            self._dy_rows.clear()
+        meta = meta_like(dy)
+        view = ViewRecipe.of(rows_view(meta), meta)
+        if view is not None:
+            to_rows = view.apply
+        else:
+            transpose = self._transpose_dy and meta.is_contiguous()
+            to_rows = rows_path.channels_first_rows if transpose else rows
+        self._dy_rows[dy.stride()] = to_rows
+        return to_rows
 
 
 def _weight_gradient_product(
