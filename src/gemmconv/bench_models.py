@@ -34,6 +34,7 @@ from gemmconv import dispatch
 from gemmconv.bench import bench_device, environment
 from gemmconv.bench_report import default_stem
 from gemmconv.e2e_scenarios import (
+    SCENARIOS,
     VARIANTS,
     Scenario,
     build_workload,
@@ -110,7 +111,7 @@ def run_scenario(
             del runners[variant]
 
     samples: dict[str, list[float]] = {v: [] for v in runners}
-    for i, order in enumerate(interleaved_orders(list(runners), steps)):
+    for i, order in enumerate(interleaved_orders(list(runners), steps * s.steps_multiple)):
         for variant in order:
             if variant not in runners:
                 continue
@@ -275,6 +276,12 @@ def _cell(value: float | None, digits: int = 3) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
+def _more_steps(steps: int) -> str:
+    """The scenarios that take more than the run's ``steps``, and how many, in words."""
+    more = [f"{s.name} {steps * s.steps_multiple}" for s in SCENARIOS if s.steps_multiple > 1]
+    return f"; more steps in {', '.join(more)}" if more else ""
+
+
 def markdown(results: dict, checks: list[dict]) -> str:
     flags = []
     if results["quick"]:
@@ -290,7 +297,8 @@ def markdown(results: dict, checks: list[dict]) -> str:
         f"cudnn.benchmark {results['cudnn_benchmark']}.",
         "",
         f"Milliseconds per step: {results['timing']} ({results['steps']} steps after "
-        f"{results['warmup']} warm-up). converted = gemmconv.convert(model); "
+        f"{results['warmup']} warm-up{_more_steps(results['steps'])}). "
+        "converted = gemmconv.convert(model); "
         "converted_channels_last = gemmconv.convert(model, memory_format=torch.channels_last); "
         "linear = every patch convolution replaced by reshape + F.linear. Ratios are the "
         "better converted variant's time over torch's and over linear's (below 1: converted "

@@ -49,6 +49,10 @@ class Scenario:
     quick_batch: int
     compile_mode: str | None = None  # None: eager; "default" or "reduce-overhead"
     channels_last: bool = False  # model and input in channels-last memory
+    # Timed steps per variant as a multiple of the run's --steps. A patch embed's step,
+    # 0.1-0.6 ms from an idle device, spread by about half its median between its
+    # quartiles on the H200 (bench/NOTES.md), so 20 steps leave its median to chance.
+    steps_multiple: int = 1
 
     @property
     def cuda_only(self) -> bool:
@@ -65,10 +69,10 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("vit_b16_infer_b256", "timm ViT-B/16 inference, batch 256", "vit_b16", "infer",
              256, 4),
     Scenario("qwen2vl_patch_embed_fwd", "Qwen2-VL patch embed forward, 8192 patches",
-             "qwen2vl_patch_embed", "fwd", 8192, 64),
+             "qwen2vl_patch_embed", "fwd", 8192, 64, steps_multiple=10),
     Scenario("qwen2vl_patch_embed_fwd_bwd",
              "Qwen2-VL patch embed forward+backward (weight gradient), 8192 patches",
-             "qwen2vl_patch_embed", "fwd_bwd", 8192, 64),
+             "qwen2vl_patch_embed", "fwd_bwd", 8192, 64, steps_multiple=10),
     Scenario("convnext_tiny_train_b128_cl", "timm ConvNeXt-T train step, batch 128, "
              "channels_last", "convnext_tiny", "train", 128, 2, channels_last=True),
     Scenario("qwen2vl_vision_infer_8192", "Qwen2-VL vision tower inference, 8192 patches",
