@@ -389,10 +389,10 @@ class _EagerConvolution(torch.autograd.Function):
 
 
 # torch's Function.apply was a Python wrapper around the C apply up to torch 2.13 (2.11
-# on the GPU machine): it routes a call under torch.func transforms, which never takes
-# this road, and unwraps the operands that are functorch wrappers of exited transforms
-# (dead ones), about a dozen Python calls a convolution. The road calls the C apply
-# itself and unwraps as the wrapper does.
+# on the GPU machine): it routes calls made under torch.func transforms, which never
+# take this road, and unwraps operands that are functorch wrappers of finished
+# transforms (dead ones), about a dozen Python calls a convolution. The road calls the
+# C apply itself and unwraps as the wrapper does.
 _apply_convolution = torch._C._FunctionBase.__dict__["apply"].__get__(None, _EagerConvolution)
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 

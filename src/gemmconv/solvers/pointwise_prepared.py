@@ -59,6 +59,7 @@ def prepare(solver, p: ConvProblem, t: ConvTensors) -> Runner | None:
         result_view = _views(result, layout)
     if None in (first_view, second_view, result_view):
         return None
+    # Their frameless forms, called on every run.
     first_view, second_view, result_view = first_view.apply, second_view.apply, result_view.apply
     n, k, c = p.n, p.k, p.c
     bias_shape = (1, k, *([1] * p.dims))

@@ -132,7 +132,7 @@ class ColumnKeepingForward:
 
     ``keeping_columns(input, weight, bias)`` is ``with_columns`` on the operands
     themselves, for callers that hold them apart (the eager road): no ConvTensors is
-    built and no frame of this class's runs."""
+    built and none of this class's methods runs."""
 
     __slots__ = ("keeping_columns", "_product", "_dy_rows", "_transpose_dy", "result_strides")
 
