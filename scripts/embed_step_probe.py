@@ -3,10 +3,12 @@
 The end-to-end table's Qwen2-VL patch embed step (gemmconv.e2e_scenarios) runs from an
 idle device to a synchronised end, so the host's path to each kernel shows in full.
 This times that step for torch, the converted module and the reshape + F.linear
-rewrite, and beside them two hand-written autograd Functions doing the same GEMMs
-(with gemmconv's full-precision cuBLAS reductions around each GEMM and without), so
-the gap between the converted module and the rewrite splits into the node, the
-precision context and the rest of gemmconv's path. Prints the forward's ladder (each
+rewrite, and beside them hand-written autograd Functions doing the same GEMMs, each a
+step closer to the converted module's path (REPLICAS: without gemmconv's precision
+rule, with its context manager, with the prepared runs' inline switch, then with their
+as_strided views and 5-D output, then saving the input too), so the gap between the
+converted module and the rewrite splits into the node, the precision rule, the views,
+the saved input and the rest of gemmconv's path. Prints the forward's ladder (each
 layer of the converted module's inference call timed alone, down to the bare F.linear),
 the median step in us of interleaved steps, then profiles (cProfile, torch.profiler)
 of the steps.
@@ -36,39 +38,105 @@ from gemmconv.solvers.base import ConvTensors
 from gemmconv.timing import interleaved_orders
 
 
-class _PlainEmbed(torch.autograd.Function):
-    """y = x2d @ w2d^T and dW = dY^T x2d, nothing else; ``precise`` puts gemmconv's
-    precision context around each GEMM."""
+@dataclasses.dataclass(frozen=True)
+class _Replica:
+    """A hand-written autograd Function doing the patch embed's GEMMs (y = rows @ W^T,
+    dW = dY^T rows, nothing else), and how close it comes to the converted module's
+    path: ``precision`` "none", "context" (gemmconv's conv_gemm_precision around each
+    GEMM) or "inline" (with_conv_precision's switch, as prepared runs make it);
+    ``views`` takes the 5-D input and weight and returns y as the convolution's 5-D
+    output, each through one as_strided inside the Function, as the prepared run's
+    ViewRecipes and ResultBuffer do; ``saves_input`` also saves the 5-D input, as the
+    eager node does for a differentiated backward. Each step towards the converted
+    module adds one of these, so the probe splits the gap into them and gemmconv's
+    Python layers (module, functional call, eager road, plan)."""
 
+    precision: str
+    views: bool = False
+    saves_input: bool = False
+
+
+REPLICAS = {
+    "function_plain": _Replica("none"),
+    "function_precise": _Replica("context"),
+    "function_inline": _Replica("inline"),
+    "function_views": _Replica("inline", views=True),
+    "function_saves_input": _Replica("inline", views=True, saves_input=True),
+}
+
+
+def _gemm(replica: _Replica, gemm, dtype: torch.dtype, device_type: str):
+    """``gemm`` under the replica's precision rule."""
+    if replica.precision == "inline":
+        return with_conv_precision(dtype, device_type, gemm)
+    if replica.precision == "context":
+
+        def in_context(*args):
+            with conv_gemm_precision(dtype, device_type):
+                return gemm(*args)
+
+        return in_context
+    return gemm
+
+
+class _ReplicaPlan:
+    """What a replica's call of one batch size reads, found once (as gemmconv's plans
+    are): the GEMMs under the precision rule, and the as_strided views."""
+
+    def __init__(self, replica: _Replica, weight: torch.Tensor, n: int) -> None:
+        self.replica = replica
+        k, features = weight.shape[0], weight[0].numel()
+        self.linear = _gemm(replica, F.linear, weight.dtype, weight.device.type)
+        self.mm = _gemm(replica, torch.mm, weight.dtype, weight.device.type)
+        self.rows = ((n, features), (features, 1))
+        self.w2d = ((k, features), (features, 1))
+        self.y = ((n, k, 1, 1, 1), (k, 1, k, k, k))
+        self.dy_rows = ((n, k), (k, 1))
+        self.dw = (tuple(weight.shape), weight.stride())
+
+
+class _ReplicaEmbed(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, w2d, precise):  # type: ignore[override]
-        ctx.save_for_backward(x2d)
-        ctx.precise = precise
-        if precise:
-            with conv_gemm_precision(x2d.dtype, x2d.device.type):
-                return F.linear(x2d, w2d)
-        return F.linear(x2d, w2d)
+    def forward(ctx, x, weight, plan):  # type: ignore[override]
+        views = plan.replica.views
+        rows = x.as_strided(*plan.rows) if views else x
+        w2d = weight.as_strided(*plan.w2d) if views else weight
+        ctx.save_for_backward(rows, x if plan.replica.saves_input else None)
+        ctx.plan = plan
+        y = plan.linear(rows, w2d)
+        return y.as_strided(*plan.y) if views else y
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        (x2d,) = ctx.saved_tensors
-        if ctx.precise:
-            with conv_gemm_precision(x2d.dtype, x2d.device.type):
-                return None, dy.t().mm(x2d), None
-        return None, dy.t().mm(x2d), None
+        rows, _ = ctx.saved_tensors
+        plan = ctx.plan
+        if not plan.replica.views:
+            return None, plan.mm(dy.t(), rows), None
+        dw = plan.mm(dy.as_strided(*plan.dy_rows).t(), rows)
+        return None, dw.as_strided(*plan.dw), None
 
 
-class _FunctionEmbed(torch.nn.Module):
-    """A Qwen2-VL PatchEmbed whose convolution is _PlainEmbed."""
+class _ReplicaConv(torch.nn.Module):
+    """A patch convolution (kernel = stride, one patch a sample) computed by
+    _ReplicaEmbed as ``replica`` says; it takes the place of the convolution inside
+    transformers' PatchEmbed, so every variant runs inside the same wrapper."""
 
-    def __init__(self, conv: torch.nn.Conv3d, precise: bool) -> None:
+    def __init__(self, conv: torch.nn.Conv3d, replica: _Replica) -> None:
         super().__init__()
         self.weight = conv.weight
-        self.precise = precise
+        self.replica = replica
+        self.plans: dict[int, _ReplicaPlan] = {}
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        w2d = self.weight.view(self.weight.shape[0], -1)
-        return _PlainEmbed.apply(pixels.view(pixels.shape[0], -1), w2d, self.precise)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, weight = x.shape[0], self.weight
+        plan = self.plans.get(n)
+        if plan is None:
+            plan = self.plans[n] = _ReplicaPlan(self.replica, weight, n)
+        if self.replica.views:
+            return _ReplicaEmbed.apply(x, weight, plan)
+        k = weight.shape[0]
+        y = _ReplicaEmbed.apply(x.view(n, -1), weight.view(k, -1), plan)
+        return y.view(n, k, 1, 1, 1)
 
 
 def _precision_context_cost(device: torch.device, sync) -> None:
@@ -173,9 +241,9 @@ def _steps(s, device, variants):
     w = build_workload(s, device, quick=False)
     steps = {}
     for v in variants:
-        if v.startswith("function"):
+        if v in REPLICAS:
             model, _ = prepare_variant(w.model, "torch")
-            model = _FunctionEmbed(model.proj, precise=v == "function_precise")
+            model.proj = _ReplicaConv(model.proj, REPLICAS[v])
         else:
             model, _ = prepare_variant(w.model, v)
         steps[v] = make_step(s, model, w, device)
@@ -229,7 +297,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    variants = ("torch", "converted", "linear", "function_precise", "function_plain")
+    variants = ("torch", "converted", "linear", *REPLICAS)
     _precision_context_cost(device, sync)
     _forward_ladder(device, args.patches, args.steps, sync)
     for name in ("qwen2vl_patch_embed_fwd", "qwen2vl_patch_embed_fwd_bwd"):
