@@ -3,6 +3,8 @@ get the same answers; anything that traces, transforms or intercepts takes the o
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -238,13 +240,14 @@ def test_unbatched_and_autocast_on_the_eager_road():
     ids=["saving-below-the-node", "saving-above-the-node"],
 )
 def test_a_vendor_forward_keeps_torchs_fused_backward_unless_gemm_saves_more(
-    spatial, kernel, fused
+    spatial, kernel, fused, caplog
 ):
     """Both problems send the forward and dW to the vendor and dX to `patch`. Where
     the estimated saving of `patch` over the vendor on dX (2.6 us for the 4x4 patch) is
     below what gemmconv's autograd node costs the CPU's host (autograd_node_us), the
-    call is torch's convolution with its fused backward; where it is above (111 us
-    for the 16x16 patch), gemmconv's node runs dX on `patch`. Gradients match float64
+    call is torch's convolution with its fused backward, and the dispatch log says so
+    at INFO, as it reports every fallback to the vendor; where it is above (111 us for
+    the 16x16 patch), gemmconv's node runs dX on `patch`. Gradients match float64
     either way."""
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(2, 3, spatial, spatial, generator=gen).to(memory_format=torch.channels_last)
@@ -256,9 +259,16 @@ def test_a_vendor_forward_keeps_torchs_fused_backward_unless_gemm_saves_more(
     node_us = gemmconv.device_rates.CPU.autograd_node_us
     assert (saving_us < node_us) == fused
     x, w = x.requires_grad_(), w.requires_grad_()
-    y = gemmconv.conv2d(x, w, stride=kernel)
+    with caplog.at_level(logging.INFO, logger="gemmconv.dispatch"):
+        y = gemmconv.conv2d(x, w, stride=kernel)
     node = type(y.grad_fn).__name__
     assert node == ("ConvolutionBackward0" if fused else "_EagerConvolutionBackward"), node
+    reports = [
+        r.getMessage() for r in caplog.records if "fused convolution backward" in r.getMessage()
+    ]
+    assert len(reports) == fused
+    if fused:
+        assert "backward_data patch" in reports[0] and f"({node_us:.0f} us)" in reports[0]
     dy = torch.randn(y.shape, generator=gen)
     grads = torch.autograd.grad(y, (x, w), dy)
     leaves = [t.detach().double().requires_grad_() for t in (x, w)]

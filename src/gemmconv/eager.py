@@ -112,15 +112,18 @@ class _Call:
         verdict = self._vendor_gradients.get(needed)
         if verdict is None:
             directions = (Direction.BACKWARD_DATA, Direction.BACKWARD_WEIGHTS)
-            savings = [
-                _saving_over_vendor(dispatch.choose(self._backward_problem(d)))
+            choices = {
+                d: dispatch.choose(self._backward_problem(d))
                 for d, needed_here in zip(directions, needed)
                 if needed_here
-            ]
+            }
+            savings = [_saving_over_vendor(choice) for choice in choices.values()]
             device_type = self.plan.problem.device_type
             node_ms = device_rates.rates_for(device_type).autograd_node_us / 1000
             verdict = None not in savings and (not any(savings) or sum(savings) < node_ms)
             self._vendor_gradients[needed] = verdict
+            if verdict and any(savings):
+                _log_fused_backward(self.plan.problem, choices, sum(savings), node_ms)
         return verdict
 
     def columns_serve_weight_gradient(self) -> bool:
@@ -186,6 +189,23 @@ class _Call:
                 plans.clear()
             plans[key] = plan
         return plan
+
+
+def _log_fused_backward(
+    problem: ConvProblem,
+    choices: dict[Direction, dispatch.Choice],
+    saving_ms: float,
+    node_ms: float,
+) -> None:
+    """Say, as the dispatch log says every fallback to the vendor, that torch's fused
+    backward serves gradients whose directions chose GEMM solvers."""
+    chosen = ", ".join(f"{d.value} {c.solver}" for d, c in choices.items())
+    dispatch.log.info(
+        "%s: torch's fused convolution backward serves the gradients behind the vendor "
+        "forward in place of %s: they would save %.1f us, less than gemmconv's autograd "
+        "node costs the host (%.0f us)",
+        problem.key(), chosen, saving_ms * 1000, node_ms * 1000,
+    )  # fmt: skip
 
 
 def _saving_over_vendor(choice: dispatch.Choice) -> float | None:
