@@ -97,7 +97,7 @@ def test_gradgradcheck(label, x_shape, w_shape, kwargs, solver, layout):
 
 def test_second_order_pass_runs_gemmconv_ops(monkeypatch):
     # Forced: a problem this small would otherwise go to the vendor forward with
-    # torch's fused backward (eager._Call.vendor_gradients), and no gemmconv op at all.
+    # torch's fused backward (eager._Call.vendor_serves), and no gemmconv op at all.
     monkeypatch.setenv("GEMMCONV_SOLVER", "patch")
     x, w, b = _leaves((2, 3, 8, 8), (6, 3, 4, 4), Layout.CHANNELS_FIRST, seed=5)
     gx, gw = torch.autograd.grad(

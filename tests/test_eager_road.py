@@ -264,7 +264,7 @@ def test_a_vendor_forward_keeps_torchs_fused_backward_unless_gemm_saves_more(
     node = type(y.grad_fn).__name__
     assert node == ("ConvolutionBackward0" if fused else "_EagerConvolutionBackward"), node
     reports = [
-        r.getMessage() for r in caplog.records if "fused convolution backward" in r.getMessage()
+        r.getMessage() for r in caplog.records if "its fused backward serve" in r.getMessage()
     ]
     assert len(reports) == fused
     if fused:
@@ -273,6 +273,62 @@ def test_a_vendor_forward_keeps_torchs_fused_backward_unless_gemm_saves_more(
     grads = torch.autograd.grad(y, (x, w), dy)
     leaves = [t.detach().double().requires_grad_() for t in (x, w)]
     refs = torch.autograd.grad(F.conv2d(*leaves, stride=kernel), leaves, dy.double())
+    for got, want in zip(grads, refs, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("size", "fused"),
+    [(16, True), (28, False)],
+    ids=["saving-below-the-node", "saving-above-the-node"],
+)
+def test_a_gemm_forward_that_saves_less_than_the_node_leaves_training_calls_to_torch(
+    size, fused, caplog, monkeypatch
+):
+    """A channels-last 1x1 (64 -> 64 channels) chooses `pointwise` in every direction
+    on the CPU. At 4x16x16 it saves 17 us a direction over the vendor by the estimates,
+    51 for a training call's forward, dX and dW together, less than gemmconv's autograd
+    node costs the CPU's host (60 us): a call that needs gradients is torch's
+    convolution with its fused backward, reported at INFO, while inference still runs
+    `pointwise`. At 8x28x28 (124 us a direction) gemmconv's node serves the call.
+    Results match float64 either way."""
+    gen = torch.Generator().manual_seed(6)
+    n = 4 if size == 16 else 8
+    x = torch.randn(n, 64, size, size, generator=gen).to(memory_format=torch.channels_last)
+    w = torch.randn(64, 64, 1, 1, generator=gen)
+    choices = gemmconv.explain(x, w, None, 1)
+    assert {c.solver for c in choices.values()} == {"pointwise"}
+    saving_us = 1e3 * sum(c.estimates_ms["vendor"] - c.estimates_ms["pointwise"]
+                          for c in choices.values())  # fmt: skip
+    assert (saving_us < gemmconv.device_rates.CPU.autograd_node_us) == fused
+    solvers_run = []
+    run_forward = eager.ops.run_forward
+
+    def recording_run_forward(plan, *operands):
+        solvers_run.append(plan.solver.id)
+        return run_forward(plan, *operands)
+
+    monkeypatch.setattr(eager.ops, "run_forward", recording_run_forward)
+    with torch.no_grad():
+        gemmconv.conv2d(x, w)
+    assert solvers_run == ["pointwise"]
+    x, w = x.requires_grad_(), w.requires_grad_()
+    with caplog.at_level(logging.INFO, logger="gemmconv.dispatch"):
+        y = gemmconv.conv2d(x, w)
+    node = type(y.grad_fn).__name__
+    assert node == ("ConvolutionBackward0" if fused else "_EagerConvolutionBackward"), node
+    reports = [
+        r.getMessage() for r in caplog.records if "its fused backward serve" in r.getMessage()
+    ]
+    assert len(reports) == fused
+    if fused:
+        assert (
+            "forward pointwise, backward_data pointwise, backward_weights pointwise" in reports[0]
+        )
+    dy = torch.randn(y.shape, generator=gen)
+    grads = torch.autograd.grad(y, (x, w), dy)
+    leaves = [t.detach().double().requires_grad_() for t in (x, w)]
+    refs = torch.autograd.grad(F.conv2d(*leaves), leaves, dy.double())
     for got, want in zip(grads, refs, strict=True):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 

@@ -225,7 +225,7 @@ def _count_directions(monkeypatch):
 @pytest.mark.usefixtures("work_costs_only")
 def test_only_needed_gradients_are_computed(monkeypatch, x_grad, w_grad, expected):
     # Forced onto a GEMM solver: otherwise a direction the vendor takes anyway may
-    # leave the call to torch's fused backward (eager._Call.vendor_gradients).
+    # leave the call to torch's fused backward (eager._Call.vendor_serves).
     monkeypatch.setenv("GEMMCONV_SOLVER", "patch")
     calls = _count_directions(monkeypatch)
     x = _rand(2, 3, 8, 8).requires_grad_(x_grad)

@@ -66,7 +66,7 @@ class _Call:
 
     __slots__ = ("plan", "unbatched", "accepted", "conv_args", "vendor_function",
                  "vendor_arguments", "input_size", "weight_size", "channels_last",
-                 "vendor_forward", "_vendor_gradients", "_backward_plans",
+                 "vendor_forward", "_vendor_serves", "_backward_plans",
                  "_columns_serve_weight_gradient")  # fmt: skip
 
     def __init__(self, dims: int, plan: ops.Plan, unbatched: bool, arguments: tuple,
@@ -84,8 +84,8 @@ class _Call:
         self.weight_size = list(weight.shape)
         self.channels_last = plan.problem.layout is Layout.CHANNELS_LAST
         self.vendor_forward = plan.solver.id == "vendor"
-        # Per (dx needed, dW needed): whether torch's fused backward serves the call.
-        self._vendor_gradients: dict[tuple[bool, bool], bool] = {}
+        # Per (dx needed, dW needed): whether torch's convolution serves the call.
+        self._vendor_serves: dict[tuple[bool, bool], bool] = {}
         # Backward plans of backward-data, then of backward-weights.
         self._backward_plans: tuple[dict[tuple, ops.Plan], ...] = ({}, {})
         self._columns_serve_weight_gradient: bool | None = None
@@ -101,29 +101,28 @@ class _Call:
         self.accepted.append(arguments)
         return True
 
-    def vendor_gradients(self, need_dx: bool, need_dw: bool) -> bool:
-        """Whether the backward, like this call's forward, goes to the vendor: torch's
-        fused convolution backward. So it does where the needed backward directions
-        chose the vendor, and where what the others' solvers save over it is less than
-        gemmconv's autograd node costs the host (DeviceRates.autograd_node_us); never
-        against a forced solver or a saving nobody estimated. Asked only when a call
-        needs gradients, so inference never decides (or benchmarks) them."""
+    def vendor_serves(self, need_dx: bool, need_dw: bool) -> bool:
+        """Whether torch's convolution, with its fused backward, serves a call that
+        needs these gradients: where the forward and the needed backward directions
+        chose the vendor, and where what the GEMM solvers among them save over it is
+        less than gemmconv's autograd node costs the host (DeviceRates.autograd_node_us);
+        never against a forced solver or a saving nobody estimated. Asked only when a
+        call needs gradients, so inference never decides (or benchmarks) them."""
         needed = (need_dx, need_dw)
-        verdict = self._vendor_gradients.get(needed)
+        verdict = self._vendor_serves.get(needed)
         if verdict is None:
             directions = (Direction.BACKWARD_DATA, Direction.BACKWARD_WEIGHTS)
-            choices = {
-                d: dispatch.choose(self._backward_problem(d))
-                for d, needed_here in zip(directions, needed)
-                if needed_here
-            }
+            choices = {Direction.FORWARD: dispatch.choose(self.plan.problem)}
+            for direction, needed_here in zip(directions, needed):
+                if needed_here:
+                    choices[direction] = dispatch.choose(self._backward_problem(direction))
             savings = [_saving_over_vendor(choice) for choice in choices.values()]
             device_type = self.plan.problem.device_type
             node_ms = device_rates.rates_for(device_type).autograd_node_us / 1000
             verdict = None not in savings and (not any(savings) or sum(savings) < node_ms)
-            self._vendor_gradients[needed] = verdict
+            self._vendor_serves[needed] = verdict
             if verdict and any(savings):
-                _log_fused_backward(self.plan.problem, choices, sum(savings), node_ms)
+                _log_vendor_serves(self.plan.problem, choices, sum(savings), node_ms)
         return verdict
 
     def columns_serve_weight_gradient(self) -> bool:
@@ -191,19 +190,20 @@ class _Call:
         return plan
 
 
-def _log_fused_backward(
+def _log_vendor_serves(
     problem: ConvProblem,
     choices: dict[Direction, dispatch.Choice],
     saving_ms: float,
     node_ms: float,
 ) -> None:
-    """Say, as the dispatch log says every fallback to the vendor, that torch's fused
-    backward serves gradients whose directions chose GEMM solvers."""
-    chosen = ", ".join(f"{d.value} {c.solver}" for d, c in choices.items())
+    """Say, as the dispatch log says every fallback to the vendor, that torch's
+    convolution and its fused backward serve a call whose directions chose GEMM
+    solvers."""
+    chosen = ", ".join(f"{d.value} {c.solver}" for d, c in choices.items() if c.solver != "vendor")
     dispatch.log.info(
-        "%s: torch's fused convolution backward serves the gradients behind the vendor "
-        "forward in place of %s: they would save %.1f us, less than gemmconv's autograd "
-        "node costs the host (%.0f us)",
+        "%s: torch's convolution and its fused backward serve calls that need gradients, "
+        "in place of %s: they would save %.1f us, less than gemmconv's autograd node "
+        "costs the host (%.0f us)",
         problem.key(), chosen, saving_ms * 1000, node_ms * 1000,
     )  # fmt: skip
 
@@ -297,13 +297,16 @@ def convolve(
     needs_grad = _is_grad_enabled() and (
         input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
-    if call.vendor_forward and (
-        not needs_grad or call.vendor_gradients(input.requires_grad, weight.requires_grad)
+    if (
+        call.vendor_serves(input.requires_grad, weight.requires_grad)
+        if needs_grad
+        else call.vendor_forward
     ):
-        # Where every direction needed goes to the vendor (tiny problems, where one
-        # launch beats any GEMM path on host time), torch's own convolution with its
-        # own fused backward is the cheapest road to the same kernels: its public
-        # function, given as few arguments as say the same (each parsed costs).
+        # Where every direction needed goes to the vendor, or the GEMM solvers save less
+        # than gemmconv's autograd node costs (tiny problems, a 1x1 where cuBLAS and
+        # cuDNN tie), torch's own convolution with its own fused backward is the
+        # cheapest road: its public function, given as few arguments as say the same
+        # (each parsed costs).
         if call.vendor_arguments:
             return call.vendor_function(input, weight, bias, *call.vendor_arguments)
         return call.vendor_function(input, weight, bias)
