@@ -110,8 +110,7 @@ class Plan:
     prepared on the first call (Solver.prepare), from that call's operands."""
 
     __slots__ = ("problem", "solver", "copy_first", "copy_second", "result_layout",
-                 "result_strides", "runner", "with_columns", "result_as_promised",
-                 "keeping_columns")  # fmt: skip
+                 "result_strides", "runner", "result_as_promised", "keeping_columns")  # fmt: skip
 
     def __init__(
         self,
@@ -126,14 +125,13 @@ class Plan:
         self.copy_first, self.copy_second = copy_first, copy_second
         self.result_layout, self.result_strides = result_layout, result_strides
         self.runner: Callable[[ConvTensors], torch.Tensor] | None = None
-        # The prepared run's form that also returns its columns (None where it has
-        # none), and whether every result of it has ``result_strides`` already: both
+        # Whether every result of the prepared run has ``result_strides`` already:
         # known once the run is prepared.
-        self.with_columns: Callable[[ConvTensors], tuple] | None = None
         self.result_as_promised = False
-        # Where the run keeps columns, needs no operand copied and returns results as
-        # promised: its form on the operands themselves, (input, weight, bias) -> (y,
-        # columns), which a forward outside autocast calls and nothing else.
+        # Where the run keeps columns (ColumnKeepingForward), needs no operand copied
+        # and returns results as promised: its form on the operands themselves,
+        # (input, weight, bias) -> (y, columns), which a forward outside autocast calls
+        # and nothing else.
         self.keeping_columns: Callable[..., tuple] | None = None
 
 
@@ -192,7 +190,6 @@ def _operands(
 def _prepared_runner(plan: Plan, tensors: ConvTensors) -> Callable[[ConvTensors], torch.Tensor]:
     """The plan's run, prepared from its first call's operands and kept."""
     runner = plan.runner = plan.solver.prepare(plan.problem, tensors)
-    plan.with_columns = getattr(runner, "with_columns", None)
     plan.result_as_promised = getattr(runner, "result_strides", None) == plan.result_strides
     if plan.result_as_promised and not (plan.copy_first or plan.copy_second):
         plan.keeping_columns = getattr(runner, "keeping_columns", None)
@@ -287,16 +284,16 @@ def run_forward_keeping_columns(
         return keeping(input, weight, bias)
     if plan.copy_first or plan.copy_second:
         input, weight = _operands(plan, input, weight)
-    tensors = ConvTensors(input, weight, bias)
-    if plan.runner is None:
-        _prepared_runner(plan, tensors)
-    keep = plan.with_columns
+    runner = plan.runner
+    if runner is None:
+        runner = _prepared_runner(plan, ConvTensors(input, weight, bias))
+    keep = getattr(runner, "keeping_columns", None)
     if keep is None:
-        return _run(plan, tensors), None
+        return _run(plan, ConvTensors(input, weight, bias)), None
     if _any_autocast_enabled():
-        y, columns = _without_autocast(plan, keep, tensors)
+        y, columns = _without_autocast(plan, keep, input, weight, bias)
     else:
-        y, columns = keep(tensors)
+        y, columns = keep(input, weight, bias)
     if plan.result_as_promised:
         return y, columns
     return _as_promised(y, plan.result_layout, plan.result_strides), columns

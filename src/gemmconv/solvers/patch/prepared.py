@@ -125,14 +125,13 @@ def _forward(solver, p: ConvProblem, ld: int, t: ConvTensors, result: ResultBuff
 
 class ColumnKeepingForward:
     """A prepared forward that can also return the column matrix [M, ld] its GEMM read
-    (``with_columns``) and turn that matrix and dY into dW (``weight_gradient``): a
-    call that needs the weight gradient then gathers once, in the forward, as the
-    reshape + linear rewrite does, instead of again in the backward. dW is the same
-    GEMM the solvers' weight gradient runs, on the same columns.
-
-    ``keeping_columns(input, weight, bias)`` is ``with_columns`` on the operands
-    themselves, for callers that hold them apart (the eager road): no ConvTensors is
-    built and none of this class's methods runs."""
+    (``keeping_columns(input, weight, bias)``: y and the columns, None where the pass
+    was chunked) and turn that matrix and dY into dW (``weight_gradient``): a call that
+    needs the weight gradient then gathers once, in the forward, as the reshape +
+    linear rewrite does, instead of again in the backward. dW is the same GEMM the
+    solvers' weight gradient runs, on the same columns. ``keeping_columns`` takes the
+    operands apart, as the eager road holds them: no ConvTensors is built and none of
+    this class's methods runs."""
 
     __slots__ = ("keeping_columns", "_product", "_dy_rows", "_transpose_dy", "result_strides")
 
@@ -149,10 +148,6 @@ class ColumnKeepingForward:
 
     def __call__(self, t: ConvTensors) -> torch.Tensor:
         return self.keeping_columns(t.input, t.weight, t.bias)[0]
-
-    def with_columns(self, t: ConvTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """y, and the column matrix (None where the pass was chunked)."""
-        return self.keeping_columns(t.input, t.weight, t.bias)
 
     def weight_gradient(self, dy: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
         """dW from dY and the columns of the same call's forward."""
