@@ -70,11 +70,11 @@ def _versions_text(results: dict) -> str:
 def _host_costs_text(results: dict) -> str:
     """What immediate mode charged the host (runs before this field have none)."""
     costs = results.get("host_costs")
-    if not costs or costs.get("host_op_us") is None:
+    if not costs or costs.get("reference_launch_us") is None:
         return ""
     return (
-        f" Immediate mode's host costs here: the reference op took "
-        f"{costs['host_op_us']:.1f} us, so a torch op is charged "
+        f" Immediate mode's host costs here: the reference launch took "
+        f"{costs['reference_launch_us']:.1f} us, so a torch op is charged "
         f"{costs['host_launch_us']:.1f} us and a Triton launch "
         f"{costs['host_triton_launch_us']:.1f}."
     )

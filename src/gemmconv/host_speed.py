@@ -1,11 +1,16 @@
-"""How fast this process's host issues work to a CUDA device: the host time of one small
-torch op, by which the cost table scales its host costs (gemmconv.device_rates).
+"""How fast this process's host issues gemmconv's work to a CUDA device: the host time of
+one prepared Triton launch, by which the cost table scales its host costs
+(gemmconv.device_rates).
 
-The op is a ViT-B/16 patch gather at batch 2 written as a strided torch copy, the one
-``scripts/launch_cost.py`` times beside a prepared Triton launch: its device time (1.2 MB
-moved) is a few microseconds, below its host time on every host measured, so a stream
-of back-to-back calls times the host. Hosts of the same GPU kind differ by about 2x
-(bench/NOTES.md), which moves the best solver where host and device time are close.
+The launch is ViT-B/16's patch gather at batch 2 (1.2 MB moved, a few microseconds of
+device time, below its host time on every host measured), so a stream of back-to-back
+launches times the host; its geometry is not specialised, so the kernel compiled for it
+serves every patch gather of the process. A Triton launch, not a torch op: hosts of one
+GPU kind differ by 2x in it while a torch op's cost barely moves (an H100 host: a
+direct launch 17.7 us, a torch copy of the same bytes 9.6; an H200 host 9.0 and 10.3,
+``bench/results/launch_cost_*.txt``), and the solvers' Python path to their launches
+follows the launch (point 2D's patch_triton forward 0.121 ms a call on that H100, 0.065
+on an H200 host like the second).
 """
 
 from __future__ import annotations
@@ -20,15 +25,15 @@ CALLS = 200
 REPS = 5
 
 
-def host_op(device: torch.device) -> Callable[[], None]:
-    """The reference op on ``device``, its operands allocated once."""
+def reference_launch(device: torch.device) -> Callable[[], None]:
+    """The reference launch on ``device``, its operands allocated once."""
+    from gemmconv.kernels.patch_permute import gather_patches
+
     images = torch.zeros(2, 3, 224, 224, device=device, dtype=torch.bfloat16)
     columns = torch.empty(2 * 14 * 14, 768, device=device, dtype=torch.bfloat16)
-    patches = images.view(2, 3, 14, 16, 14, 16).permute(0, 2, 4, 1, 3, 5)
-    rows = columns.view(2, 14, 14, 3, 16, 16)
 
     def op() -> None:
-        rows.copy_(patches)
+        gather_patches(images, (14, 14), (16, 16), False, out=columns)
 
     return op
 
@@ -51,10 +56,11 @@ def per_call_us(
     return best * 1e6
 
 
-def measure_host_op_us(index: int = 0) -> float:
-    """Host microseconds of one reference op on CUDA device ``index`` (about 10 ms)."""
+def measure_reference_launch_us(index: int = 0) -> float:
+    """Host microseconds of one reference launch on CUDA device ``index`` (about 10 ms,
+    and the gather kernel's compilation where Triton's cache does not hold it)."""
     device = torch.device("cuda", index)
-    return per_call_us(host_op(device), device)
+    return per_call_us(reference_launch(device), device)
 
 
-__all__ = ["host_op", "measure_host_op_us", "per_call_us"]
+__all__ = ["reference_launch", "measure_reference_launch_us", "per_call_us"]
