@@ -413,9 +413,6 @@ def run_suite(
         "quick": quick,
         "timing": timing,
         "rates": dataclasses.asdict(rates),
-        # What immediate mode charged the host on this machine (its picks are estimated
-        # with these): the table's, scaled to the reference launch timed here.
-        "host_costs": device_rates.host_costs(device.type, device.index or 0),
         "seconds": 0.0,
         "truncated": False,
         "rows": [],

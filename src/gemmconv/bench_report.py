@@ -67,19 +67,6 @@ def _versions_text(results: dict) -> str:
     )
 
 
-def _host_costs_text(results: dict) -> str:
-    """What immediate mode charged the host (runs before this field have none)."""
-    costs = results.get("host_costs")
-    if not costs or costs.get("reference_launch_us") is None:
-        return ""
-    return (
-        f" Immediate mode's host costs here: the reference launch took "
-        f"{costs['reference_launch_us']:.1f} us, so a torch op is charged "
-        f"{costs['host_launch_us']:.1f} us and a Triton launch "
-        f"{costs['host_triton_launch_us']:.1f}."
-    )
-
-
 def _timing_text(results: dict) -> str:
     how = "time.perf_counter, no cache flush" if on_cpu(results) else "CUDA events, L2 flushed"
     timing = results["timing"]
@@ -174,7 +161,6 @@ def markdown(results: dict, stats: dict) -> str:
         + ", ".join(f"{k} {rate_text(v)}" for k, v in results["rates"]["matrix_tflops"].items())
         + f"; device copy {results['rates']['bandwidth_gbs']:.0f} GB/s (read + write). "
         + _timing_text(results)
-        + _host_costs_text(results)
         + f" vendor = {vendor_name(results)}; "
         "floor = max(flops / matrix rate, bytes / bandwidth); 'x vendor' and 'x linear' are "
         "speed-ups of gemmconv (the fastest verified solver); 'floor/g' is floor / gemmconv "

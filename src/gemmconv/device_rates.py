@@ -12,13 +12,9 @@ neither the table nor the tests until someone refits both.
 Estimates are pure: ``rates_for`` reads the table, or the rates a process calibrated
 for a CUDA device the table does not know (``calibrate``: the rates stored in the find
 database, else measured once and stored there), or, until then, the table's nearest
-entry. Their host costs are scaled to this process's host: an entry names the host time
-of gemmconv.host_speed's reference launch (a prepared Triton launch) where its host
-costs were fitted (``reference_launch_us``), and the launch is timed here once.
-``prepare`` calibrates the device and the host before the first decision made outside
-a CUDA graph capture (gemmconv.dispatch calls it), so no estimate opens the database or
-benchmarks. Under ``torch.use_deterministic_algorithms`` the host is not timed and the
-table's host costs decide: a pick must not depend on timing.
+entry. ``prepare`` calibrates the device before the first decision made outside a
+CUDA graph capture (gemmconv.dispatch calls it), so no estimate opens the database or
+benchmarks.
 """
 
 from __future__ import annotations
@@ -28,8 +24,6 @@ import logging
 from collections.abc import Mapping
 
 import torch
-
-from gemmconv import host_speed
 
 log = logging.getLogger("gemmconv.device_rates")
 
@@ -69,9 +63,6 @@ class DeviceRates:
     # forward goes to the vendor, the backward leaves torch's fused one only for GEMM
     # solvers that save more than this.
     autograd_node_us: float = 60.0
-    # Host microseconds of gemmconv.host_speed's reference launch on the host the three
-    # host costs above were fitted to; None where not known (then they are not scaled).
-    reference_launch_us: float | None = None
     factors: Mapping[str, float] = dataclasses.field(default_factory=dict)
     source: str = ""
 
@@ -92,30 +83,6 @@ class DeviceRates:
     def as_json(self) -> dict:
         return {**dataclasses.asdict(self), "factors": dict(self.factors)}
 
-    def host_costs(self) -> dict[str, float | None]:
-        """The host costs in microseconds, with the reference launch's time they are
-        fitted or scaled to: what a device's peak rates do not tell (a suite run does)."""
-        return {
-            "reference_launch_us": self.reference_launch_us,
-            "host_launch_us": self.host_launch_us,
-            "host_triton_launch_us": self.host_triton_launch_us,
-            "autograd_node_us": self.autograd_node_us,
-        }
-
-    def on_host(self, reference_launch_us: float) -> DeviceRates:
-        """These rates with the host costs scaled to a host where the reference launch
-        takes ``reference_launch_us``; unchanged where the fitted host's is not known."""
-        if self.reference_launch_us is None:
-            return self
-        scale = reference_launch_us / self.reference_launch_us
-        return dataclasses.replace(
-            self,
-            host_launch_us=self.host_launch_us * scale,
-            host_triton_launch_us=self.host_triton_launch_us * scale,
-            autograd_node_us=self.autograd_node_us * scale,
-            reference_launch_us=reference_launch_us,
-        )
-
 
 # ---- the table ---------------------------------------------------------------------
 
@@ -128,26 +95,23 @@ H200 = DeviceRates(
     bandwidth_gbs=4300.0,
     multiprocessors=132,
     launch_us=4.0,
-    # bf16 [9500 x 588] x [588 x 1280] ran 88 us (the rewrite's point 2D forward, 89
-    # in bench/results/h200.json at b9cd4c7): 4.8x the 18.2 us floor at which the model
-    # costs an aligned GEMM (padded to 592 the same GEMM ran 31). The 2.8 charged before
-    # was the ratio to the padded GEMM; it put point_output's estimate at 55 us, within
-    # 2% of patch_triton's host time, so a host a few percent slower flipped the pick.
-    unaligned_slowdown=4.8,
-    # Host costs, fitted to the suite's per-solver call times at b9cd4c7 (the tests'
-    # copy: tests/data/h200_calls_b9cd4c7.json): a torch op, its allocation included,
-    # 15 us; a prepared Triton launch 9, the reference launch's direct-route cost in
-    # bench/results/launch_cost_h200.txt, on a host that ran point 2D's patch_triton
-    # forward in 0.071 ms a call against 0.065 in the fit run. With these, 60 of 66 rows
-    # pick within 10% of the fastest call (56 with the 55 us of Triton's ordinary
-    # launch route charged before, bench/NOTES.md). On another host every host cost
-    # grows with the reference launch: on an H100 host where it took 17.7 us (a torch op
-    # no slower: 9.6), patch_triton's point 2D forward took 0.121 ms a call against
-    # point_output's 0.088, and the costs scaled by 17.7/9 pick within 10% of the
-    # fastest call on 64 of that run's 66 rows (tests/data/h100_calls_74f332e.json).
+    # bf16 [9500 x 588] x [588 x 1280] ran 88 us, the same GEMM padded to 592 31 us.
+    unaligned_slowdown=2.8,
+    # A torch op cost 10-15 us of Python and dispatch on the H200's host, a prepared
+    # Triton launch about 55 (bench/results/host_costs_h200.txt: pad_rows 57.7 us a
+    # call for about 5 us of copying; F.pad 25 us, an allocation and addmm 28 us).
+    # Fitted to the suite's call times: with these every row but the STILL_OFF ones
+    # of tests/h200_measurements.py picks within 10% of the fastest call. The 55 us
+    # was Triton's ordinary launch route, before the direct one ever ran (88b9da4); a
+    # refit to the direct route's 9-10 us sent point 2D to patch_triton, faster only
+    # where the host is fast: on a slower H200 host its public calls ran 1.4-5.6x
+    # slower (bench/NOTES.md). A static table cannot follow the host, so it stays.
+    # Scaling the table to each host by a timed Triton launch was tried too and taken
+    # back: on an H100 host it sent point 2D's backward-data to patch_triton, whose
+    # public calls then ran 0.41-0.49x the rewrite's though find's call times put
+    # the solver ahead (bench/NOTES.md, ninth session of 2026-12-05).
     host_launch_us=15.0,
-    host_triton_launch_us=9.0,
-    reference_launch_us=9.0,
+    host_triton_launch_us=55.0,
     # gemmconv's backward of the Qwen2-VL patch embed spent 97 us per call on that
     # host, where a minimal autograd.Function running the same GEMMs added almost
     # nothing over the rewrite (bench/NOTES.md, "Host path and cost table, measured").
@@ -177,9 +141,7 @@ H200 = DeviceRates(
     "vendor factors were fitted to the device times of the run before the host-path work, "
     "the 1x1 and small-patch ones refitted to the same file and bench/results/h200.json "
     "at 22a7a55; the vendor's channels-last small-patch backward-data re-measured without a "
-    "stand-in input, see the file's 'amended'); the host costs and the unaligned slowdown "
-    "fitted to tests/data/h200_calls_b9cd4c7.json (bench/results/h200.json at b9cd4c7), "
-    "their scaling by the reference launch checked on tests/data/h100_calls_74f332e.json",
+    "stand-in input, see the file's 'amended')",
 )
 
 # The CPU machines of this project (2 cores): orders of magnitude below any GPU; only
@@ -227,80 +189,39 @@ NEAREST_GPU = H200
 
 # Rates calibrated in this process for CUDA devices not in the table, by device index.
 _calibrated: dict[int, DeviceRates] = {}
-# The same rates (calibrated or the table's) with the host costs scaled to this
-# process's host, by device index (``prepare``).
-_on_this_host: dict[int, DeviceRates] = {}
 
 
 def rates_for(device_type: str, index: int = 0) -> DeviceRates:
-    """The rates of a problem's device, from the table or this process's calibration,
-    with host costs scaled to this host once it was timed (except under deterministic
-    algorithms); never opens the find database and never measures."""
+    """The rates of a problem's device, from the table or this process's calibration;
+    never opens the find database and never measures."""
     if device_type != "cuda" or not torch.cuda.is_available():
         return CPU
-    scaled = _on_this_host.get(index)
-    if scaled is not None and not torch.are_deterministic_algorithms_enabled():
-        return scaled
-    return _device_rates(index)
-
-
-def _device_rates(index: int) -> DeviceRates:
     calibrated = _calibrated.get(index)
     if calibrated is not None:
         return calibrated
     return _TABLE.get(_device_name(index), NEAREST_GPU)
 
 
-def host_costs(device_type: str, index: int = 0) -> dict[str, float | None]:
-    """The host costs estimates use now on this device (DeviceRates.host_costs)."""
-    return rates_for(device_type, index).host_costs()
-
-
 def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-# ---- calibrating the device and the host -------------------------------------------
+# ---- calibrating a device the table does not know ----------------------------------
 
 
 def prepare(device_type: str, index: int = 0) -> None:
-    """Calibrate CUDA device ``index`` once if the table does not know it, and time this
-    host once (not under deterministic algorithms or a sync debug mode). Not while a
+    """Calibrate CUDA device ``index`` once if the table does not know it. Not while a
     CUDA graph is being captured (measuring synchronises the device): the estimate
-    then uses the table's entry, or the nearest one, and a later decision calibrates."""
-    if device_type != "cuda" or not torch.cuda.is_available() or index in _on_this_host:
+    then uses the nearest entry, and a later decision calibrates."""
+    if device_type != "cuda" or not torch.cuda.is_available() or index in _calibrated:
         return
-    needs_device = index not in _calibrated and _device_name(index) not in _TABLE
-    if not needs_device and torch.are_deterministic_algorithms_enabled():
+    if _device_name(index) in _TABLE:
         return
     if torch.cuda.is_current_stream_capturing():
         log.info("%s: not calibrated inside a CUDA graph capture; costed as %s for now",
-                 _device_name(index), _device_rates(index).name)  # fmt: skip
+                 _device_name(index), NEAREST_GPU.name)  # fmt: skip
         return
-    if needs_device:
-        _calibrated[index] = calibrate(index)
-    if torch.are_deterministic_algorithms_enabled():
-        return
-    if torch.cuda.get_sync_debug_mode() != 0:
-        # Timing ends in a synchronisation, which the user asked to hear of: it would
-        # warn or raise. The table's host costs decide, until a decision outside it.
-        log.info("host of %s not timed under torch.cuda.set_sync_debug_mode; its host "
-                 "costs are the table's for now", _device_name(index))  # fmt: skip
-        return
-    rates = _device_rates(index)
-    try:
-        launch_us = host_speed.measure_reference_launch_us(index)
-    except Exception as e:  # timing is optional: the table's costs serve without it
-        # A Triton that cannot build or launch the gather here must not stop a
-        # convolution: the table's host costs decide, and nothing is timed again.
-        log.warning("host of %s not timed (%s: %s); its host costs are the table's",
-                    rates.name, type(e).__name__, e)  # fmt: skip
-        _on_this_host[index] = rates
-        return
-    _on_this_host[index] = rates.on_host(launch_us)
-    log.info("host of %s: the reference launch took %.1f us (the table's host costs were "
-             "fitted at %s); host costs scaled to it", rates.name, launch_us,
-             rates.reference_launch_us)  # fmt: skip
+    _calibrated[index] = calibrate(index)
 
 
 def calibrate(index: int = 0) -> DeviceRates:
@@ -317,13 +238,9 @@ def calibrate(index: int = 0) -> DeviceRates:
                     identity.device, type(e).__name__, e)  # fmt: skip
         stored = None
     if stored is not None:
-        if "reference_launch_us" not in stored:
-            # Stored before host costs were scaled: their host costs were defaults.
-            stored = {k: v for k, v in stored.items() if k not in NEAREST_GPU.host_costs()}
         try:
             # Rates stored without factors take the nearest entry's, as measured ones do.
-            return DeviceRates(**{"factors": NEAREST_GPU.factors, **NEAREST_GPU.host_costs(),
-                                  **stored})  # fmt: skip
+            return DeviceRates(**{"factors": NEAREST_GPU.factors, **stored})
         except TypeError:
             log.warning("stored rates for %s are unreadable; measuring again", identity.device)
     rates = measure_rates(index)
@@ -352,9 +269,7 @@ def measure_rates(index: int = 0) -> DeviceRates:
         unaligned_slowdown=NEAREST_GPU.unaligned_slowdown,
         multiprocessors=torch.cuda.get_device_properties(index).multi_processor_count,
         factors=NEAREST_GPU.factors,
-        **NEAREST_GPU.host_costs(),
-        source=f"peak rates measured at first use; factors and host costs: the "
-        f"{NEAREST_GPU.name} entry's",
+        source=f"peak rates measured at first use; factors: the {NEAREST_GPU.name} entry's",
     )
     log.info("measured peak rates of %s: %s", rates.name, rates)
     return rates
@@ -367,7 +282,6 @@ __all__ = [
     "NEAREST_GPU",
     "DeviceRates",
     "calibrate",
-    "host_costs",
     "measure_rates",
     "prepare",
     "rates_for",
