@@ -258,23 +258,31 @@ def test_a_vendor_forward_keeps_torchs_fused_backward_unless_gemm_saves_more(
                        - choices["backward_data"].estimates_ms["patch"])  # fmt: skip
     node_us = gemmconv.device_rates.CPU.autograd_node_us
     assert (saving_us < node_us) == fused
+    reports = _train_and_check(x, w, kernel, fused, gen, caplog)
+    if fused:
+        assert "backward_data patch" in reports[0] and f"({node_us:.0f} us)" in reports[0]
+
+
+def _train_and_check(x, w, stride, fused, gen, caplog) -> list[str]:
+    """Call the convolution with x and w needing gradients: its node must be torch's
+    fused backward where ``fused`` (the dispatch log reporting it once at INFO) and
+    gemmconv's otherwise, and its gradients must match float64. Returns the reports."""
     x, w = x.requires_grad_(), w.requires_grad_()
     with caplog.at_level(logging.INFO, logger="gemmconv.dispatch"):
-        y = gemmconv.conv2d(x, w, stride=kernel)
+        y = gemmconv.conv2d(x, w, stride=stride)
     node = type(y.grad_fn).__name__
     assert node == ("ConvolutionBackward0" if fused else "_EagerConvolutionBackward"), node
     reports = [
         r.getMessage() for r in caplog.records if "its fused backward serve" in r.getMessage()
     ]
     assert len(reports) == fused
-    if fused:
-        assert "backward_data patch" in reports[0] and f"({node_us:.0f} us)" in reports[0]
     dy = torch.randn(y.shape, generator=gen)
     grads = torch.autograd.grad(y, (x, w), dy)
     leaves = [t.detach().double().requires_grad_() for t in (x, w)]
-    refs = torch.autograd.grad(F.conv2d(*leaves, stride=kernel), leaves, dy.double())
+    refs = torch.autograd.grad(F.conv2d(*leaves, stride=stride), leaves, dy.double())
     for got, want in zip(grads, refs, strict=True):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    return reports
 
 
 @pytest.mark.parametrize(
@@ -312,25 +320,11 @@ def test_a_gemm_forward_that_saves_less_than_the_node_leaves_training_calls_to_t
     with torch.no_grad():
         gemmconv.conv2d(x, w)
     assert solvers_run == ["pointwise"]
-    x, w = x.requires_grad_(), w.requires_grad_()
-    with caplog.at_level(logging.INFO, logger="gemmconv.dispatch"):
-        y = gemmconv.conv2d(x, w)
-    node = type(y.grad_fn).__name__
-    assert node == ("ConvolutionBackward0" if fused else "_EagerConvolutionBackward"), node
-    reports = [
-        r.getMessage() for r in caplog.records if "its fused backward serve" in r.getMessage()
-    ]
-    assert len(reports) == fused
+    reports = _train_and_check(x, w, 1, fused, gen, caplog)
     if fused:
         assert (
             "forward pointwise, backward_data pointwise, backward_weights pointwise" in reports[0]
         )
-    dy = torch.randn(y.shape, generator=gen)
-    grads = torch.autograd.grad(y, (x, w), dy)
-    leaves = [t.detach().double().requires_grad_() for t in (x, w)]
-    refs = torch.autograd.grad(F.conv2d(*leaves), leaves, dy.double())
-    for got, want in zip(grads, refs, strict=True):
-        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.usefixtures("work_costs_only")
