@@ -61,16 +61,18 @@ gap)
     # 2026-12-05): wall, host issue and device time of each, with point 2D on both
     # solvers find weighed there. One file: the device tool brings back at most eight.
     for row in "point2d cl bwd_data" "vit_b16 cf bwd_data" "dit_xl2 cl bwd_data" \
-        "sam_vit_h cf bwd_data"; do
+        "dit_xl2 cl bwd_weights" "sam_vit_h cf bwd_data"; do
         set -- $row
         echo "== $row" >>"$OUT/backward_gap.txt"
         timeout 120 python3 scripts/host_profile.py "$1" --layout "$2" --kind "$3" --top 30 \
-            >>"$OUT/backward_gap.txt" 2>&1
+            --kernels >>"$OUT/backward_gap.txt" 2>&1
     done
     for solver in patch_triton point_output; do
-        echo "== point2d cl bwd_data, GEMMCONV_SOLVER=$solver" >>"$OUT/backward_gap.txt"
-        GEMMCONV_SOLVER=$solver timeout 120 python3 scripts/host_profile.py point2d \
-            --layout cl --kind bwd_data --top 30 >>"$OUT/backward_gap.txt" 2>&1
+        for layout in cl cf; do
+            echo "== point2d $layout bwd_data, GEMMCONV_SOLVER=$solver" >>"$OUT/backward_gap.txt"
+            GEMMCONV_SOLVER=$solver timeout 120 python3 scripts/host_profile.py point2d \
+                --layout $layout --kind bwd_data --top 30 --kernels >>"$OUT/backward_gap.txt" 2>&1
+        done
     done
     ;;
 ab)

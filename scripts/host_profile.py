@@ -6,9 +6,11 @@ gemmconv's public call as gemmconv.api_timing builds them (back-to-back calls,
 interleaved, median) and prints per call: the wall time, the host's time to issue the
 calls (the loop without a synchronisation inside; a diagnostic, and a lower bound of
 the wall time) and, on CUDA, the kernels' device time from torch.profiler (a
-diagnostic). Then it profiles gemmconv's call with cProfile and lists the functions
-with the most time of their own. Used to find host-path work; the benchmarks, not this
-script, are where speed is reported.
+diagnostic). Beside them, for a call of one direction, the prepared run of the solver
+gemmconv chose (what find's call time times), so the gap between the two shows; with
+``--kernels``, the kernels each launches per call. Then it profiles gemmconv's call
+with cProfile and lists the functions with the most time of their own. Used to find
+host-path work; the benchmarks, not this script, are where speed is reported.
 
     PYTHONPATH=src python scripts/host_profile.py point3d --layout cf --kind fwd_wgrad
     PYTHONPATH=src python scripts/host_profile.py point3d --n 4 --k 64 --device cpu --threads 1
@@ -25,11 +27,12 @@ import time
 
 import torch
 
-from gemmconv.api_timing import CALL_KINDS, public_calls
+from gemmconv.api_timing import CALL_KINDS, DIRECTION_KINDS, public_calls, solvers_of
 from gemmconv.bench import DTYPES, LAYOUT_NAMES, SUITE, make_problem
 from gemmconv.bench_api import API_CASES
 from gemmconv.measure import operand_sets
 from gemmconv.problem import Direction
+from gemmconv.solvers import get_solver
 from gemmconv.timing import time_interleaved
 
 
@@ -54,8 +57,9 @@ def issue_us(fn, calls: int, sync) -> float:
     return issued / calls * 1e6
 
 
-def _device_us(fn, calls: int) -> float:
-    """Microseconds of CUDA kernel time per call, from torch.profiler."""
+def _kernel_times(fn, calls: int) -> list[tuple[str, float, float]]:
+    """(kernel, launches per call, device microseconds per call) of ``fn`` on CUDA,
+    from torch.profiler, most time first."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -63,8 +67,25 @@ def _device_us(fn, calls: int) -> float:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    total = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0)
-    return total / calls
+    kernels = [
+        (e.key, e.count / calls, e.device_time_total / calls)
+        for e in prof.key_averages()
+        if e.device_time_total > 0
+    ]
+    return sorted(kernels, key=lambda k: -k[2])
+
+
+def _solver_run(case_problem, kind: str, device: torch.device, t0):
+    """The prepared run of the solver gemmconv picks for a one-direction ``kind``, on
+    that direction's operand sets, named by the solver; None for other kinds."""
+    direction = next((d for d, k in DIRECTION_KINDS.items() if k == kind), None)
+    if direction is None:
+        return None
+    p = dataclasses.replace(case_problem, direction=direction)
+    sets = operand_sets(p, device, 0)
+    solver_id = solvers_of(case_problem, t0)[direction.value]
+    run = get_solver(solver_id).prepare(p, sets[0])
+    return f"solver {solver_id}", [lambda t=t: run(t) for t in sets]
 
 
 def main() -> None:
@@ -80,6 +101,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--calls", type=int, default=200, help="calls issued and profiled")
     parser.add_argument("--top", type=int, default=25, help="cProfile rows")
+    parser.add_argument("--kernels", action="store_true", help="list each call's kernels")
     parser.add_argument(
         "--rotated",
         action="store_true",
@@ -92,7 +114,11 @@ def main() -> None:
     dtype_key = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     shape = _shape(args.case, args.n, args.k)
     p = make_problem(shape, LAYOUT_NAMES[args.layout], DTYPES[dtype_key], device, Direction.FORWARD)
-    calls = public_calls(p, args.kind, operand_sets(p, device, 0, every_operand=True))
+    sets = operand_sets(p, device, 0, every_operand=True)
+    calls = public_calls(p, args.kind, sets)
+    solver = _solver_run(p, args.kind, device, sets[0])
+    if solver is not None:
+        calls[solver[0]] = solver[1]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = time_interleaved(calls, device, reps=args.reps, shuffled=not args.rotated)
     order = "rotated" if args.rotated else "shuffled"
@@ -101,9 +127,12 @@ def main() -> None:
     for name, fns in calls.items():
         line = f"  {name:9s} wall {times[name].median_ms * 1e3:9.1f}"
         line += f"  host issue {issue_us(fns[0], args.calls, sync):9.1f}"
-        if device.type == "cuda":
-            line += f"  device {_device_us(fns[0], args.calls):9.1f}"
+        kernels = _kernel_times(fns[0], args.calls) if device.type == "cuda" else None
+        if kernels is not None:
+            line += f"  device {sum(k[2] for k in kernels):9.1f}"
         print(line, flush=True)
+        for kernel, launches, us in kernels if args.kernels and kernels else ():
+            print(f"      {us:8.1f} us  x{launches:4.2f}  {kernel[:110]}")
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.calls):

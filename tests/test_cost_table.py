@@ -131,6 +131,20 @@ def test_rates_stored_without_factors_take_the_nearest_entrys(unknown_gpu):
     assert unknown_gpu == [] and rates.factors == NEAREST_GPU.factors
 
 
+def test_rates_stored_before_a_factor_was_added_take_that_one_from_the_nearest_entry(
+    unknown_gpu,
+):
+    stored = MEASURED.as_json()
+    del stored["factors"]["vendor_few_channel_patch"]
+    stored["factors"]["vendor_other"] = 0.123  # what was stored stays
+    finddb.get_db().store_rates(FUTURE, stored)
+    rates = device_rates.calibrate(0)
+    assert unknown_gpu == []
+    added = "vendor_few_channel_patch"
+    assert rates.factor(added) == NEAREST_GPU.factor(added)
+    assert rates.factor("vendor_other") == 0.123
+
+
 def test_selection_calibrates_before_its_first_decision(monkeypatch):
     prepared = []
     monkeypatch.setattr(device_rates, "prepare", prepared.append)

@@ -36,6 +36,8 @@ FACTORS = {
     "vendor_point_output": "the vendor on those with one output pixel per sample",
     "vendor_small_patch": "the vendor on channels-last patches of fewer taps",
     "vendor_small_patch_channels_first": "the vendor on channels-first patches of fewer taps",
+    "vendor_few_channel_patch": "the vendor on channels-last patches of fewer taps and "
+    "fewer than 8 input channels a group",
     "vendor_other": "the vendor on every other convolution",
 }
 
@@ -134,6 +136,15 @@ H200 = DeviceRates(
         "vendor_point_output": 0.04,
         "vendor_small_patch": 0.6,
         "vendor_small_patch_channels_first": 0.2,
+        # cuDNN pads fewer than 8 channels to 8 in two extra kernels and runs its GEMM
+        # at 0.20-0.30 of the floor on DiT-XL/2's 4-channel 2x2 patches (0.21-0.40 on
+        # an H100: bench/results/h200.json at b9cd4c7, h100.json at 69f90e9). Priced
+        # as other small patches (0.6), a training call's three directions seemed to
+        # save 54 us over torch's, less than the autograd node, so it went to torch's
+        # convolution, though they save 210-285 us by the suite's call times: its
+        # backward calls ran 0.69x the rewrite on an H100 (bench/NOTES.md, tenth
+        # session of 2026-12-05).
+        "vendor_few_channel_patch": 0.25,
         "vendor_other": 0.5,
     },
     source="tests/data/h200_suite.json (NVIDIA H200, torch 2.11, cuDNN 9.19, the suite of "
@@ -171,6 +182,7 @@ CPU = DeviceRates(
         # The refit's evidence is cuDNN's, which says nothing of the CPU's kernels.
         "vendor_pointwise": 0.8,
         "vendor_small_patch": 0.33,
+        "vendor_few_channel_patch": 0.33,  # no CPU evidence: as other small patches
         "vendor_large_patch": 1.0,
         "vendor_large_patch_backward_data": 0.1,
         "vendor_point_output": 0.1,
@@ -239,8 +251,10 @@ def calibrate(index: int = 0) -> DeviceRates:
         stored = None
     if stored is not None:
         try:
-            # Rates stored without factors take the nearest entry's, as measured ones do.
-            return DeviceRates(**{"factors": NEAREST_GPU.factors, **stored})
+            # Rates stored without factors take the nearest entry's, as measured ones do;
+            # rates stored before a factor was added take that one from the entry too.
+            factors = {**NEAREST_GPU.factors, **stored.get("factors", {})}
+            return DeviceRates(**{**stored, "factors": factors})
         except TypeError:
             log.warning("stored rates for %s are unreadable; measuring again", identity.device)
     rates = measure_rates(index)

@@ -16,6 +16,8 @@ from gemmconv.solvers.base import ConvTensors, Solver
 
 # Patch embeddings with at least this many kernel taps are "large" in the cost table.
 LARGE_PATCH_TAPS = 16
+# cuDNN pads channels-last inputs of fewer channels a group to this many first.
+FEW_CHANNELS = 8
 
 
 def vendor_efficiency(p: ConvProblem, rates: DeviceRates) -> float:
@@ -32,6 +34,8 @@ def vendor_efficiency(p: ConvProblem, rates: DeviceRates) -> float:
             return rates.factor("vendor_large_patch")
         if p.layout is Layout.CHANNELS_FIRST:
             return rates.factor("vendor_small_patch_channels_first")
+        if p.c // p.groups < FEW_CHANNELS:
+            return rates.factor("vendor_few_channel_patch")
         return rates.factor("vendor_small_patch")
     return rates.factor("vendor_other")
 
