@@ -75,6 +75,23 @@ def _kernel_times(fn, calls: int) -> list[tuple[str, float, float]]:
     return sorted(kernels, key=lambda k: -k[2])
 
 
+def _print_host_ops(fn, calls: int, top: int) -> None:
+    """The ops and runtime calls with the most host time of their own per call of
+    ``fn``, from torch.profiler (what cProfile cannot see inside torch's C++)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    for e in events:
+        per_call = e.self_cpu_time_total / calls
+        print(f"      {per_call:8.1f} us self  x{e.count / calls:5.2f}  {e.key[:100]}")
+
+
 def _solver_run(case_problem, kind: str, device: torch.device, t0):
     """The prepared run of the solver gemmconv picks for a one-direction ``kind``, on
     that direction's operand sets, named by the solver; None for other kinds."""
@@ -102,6 +119,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200, help="calls issued and profiled")
     parser.add_argument("--top", type=int, default=25, help="cProfile rows")
     parser.add_argument("--kernels", action="store_true", help="list each call's kernels")
+    parser.add_argument(
+        "--host-ops", type=int, default=0, help="list this many ops by their host time per call"
+    )
     parser.add_argument(
         "--rotated",
         action="store_true",
@@ -133,6 +153,8 @@ def main() -> None:
         print(line, flush=True)
         for kernel, launches, us in kernels if args.kernels and kernels else ():
             print(f"      {us:8.1f} us  x{launches:4.2f}  {kernel[:110]}")
+        if args.host_ops:
+            _print_host_ops(fns[0], args.calls, args.host_ops)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.calls):
