@@ -60,12 +60,15 @@ gap)
     # ranks by) in the suites at b9cd4c7 and 69f90e9 (bench/NOTES.md, ninth session of
     # 2026-12-05): wall, host issue and device time of each, with point 2D on both
     # solvers find weighed there. One file: the device tool brings back at most eight.
+    # The tenth session found the node's own host time 78-118 us where the same run
+    # issued from the main thread took 101 in all: the rows run again with the
+    # backward on the calling thread and the ops' host times listed.
     for row in "point2d cl bwd_data" "vit_b16 cf bwd_data" "dit_xl2 cl bwd_data" \
-        "dit_xl2 cl bwd_weights" "sam_vit_h cf bwd_data"; do
+        "dit_xl2 cl bwd_weights" "sam_vit_h cf bwd_data" "convnext_down cf bwd_weights"; do
         set -- $row
         echo "== $row" >>"$OUT/backward_gap.txt"
-        timeout 120 python3 scripts/host_profile.py "$1" --layout "$2" --kind "$3" --top 30 \
-            --kernels >>"$OUT/backward_gap.txt" 2>&1
+        timeout 120 python3 scripts/host_profile.py "$1" --layout "$2" --kind "$3" --top 0 \
+            --kernels --host-ops 14 --calling-thread >>"$OUT/backward_gap.txt" 2>&1
     done
     for solver in patch_triton point_output; do
         for layout in cl cf; do

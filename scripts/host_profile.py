@@ -92,6 +92,17 @@ def _print_host_ops(fn, calls: int, top: int) -> None:
         print(f"      {per_call:8.1f} us self  x{e.count / calls:5.2f}  {e.key[:100]}")
 
 
+def _on_calling_thread(fn):
+    """``fn`` with autograd's backward kept on the calling thread: on CUDA the engine
+    hands a backward to the device's worker thread, where gemmconv's Python node runs."""
+
+    def call():
+        with torch.autograd.set_multithreading_enabled(False):
+            return fn()
+
+    return call
+
+
 def _solver_run(case_problem, kind: str, device: torch.device, t0):
     """The prepared run of the solver gemmconv picks for a one-direction ``kind``, on
     that direction's operand sets, named by the solver; None for other kinds."""
@@ -127,6 +138,11 @@ def main() -> None:
         action="store_true",
         help="interleave in a rotating order, as the timings before the shuffle did",
     )
+    parser.add_argument(
+        "--calling-thread",
+        action="store_true",
+        help="time the rewrite's and gemmconv's calls with the backward on the calling thread too",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -139,6 +155,12 @@ def main() -> None:
     solver = _solver_run(p, args.kind, device, sets[0])
     if solver is not None:
         calls[solver[0]] = solver[1]
+    if args.calling_thread and args.kind != "fwd":
+        for name in ("linear", "gemmconv"):
+            if name in calls:
+                calls[f"{name} on the calling thread"] = [
+                    _on_calling_thread(f) for f in calls[name]
+                ]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = time_interleaved(calls, device, reps=args.reps, shuffled=not args.rotated)
     order = "rotated" if args.rotated else "shuffled"
