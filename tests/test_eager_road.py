@@ -273,7 +273,7 @@ def _train_and_check(x, w, stride, fused, gen, caplog) -> list[str]:
     node = type(y.grad_fn).__name__
     assert node == ("ConvolutionBackward0" if fused else "_EagerConvolutionBackward"), node
     reports = [
-        r.getMessage() for r in caplog.records if "its fused backward serve" in r.getMessage()
+        r.getMessage() for r in caplog.records if "its fused backward in place of" in r.getMessage()
     ]
     assert len(reports) == fused
     dy = torch.randn(y.shape, generator=gen)
@@ -282,6 +282,11 @@ def _train_and_check(x, w, stride, fused, gen, caplog) -> list[str]:
     refs = torch.autograd.grad(F.conv2d(*leaves, stride=stride), leaves, dy.double())
     for got, want in zip(grads, refs, strict=True):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    # explain() of these operands, which need gradients, says the same as the log.
+    explanation = gemmconv.explain(x, w, None, stride)
+    assert len(explanation.notes) == fused
+    if fused:
+        assert explanation.notes[0] in reports[0] and explanation.notes[0] in repr(explanation)
     return reports
 
 
@@ -325,6 +330,32 @@ def test_a_gemm_forward_that_saves_less_than_the_node_leaves_training_calls_to_t
         assert (
             "forward pointwise, backward_data pointwise, backward_weights pointwise" in reports[0]
         )
+
+
+def test_a_modules_solvers_say_which_training_calls_run_torchs_convolution():
+    """The 1x1 above whose GEMMs save less than the node, as a gemmconv.nn module: its
+    table names `pointwise`, and its notes say that calls needing gradients run torch's
+    convolution: for a given input as that input needs them, after a forward (whose
+    input's need is not kept) with and without dx; none for a frozen module's input
+    that needs none."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 64, 16, 16, generator=gen).to(memory_format=torch.channels_last)
+    conv = gemmconv.nn.Conv2d(64, 64, 1, bias=False)
+    assert {c.solver for c in conv.solvers(x).values()} == {"pointwise"}
+    (note,) = conv.solvers(x).notes
+    assert note.startswith("eager calls that need dW run torch's convolution")
+    (note,) = conv.solvers(x.requires_grad_()).notes
+    assert note.startswith("eager calls that need dx and dW run torch's convolution")
+    y = conv(x)
+    assert type(y.grad_fn).__name__ == "ConvolutionBackward0"
+    after = conv.solvers()
+    assert [n.split(" run ")[0] for n in after.notes] == [
+        "eager calls that need dW",
+        "eager calls that need dx and dW",
+    ]
+    assert all(n in repr(after) for n in after.notes)
+    conv.requires_grad_(False)
+    assert conv.solvers(x.detach()).notes == []
 
 
 @pytest.mark.usefixtures("work_costs_only")

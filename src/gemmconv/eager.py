@@ -103,26 +103,15 @@ class _Call:
 
     def vendor_serves(self, need_dx: bool, need_dw: bool) -> bool:
         """Whether torch's convolution, with its fused backward, serves a call that
-        needs these gradients: where the forward and the needed backward directions
-        chose the vendor, and where what the GEMM solvers among them save over it is
-        less than gemmconv's autograd node costs the host (DeviceRates.autograd_node_us);
-        never against a forced solver or a saving nobody estimated. Asked only when a
-        call needs gradients, so inference never decides (or benchmarks) them."""
+        needs these gradients (training_road). Asked only when a call needs
+        gradients, so inference never decides (or benchmarks) them."""
         needed = (need_dx, need_dw)
         verdict = self._vendor_serves.get(needed)
         if verdict is None:
-            directions = (Direction.BACKWARD_DATA, Direction.BACKWARD_WEIGHTS)
-            choices = {Direction.FORWARD: dispatch.choose(self.plan.problem)}
-            for direction, needed_here in zip(directions, needed):
-                if needed_here:
-                    choices[direction] = dispatch.choose(self._backward_problem(direction))
-            savings = [_saving_over_vendor(choice) for choice in choices.values()]
-            device_type = self.plan.problem.device_type
-            node_ms = device_rates.rates_for(device_type).autograd_node_us / 1000
-            verdict = None not in savings and (not any(savings) or sum(savings) < node_ms)
-            self._vendor_serves[needed] = verdict
-            if verdict and any(savings):
-                _log_vendor_serves(self.plan.problem, choices, sum(savings), node_ms)
+            road = training_road(self.plan.problem, need_dx, need_dw)
+            verdict = self._vendor_serves[needed] = road.on_torch
+            if road.on_torch and road.gemm_solvers:
+                dispatch.log.info("%s: %s", self.plan.problem.key(), road.describe())
         return verdict
 
     def columns_serve_weight_gradient(self) -> bool:
@@ -132,15 +121,11 @@ class _Call:
         and the weight gradient's problem is the forward's in another direction."""
         verdict = self._columns_serve_weight_gradient
         if verdict is None:
-            solver = dispatch.solver_for(self._backward_problem(Direction.BACKWARD_WEIGHTS))
+            weights = backward_problem(self.plan.problem, Direction.BACKWARD_WEIGHTS)
+            solver = dispatch.solver_for(weights)
             verdict = solver.weight_gradient_multiplies_columns
             self._columns_serve_weight_gradient = verdict
         return verdict
-
-    def _backward_problem(self, direction: Direction) -> ConvProblem:
-        """The problem of a backward direction of this call, as its backward plan
-        builds it: the forward's, without the bias, in ``direction``."""
-        return dataclasses.replace(self.plan.problem, has_bias=False).with_direction(direction)
 
     def gradients(
         self,
@@ -190,22 +175,70 @@ class _Call:
         return plan
 
 
-def _log_vendor_serves(
-    problem: ConvProblem,
-    choices: dict[Direction, dispatch.Choice],
-    saving_ms: float,
-    node_ms: float,
-) -> None:
-    """Say, as the dispatch log says every fallback to the vendor, that torch's
-    convolution and its fused backward serve a call whose directions chose GEMM
-    solvers."""
-    chosen = ", ".join(f"{d.value} {c.solver}" for d, c in choices.items() if c.solver != "vendor")
-    dispatch.log.info(
-        "%s: torch's convolution and its fused backward serve calls that need gradients, "
-        "in place of %s: they would save %.1f us, less than gemmconv's autograd node "
-        "costs the host (%.0f us)",
-        problem.key(), chosen, saving_ms * 1000, node_ms * 1000,
-    )  # fmt: skip
+def backward_problem(problem: ConvProblem, direction: Direction) -> ConvProblem:
+    """The problem of a backward direction of a forward ``problem``, as its backward
+    plan builds it: the forward's, without the bias, in ``direction``."""
+    return dataclasses.replace(problem, has_bias=False).with_direction(direction)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingRoad:
+    """Where eager calls of a forward problem that need some gradients run."""
+
+    on_torch: bool  # torch's convolution with its fused backward, not gemmconv's node
+    needed: str  # "dx and dW", "dx", "dW" or "only the bias's gradient"
+    gemm_solvers: dict[Direction, str]  # the directions that chose a GEMM solver
+    saving_ms: float | None  # what those save over the vendor; None where unknown
+    node_ms: float  # what gemmconv's autograd node costs the host
+
+    def describe(self) -> str:
+        """The sentence the dispatch log and explain() say where torch's convolution
+        serves calls in place of GEMM solvers (``on_torch`` with ``gemm_solvers``)."""
+        chosen = ", ".join(f"{d.value} {s}" for d, s in self.gemm_solvers.items())
+        return (
+            f"eager calls that need {self.needed} run torch's convolution and its fused "
+            f"backward in place of {chosen}: they would save {self.saving_ms * 1000:.1f} us, "
+            f"less than gemmconv's autograd node costs the host ({self.node_ms * 1000:.0f} us)"
+        )
+
+
+def training_road(problem: ConvProblem, need_dx: bool, need_dw: bool) -> TrainingRoad:
+    """Where an eager call of the forward ``problem`` that needs these gradients runs:
+    torch's convolution, with its fused backward, where the forward and the needed
+    backward directions chose the vendor, and where what the GEMM solvers among them
+    save over it is less than gemmconv's autograd node costs the host
+    (DeviceRates.autograd_node_us); never against a forced solver or a saving nobody
+    estimated. Decides (or, in find modes, benchmarks) the directions it counts."""
+    choices = {Direction.FORWARD: dispatch.choose(problem)}
+    for direction, needed_here in (
+        (Direction.BACKWARD_DATA, need_dx),
+        (Direction.BACKWARD_WEIGHTS, need_dw),
+    ):
+        if needed_here:
+            choices[direction] = dispatch.choose(backward_problem(problem, direction))
+    savings = [_saving_over_vendor(choice) for choice in choices.values()]
+    node_ms = device_rates.rates_for(problem.device_type).autograd_node_us / 1000
+    saving_ms = None if None in savings else sum(savings)
+    on_torch = saving_ms is not None and (not any(savings) or saving_ms < node_ms)
+    needed = " and ".join(name for name, n in (("dx", need_dx), ("dW", need_dw)) if n)
+    return TrainingRoad(
+        on_torch=on_torch,
+        needed=needed or "only the bias's gradient",
+        gemm_solvers={d: c.solver for d, c in choices.items() if c.solver != "vendor"},
+        saving_ms=saving_ms,
+        node_ms=node_ms,
+    )
+
+
+def training_notes(problem: ConvProblem, needs: list[tuple[bool, bool]]) -> list[str]:
+    """For explain(): per (dx needed, dW needed) in ``needs``, a sentence where such
+    eager calls run torch's convolution though some direction chose a GEMM solver."""
+    notes = []
+    for need_dx, need_dw in needs:
+        road = training_road(problem, need_dx, need_dw)
+        if road.on_torch and road.gemm_solvers:
+            notes.append(road.describe())
+    return notes
 
 
 def _saving_over_vendor(choice: dispatch.Choice) -> float | None:
@@ -438,4 +471,14 @@ def clear() -> None:
     _calls.clear()
 
 
-__all__ = ["LAST_INPUT", "SeenInput", "clear", "convolve", "remember_input"]
+__all__ = [
+    "LAST_INPUT",
+    "SeenInput",
+    "TrainingRoad",
+    "backward_problem",
+    "clear",
+    "convolve",
+    "remember_input",
+    "training_notes",
+    "training_road",
+]

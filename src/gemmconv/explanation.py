@@ -75,14 +75,21 @@ def choice_text(choice: Choice) -> str:
 
 
 class Explanation(dict):
-    """Direction name -> Choice, whose repr is a table of every direction's choice."""
+    """Direction name -> Choice, whose repr is a table of every direction's choice and
+    then its ``notes``: where a call runs otherwise than the table says (eager calls
+    that need gradients on torch's convolution, eager.training_road)."""
+
+    def __init__(self, choices: dict[str, Choice], notes: list[str] | None = None) -> None:
+        super().__init__(choices)
+        self.notes = notes or []
 
     def __repr__(self) -> str:
         rows = [_HEADER]
         for direction, choice in self.items():
             rows += _rows(direction, choice)
         modes = sorted({choice.mode for choice in self.values()})
-        return f"gemmconv solver choice (mode {', '.join(modes)})\n" + table(rows)
+        text = f"gemmconv solver choice (mode {', '.join(modes)})\n" + table(rows)
+        return "\n".join([text, *self.notes])
 
 
 __all__ = ["Explanation", "choice_text", "slower_than", "table"]

@@ -293,9 +293,17 @@ def explain(
     repr is a table; each value is a ``gemmconv.Choice`` with ``.solver`` (an id),
     ``.source`` (estimate, database, find, forced), ``.reason``, ``.estimates_ms``
     and ``.rejected`` (id -> list of reasons). The dimensionality comes from the
-    weight. Example: ``gemmconv.explain(x, w, stride=16)["forward"].solver``.
+    weight. Where the tensors need gradients and an eager call with them would run
+    torch's convolution with its fused backward in place of the GEMM solvers named
+    (their saving below what gemmconv's autograd node costs), ``.notes`` says so, and
+    so does the table. Example: ``gemmconv.explain(x, w, stride=16)["forward"].solver``.
     """
-    return explain_problem(problem_of(input, weight, bias, stride, padding, dilation, groups))
+    problem = problem_of(input, weight, bias, stride, padding, dilation, groups)
+    explanation = explain_problem(problem)
+    if any(t is not None and t.requires_grad for t in (input, weight, bias)):
+        needs = [(input.requires_grad, weight.requires_grad)]
+        explanation.notes = eager.training_notes(problem, needs)
+    return explanation
 
 
 def problem_of(

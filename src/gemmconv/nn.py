@@ -89,13 +89,16 @@ class _GemmConvMixin:
         a dict of ``gemmconv.Choice`` whose repr is a table, as ``gemmconv.explain``
         returns (``module.solvers(x)["forward"].solver`` is the forward's solver id).
 
-        Runs nothing; raises when there is neither an input nor a past forward."""
+        Runs nothing; raises when there is neither an input nor a past forward. Its
+        ``notes`` name the calls needing gradients that run torch's convolution in
+        eager mode (as gemmconv.explain's do): for ``input``, those it would need; for
+        the last input, whose need is not kept, with and without dx."""
         if input is not None:
             input, padding = self._padded(input)
             problem = functional.problem_of(
                 input, self.weight, self.bias, self.stride, padding, self.dilation, self.groups
             )
-            return explain_problem(problem)
+            return self._explained(problem, [input.requires_grad])
         seen = self._gemmconv_last_input
         if seen is None:
             raise RuntimeError(
@@ -112,7 +115,17 @@ class _GemmConvMixin:
         problem = functional.problem_of(
             stand_in, weight, bias, self.stride, padding, self.dilation, self.groups
         )
-        return explain_problem(problem)
+        return self._explained(problem, [False, True])
+
+    def _explained(self, problem, input_needs: list[bool]) -> dict[str, Choice]:
+        """The problem's choices, with notes on the training calls of these needs of
+        dx (the weight's own need of dW is known)."""
+        explanation = explain_problem(problem)
+        need_dw = self.weight.requires_grad
+        bias_needs = self.bias is not None and self.bias.requires_grad
+        needs = [(dx, need_dw) for dx in input_needs if dx or need_dw or bias_needs]
+        explanation.notes = eager.training_notes(problem, needs)
+        return explanation
 
 
 def _weight_format_of(cls: str, memory_format: object, dims: int) -> torch.memory_format | None:
