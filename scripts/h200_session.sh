@@ -14,7 +14,11 @@ set -u
 export PYTHONPATH=src
 stage=${1:?stage: tests, probe, compiled, suite, models, gap or ab}
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-echo "$stage at $commit, $(date -u +%FT%TZ)" >>"$OUT/session.log"
+# The device's copy of the tree reported an older HEAD than the files it held (the
+# tenth session of 2026-12-05): a digest of src/'s Python files says which code ran
+# (the same command in a checkout gives that commit's).
+code=$(find src -name '*.py' | sort | xargs sha1sum | sha1sum | cut -c1-12)
+echo "$stage at $commit (src digest $code), $(date -u +%FT%TZ)" >>"$OUT/session.log"
 case $stage in
 tests)
     # The whole log, with a line per failure or error at its end: a log cut to its tail
