@@ -8,11 +8,12 @@
 #   bash scripts/h200_session.sh suite     # the suite (about 3 min of rows)
 #   bash scripts/h200_session.sh models    # the end-to-end table (about 3 min)
 #   bash scripts/h200_session.sh gap       # backward-data public calls against call times
+#   bash scripts/h200_session.sh rows      # the rows path's in-place GEMM: tests, device time
 #   OLD_TREE=old bash scripts/h200_session.sh ab   # order vs machine, below
 set -u
 : "${OUT:?set OUT to the folder for the results}"
 export PYTHONPATH=src
-stage=${1:?stage: tests, probe, compiled, suite, models, gap or ab}
+stage=${1:?stage: tests, probe, compiled, suite, models, gap, rows or ab}
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 # The device's copy of the tree reported an older HEAD than the files it held (the
 # tenth session of 2026-12-05): a digest of src/'s Python files says which code ran
@@ -82,6 +83,19 @@ gap)
         done
     done
     ;;
+rows)
+    # The GEMM that writes a channels-first y or reads dY in place
+    # (kernels/pixel_rows_gemm.py) ran only in Triton's interpreter when it landed, and
+    # CUDA runs keep cuBLAS and the transpose until IN_PLACE_ON_CUDA is set
+    # (solvers/patch/rows_path.py): its GPU tests (the kernel with pixel runs of 1 to 8
+    # elements, and the rows path with the switch either way), then its device time
+    # against cuBLAS and the transpose per tile configuration.
+    python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_pixel_rows_gemm.py \
+        tests/test_triton_kernels.py -k "pixel_rows or rows_path or rows_into or into_rows" \
+        >"$OUT/rows_tests.log" 2>&1
+    echo "pytest exit $?" >>"$OUT/rows_tests.log"
+    timeout 240 python3 scripts/pixel_rows_bench.py >"$OUT/pixel_rows.txt" 2>&1
+    ;;
 ab)
     # Whether the suite's backward calls moved with the machine or with the order of
     # the interleaved calls: the same rows, alternating processes, in the shuffled
@@ -103,7 +117,7 @@ ab)
     done
     ;;
 *)
-    echo "stage=$stage: expected tests, probe, compiled, suite, models, gap or ab" >&2
+    echo "stage=$stage: expected tests, probe, compiled, suite, models, gap, rows or ab" >&2
     exit 2
     ;;
 esac

@@ -246,34 +246,61 @@ def test_channels_first_rows_path_in_chunks_interpreted(
     check_case(case, "cpu", seed=zlib.crc32(repr((spatial, direction, dtype)).encode()))
 
 
-def test_rows_path_runs_in_one_pass_unless_its_buffers_exceed_both_limits():
-    # ViT-B/16 channels-first at batch 256: column rows and y rows are 77 MB each, two
-    # copies of x, yet within CHUNK_ABOVE_BYTES: one pass, no loop over chunks.
-    def vit(n):
-        return ConvProblem.from_sizes(n, 3, 768, (224, 224), (16, 16), (16, 16),
-                                      dtype=torch.bfloat16, device_type="cuda")  # fmt: skip
+@pytest.mark.parametrize("in_place", [False, True], ids=["cublas", "in_place"])
+def test_rows_path_runs_in_one_pass_unless_its_buffers_exceed_both_limits(in_place, monkeypatch):
+    # ViT-B/16 channels-first at batch 256: column rows and y or dY rows are 77 MB each,
+    # two copies of x, within CHUNK_ABOVE_BYTES: one pass, no loop over chunks. Where
+    # the forward's GEMM writes y in place there are no y rows and no transpose.
+    monkeypatch.setattr(rows_path, "IN_PLACE_ON_CUDA", in_place)
 
+    def vit(n, dtype=torch.bfloat16):
+        return ConvProblem.from_sizes(n, 3, 768, (224, 224), (16, 16), (16, 16),
+                                      dtype=dtype, device_type="cuda")  # fmt: skip
+
+    solver = get_solver("patch_triton")
     p = vit(256)
     assert rows_path.applies(p)  # 196 pixels x 2 bytes: unaligned
+    assert rows_path.in_place(p) == in_place
     assert rows_path.chunk_samples(p, 768) == 256
-    solver = get_solver("patch_triton")
-    assert solver.workspace_bytes(p) == 256 * 196 * (768 + 768) * 2
-    assert solver.gemm_launches(p) == 3
-    # At batch 2048 they would be 1.2 GB, beyond both x (617 MB) and 256 MiB: chunks
-    # that, with the padded weight and the weight gradient's fp32 sums
+    assert solver.workspace_bytes(p) == 256 * 196 * (768 if in_place else 768 + 768) * 2
+    assert solver.gemm_launches(p) == (2 if in_place else 3)
+    assert not rows_path.applies(vit(256, torch.float32))  # 196 x 4 bytes: aligned
+    wgrad = dataclasses.replace(p, direction=Direction.BACKWARD_WEIGHTS)
+    assert not rows_path.in_place(wgrad)  # dY is copied to rows by the transpose kernel
+    assert solver.workspace_bytes(wgrad) == 256 * 196 * (768 + 768) * 2
+    assert solver.gemm_launches(wgrad) == 3
+    # At batch 2048 the weight gradient's buffers would be 1.2 GB, beyond both x (617
+    # MB) and 256 MiB: chunks that, with the padded weight and the fp32 sums
     # (768 x 768 x (2 + 8) bytes), fit in one x.
-    big = vit(2048)
+    big = dataclasses.replace(vit(2048), direction=Direction.BACKWARD_WEIGHTS)
     fixed = 768 * 768 * 10
     per_sample = 196 * (768 + 768) * 2
     step = rows_path.chunk_samples(big, 768)
     assert step == (big.largest_operand_bytes() - fixed) // per_sample < 2048
     assert solver.workspace_bytes(big) + fixed <= big.largest_operand_bytes()
     assert solver.gemm_launches(big) == 3 * -(-2048 // step)
+    # A forward writing y in place holds the columns alone: chunks twice as long.
+    forward_step = rows_path.chunk_samples(vit(2048), 768)
+    assert (forward_step >= 2 * step) == in_place
     aligned = ConvProblem.from_sizes(8, 3, 1280, (1024, 1024), (16, 16), (16, 16),
                                      dtype=torch.bfloat16, device_type="cuda")  # fmt: skip
     assert not rows_path.applies(aligned)  # SAM: 4096 pixels, the bmm is aligned
     wgrad = dataclasses.replace(aligned, direction=Direction.BACKWARD_WEIGHTS)
     assert rows_path.applies(wgrad)  # dY is copied to rows either way
+
+
+def test_the_rows_path_gemm_writes_in_place_off_cuda_in_half_precision_only():
+    # Off CUDA (the interpreter's runs in these tests) the in-place GEMM serves the half
+    # precision forward and backward-data; on CUDA it waits for IN_PLACE_ON_CUDA.
+    for device_type, dtype, direction, expected in [
+        ("cpu", torch.float16, Direction.FORWARD, True),
+        ("cpu", torch.float16, Direction.BACKWARD_DATA, True),
+        ("cpu", torch.float16, Direction.BACKWARD_WEIGHTS, False),
+        ("cpu", torch.float32, Direction.FORWARD, False),
+        ("cuda", torch.bfloat16, Direction.FORWARD, rows_path.IN_PLACE_ON_CUDA),
+    ]:
+        p = _problem((12, 6), (4, 3), Layout.CHANNELS_FIRST, dtype, device_type)
+        assert rows_path.in_place(dataclasses.replace(p, direction=direction)) == expected
 
 
 @pytest.mark.parametrize("direction", list(Direction), ids=lambda d: d.value)
@@ -362,7 +389,13 @@ def test_gather_large_rows_on_cuda(dtype):
 @pytest.mark.parametrize("direction", list(Direction), ids=lambda d: d.value)
 @pytest.mark.parametrize(("spatial", "kernel"), ROWS_PATH_CASES)
 @pytest.mark.parametrize("chunk", [1, None], ids=["chunk1", "whole"])
-def test_channels_first_rows_path_on_cuda(spatial, kernel, direction, dtype, chunk, monkeypatch):
+@pytest.mark.parametrize("in_place", [False, True], ids=["cublas", "in_place"])
+def test_channels_first_rows_path_on_cuda(
+    spatial, kernel, direction, dtype, chunk, in_place, monkeypatch
+):
+    # Both GEMMs of the path whatever IN_PLACE_ON_CUDA says (fp32 and the weight
+    # gradient take cuBLAS's either way).
+    monkeypatch.setattr(rows_path, "IN_PLACE_ON_CUDA", in_place)
     if chunk is not None:
         monkeypatch.setattr(rows_path, "chunk_samples", lambda p, ld: chunk)
     g = Geometry("rows", spatial=spatial, kernel=kernel, stride=kernel, c=3, n=3, k=5)

@@ -18,9 +18,10 @@ from typing import ClassVar
 
 import torch
 
+from gemmconv.device_rates import DeviceRates
 from gemmconv.precision import reduction_mm
 from gemmconv.problem import ConvProblem, Direction
-from gemmconv.solvers.base import ConvTensors
+from gemmconv.solvers.base import ConvTensors, _math_mode
 from gemmconv.solvers.patch import prepared, rows_path
 from gemmconv.solvers.patch.columns import ColumnSource
 from gemmconv.solvers.patch.cost import output_rows_bytes, torch_permute_slowdown, uncovered_bytes
@@ -104,6 +105,14 @@ class ColumnGemmSolver(PatchFamilySolver):
             moved += 2 * output_rows_bytes(p) * torch_permute_slowdown(p.device_type)
         return int(moved)
 
+    def work_ms(self, p: ConvProblem, rates: DeviceRates) -> float:
+        work = super().work_ms(p, rates)
+        if self.uses_rows_path(p):
+            # The rows path's in-place Triton GEMM runs behind cuBLAS's rate.
+            flop_ms = p.flops() / rates.matrix_rate(_math_mode(p))
+            work += (rows_path.gemm_slowdown(p) - 1.0) * flop_ms
+        return work
+
     def gemm_launches(self, p: ConvProblem) -> int:
         if self.uses_rows_path(p):
             return rows_path.launches(p, self.reduction_width(p))
@@ -114,7 +123,8 @@ class ColumnGemmSolver(PatchFamilySolver):
         return super().host_launches(p) + (self.reduction_width(p) != p.gemm_k)
 
     def triton_launches(self, p: ConvProblem) -> int:
-        # The Triton gather or scatter, and the rows path's transpose, per pass.
+        # The Triton gather or scatter, and per pass of the rows path its transpose or, in
+        # place of GEMM and transpose, its Triton GEMM.
         if not self.uses_rows_path(p):
             return int(self.columns.triton)
         return (self.columns.triton + 1) * rows_path.passes(p, self.reduction_width(p))

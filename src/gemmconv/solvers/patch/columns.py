@@ -183,11 +183,17 @@ class TritonCopyColumns(ColumnSource):
         self, x: torch.Tensor, p: ConvProblem, ld: int
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         x_rows = ViewRecipe.of(whole_sample_rows(x, p), x)
+        m = p.gemm_m
         if x_rows is None:
-            return super().prepared_gather(x, p, ld)
+            # The kernel's arguments found once: gather() finds them on every call
+            # (2.7 us of 5.3 on the CPU machine, its launch aside).
+            from gemmconv.kernels.patch_permute import gather_patches
+
+            outs, kernel, order = p.output_spatial, p.kernel, channels_last_columns(p)
+            return lambda t: gather_patches(t, outs, kernel, order, out=t.new_empty(m, ld))
         from gemmconv.kernels.strided_copy import pad_rows
 
-        return lambda t: pad_rows(t.new_empty(p.gemm_m, ld), x_rows(t))
+        return lambda t: pad_rows(t.new_empty(m, ld), x_rows(t))
 
     def prepared_scatter(
         self, dx: torch.Tensor, p: ConvProblem, ld: int
@@ -196,7 +202,10 @@ class TritonCopyColumns(ColumnSource):
         # views that find them cost several torch calls, more than the copy's launch.
         dx_rows = ViewRecipe.of(whole_sample_rows(dx, p), dx)
         if dx_rows is None:
-            return super().prepared_scatter(dx, p, ld)
+            from gemmconv.kernels.patch_permute import scatter_patches
+
+            outs, kernel, order = p.output_spatial, p.kernel, channels_last_columns(p)
+            return lambda dcol, dx: scatter_patches(dcol, outs, kernel, order, dx)
         from gemmconv.kernels.strided_copy import pad_rows
 
         k = p.gemm_k

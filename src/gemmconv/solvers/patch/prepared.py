@@ -7,7 +7,8 @@ An eager call with the same metadata takes the same decisions, so a plan keeps t
 the views become ViewRecipes found on meta tensors and the result's strides are
 fixed. What runs per call is then the allocation, the weight's rows where they are a
 copy, the gather or scatter, the GEMM (or the per-sample batched GEMM) and, on the
-rows path, the transpose: the same kernels, in the same order, as the solver's own
+rows path, the transpose where its GEMM does not write y or read dY in place (one
+pass, its size known here): the same kernels, in the same order, as the solver's own
 direction methods, which stay the reference (the tests compare the two bitwise) and
 serve every case not prepared here (an ``out`` buffer, chunked passes). Each column
 source prepares its own gather (ColumnSource.prepared_gather).
@@ -89,6 +90,9 @@ def _forward(solver, p: ConvProblem, ld: int, t: ConvTensors, result: ResultBuff
     if views is None:
         return None
     y_rows, y3, through_rows = views
+    in_place = through_rows and rows_path.in_place(p)
+    if in_place:  # a Triton kernel: imported where it runs (Triton may be absent)
+        from gemmconv.kernels.pixel_rows_gemm import rows_into_channels_first
     columns = solver.columns.prepared_gather(t.input, p, ld)
     weight_rows = _weight_rows(p, ld, t.weight)
     bias_shape = (1, -1, *([1] * p.dims))
@@ -105,8 +109,12 @@ def _forward(solver, p: ConvProblem, ld: int, t: ConvTensors, result: ResultBuff
             return result.over(F.linear(col, weight_rows(weight), bias)), col
         y = result(x)
         wm = weight_rows(weight)
-        if through_rows:
-            return y, rows_path.forward(solver.columns, p, x, wm, bias, y3(y))
+        if in_place:  # the rows path's one pass, its GEMM writing y (rows_path.forward)
+            col = columns(x)
+            rows_into_channels_first(col, wm, bias, y3(y))
+            return y, col
+        if through_rows:  # in one pass of p.n samples: prepare() refuses chunked ones
+            return y, rows_path.forward(solver.columns, p, x, wm, bias, y3(y), p.n)
         col = columns(x)
         if y_rows is None:
             # Channels-first y: Y^T per sample lands in y's own order (store_batched).
@@ -218,12 +226,16 @@ def _output_views(solver, p: ConvProblem, t: torch.Tensor):
 
 def _backward_data(solver, p: ConvProblem, ld: int, t: ConvTensors, result: ResultBuffer, views):
     dy_rows, dy3, through_rows = views
+    in_place = through_rows and rows_path.in_place(p)
+    if in_place:  # as in _forward
+        from gemmconv.kernels.pixel_rows_gemm import channels_first_into_rows
     covered = covered_extent(p)
     cropped = covered != tuple(p.spatial)
     target = ViewRecipe.of(solver.columns.in_place_target(result.meta, p, ld), result.meta)
     weight_rows = _weight_rows(p, ld, t.weight)
     columns = solver.columns
     scatter = columns.prepared_scatter(result.meta, p, ld)
+    rows = p.gemm_m
     # Where dx's memory is exactly the product's rows in order (one patch a sample),
     # the product allocates it and dx is its view, as the forward's y_is_rows.
     dx_is_rows = (
@@ -242,8 +254,12 @@ def _backward_data(solver, p: ConvProblem, ld: int, t: ConvTensors, result: Resu
         if cropped:
             zero_outside(dx, covered)
         wm = weight_rows(t.weight)
-        if through_rows:
-            rows_path.backward_data(columns, p, dy3(dy), wm, dx)
+        if in_place:  # the rows path's one pass, its GEMM reading dY (rows_path.backward_data)
+            dcol = dy.new_empty(rows, ld)
+            channels_first_into_rows(dy3(dy), wm, dcol)
+            scatter(dcol, dx)
+        elif through_rows:
+            rows_path.backward_data(columns, p, dy3(dy), wm, dx, p.n)
         elif dy_rows is None:
             # Channels-first dY: each sample's [K, P] block read transposed, no copy.
             dcol = torch.bmm(dy3(dy).transpose(1, 2), wm.expand(p.n, *wm.shape))
@@ -270,7 +286,7 @@ def _backward_weights(solver, p: ConvProblem, ld: int, t: ConvTensors, result: R
         dy, x = t.grad_output, t.input
         if through_rows:
             dw = result(x)
-            dw_rows = rows_path.weight_gradient_rows(solver.columns, p, x, dy3(dy), ld)
+            dw_rows = rows_path.weight_gradient_rows(solver.columns, p, x, dy3(dy), ld, p.n)
             store_weight_rows(dw, dw_rows[:, :k].to(dw.dtype), order)
             return dw
         return product(dy_as_rows(dy).t(), columns(x))

@@ -1,12 +1,14 @@
-"""Channels-first y or dY through one row-major GEMM and the tiled transpose kernel.
+"""Channels-first y or dY through one row-major GEMM over pixel rows.
 
 A channels-first y or dY with several pixels per sample meets the GEMM (whose rows
 are pixels) transposed: each sample is a [K, P] block. The per-sample bmm that
 computes Y^T in y's own order has P as its leading dimension, and with P x element
 size not a multiple of 16 bytes (ViT-B/16: P = 196) cuBLAS falls off its fast
 kernels; the weight gradient copies dY to rows through torch's transposed copy.
-This path runs one row-major GEMM on rows instead and moves between rows and
-channels-first with the transpose kernel (kernels/strided_copy.py).
+This path runs one row-major GEMM on rows instead: cuBLAS's, on rows moved to or
+from channels-first by the transpose kernel (kernels/strided_copy.py), or, for the
+forward and backward-data in half precision, the Triton kernel that writes y or
+reads dY in place (kernels/pixel_rows_gemm.py; in_place says where).
 """
 
 from __future__ import annotations
@@ -26,6 +28,15 @@ CHUNK_ABOVE_BYTES = 256 << 20
 TRANSPOSE_SLOWDOWN = 1.25
 # The batch (grid axis 1) of one transpose launch is a sample count.
 MAX_CHUNK_SAMPLES = 65535
+# The Triton GEMM that reads or writes the channels-first side in place, against
+# cuBLAS's on rows: a guess until it is measured (scripts/pixel_rows_bench.py).
+IN_PLACE_GEMM_SLOWDOWN = 1.15
+# Whether CUDA runs use that GEMM. Off until a GPU has run its tests compiled and
+# measured it against cuBLAS's GEMM and the transpose: so far it has run only in
+# Triton's interpreter (the CPU tests), which ignores the alignment claims that a
+# compiled kernel's correctness rests on (scripts/h200_session.sh, stage rows).
+IN_PLACE_ON_CUDA = False
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def applies(p: ConvProblem) -> bool:
@@ -35,6 +46,25 @@ def applies(p: ConvProblem) -> bool:
     if p.direction is Direction.BACKWARD_WEIGHTS:
         return transposed_pixels(p) > 0
     return batched_gemm_is_unaligned(p)
+
+
+def in_place(p: ConvProblem) -> bool:
+    """Whether the direction's GEMM reads dY or writes y channels-first itself
+    (kernels/pixel_rows_gemm.py): the forward and backward-data in half precision.
+    fp32 stays on cuBLAS, whose one TF32 pass Triton's accurate fp32 dots (three
+    passes, or plain fp32) do not match; the weight gradient's long reduction over
+    pixels stays a cuBLAS GEMM on dY's rows. On CUDA only where IN_PLACE_ON_CUDA."""
+    return (
+        p.direction is not Direction.BACKWARD_WEIGHTS
+        and p.dtype in _HALF
+        and (IN_PLACE_ON_CUDA or p.device_type != "cuda")
+    )
+
+
+def _row_width(p: ConvProblem, ld: int) -> int:
+    """Elements a pixel row takes in the path's buffers: its columns, and its y or dY
+    row unless the GEMM reads or writes those in place."""
+    return ld if in_place(p) else ld + p.k
 
 
 def _has_mm_out_dtype() -> bool:
@@ -53,7 +83,7 @@ def _fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def chunk_samples(p: ConvProblem, ld: int) -> int:
     """Samples per pass: all of them, unless the buffers would exceed both one largest
     operand and CHUNK_ABOVE_BYTES; then as many as fit in the larger of the two."""
-    per_sample = transposed_pixels(p) * (ld + p.k) * p.element_size
+    per_sample = transposed_pixels(p) * _row_width(p, ld) * p.element_size
     # What else the direction holds meanwhile: the padded weight, and for the weight
     # gradient an fp32 running sum and one fp32 chunk product.
     fixed = p.k * ld * (p.element_size + 8)
@@ -67,12 +97,18 @@ def chunk_samples(p: ConvProblem, ld: int) -> int:
 
 def workspace_bytes(p: ConvProblem, ld: int) -> int:
     pixels = chunk_samples(p, ld) * transposed_pixels(p)
-    return pixels * (ld + p.k) * p.element_size
+    return pixels * _row_width(p, ld) * p.element_size
 
 
 def copied_bytes(p: ConvProblem) -> float:
-    """y or dY crosses between rows and channels-first once, read and written."""
-    return 2 * output_rows_bytes(p) * TRANSPOSE_SLOWDOWN
+    """y or dY crosses between rows and channels-first once, read and written, unless
+    the GEMM reads or writes it in place."""
+    return 0.0 if in_place(p) else 2 * output_rows_bytes(p) * TRANSPOSE_SLOWDOWN
+
+
+def gemm_slowdown(p: ConvProblem) -> float:
+    """The path's GEMM time against cuBLAS's on rows."""
+    return IN_PLACE_GEMM_SLOWDOWN if in_place(p) else 1.0
 
 
 def passes(p: ConvProblem, ld: int) -> int:
@@ -81,7 +117,8 @@ def passes(p: ConvProblem, ld: int) -> int:
 
 
 def launches(p: ConvProblem, ld: int) -> int:
-    return 3 * passes(p, ld)  # per chunk: gather or scatter, GEMM, transpose
+    # Per chunk: gather or scatter, GEMM, and the transpose unless the GEMM does it.
+    return (2 if in_place(p) else 3) * passes(p, ld)
 
 
 def transpose_kernel_runs(p: ConvProblem) -> bool:
@@ -105,9 +142,20 @@ def _dy_rows(dy3: torch.Tensor, start: int, count: int, buf: torch.Tensor) -> to
     from gemmconv.kernels.strided_copy import strided_copy
 
     _, k, pixels = dy3.shape
-    rows = buf[: count * pixels]
-    strided_copy(rows.view(count, pixels, k), dy3[start : start + count].transpose(1, 2))
+    rows = _front(buf, count * pixels)
+    strided_copy(rows.view(count, pixels, k), _samples(dy3, start, count).transpose(1, 2))
     return rows
+
+
+def _samples(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """Samples start..start+count of ``t``: ``t`` itself where that is all of them (a
+    slice is a torch call, and one pass is the usual case)."""
+    return t if count == t.shape[0] else t[start : start + count]
+
+
+def _front(buf: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first ``rows`` rows of ``buf``, ``buf`` itself where that is all of them."""
+    return buf if rows == buf.shape[0] else buf[:rows]
 
 
 def forward(
@@ -117,58 +165,86 @@ def forward(
     wm: torch.Tensor,
     bias: torch.Tensor | None,
     y3: torch.Tensor,
+    step: int | None = None,
 ) -> torch.Tensor | None:
-    """y3 [N, K, P] (channels-first y) = conv(x), from the weight rows ``wm`` [K, ld];
-    returns the column matrix of the whole batch where one pass made it."""
+    """y3 [N, K, P] (channels-first y) = conv(x), from the weight rows ``wm`` [K, ld],
+    ``step`` samples a pass (chunk_samples(p, ld) where not given: a prepared run
+    knows it); returns the column matrix of the whole batch where one pass made it."""
+    from gemmconv.kernels.pixel_rows_gemm import rows_into_channels_first
     from gemmconv.kernels.strided_copy import strided_copy
 
     ld = wm.shape[1]
-    pixels, step = transposed_pixels(p), chunk_samples(p, ld)
-    wt = wm.t()
+    pixels, step = transposed_pixels(p), step or chunk_samples(p, ld)
     col_buf = x.new_empty(step * pixels, ld)
-    y_buf = x.new_empty(step * pixels, p.k)
+    fused = in_place(p)
+    if not fused:
+        wt = wm.t()
+        y_buf = x.new_empty(step * pixels, p.k)
     for start in range(0, p.n, step):
         count = min(step, p.n - start)
-        col = columns.gather(x[start : start + count], p, ld, out=col_buf[: count * pixels])
-        rows = y_buf[: count * pixels]
+        col = columns.gather(_samples(x, start, count), p, ld, out=_front(col_buf, count * pixels))
+        y_part = _samples(y3, start, count)
+        if fused:
+            rows_into_channels_first(col, wm, bias, y_part)
+            continue
+        rows = _front(y_buf, count * pixels)
         if bias is None:
             torch.mm(col, wt, out=rows)
         else:
             torch.addmm(bias, col, wt, out=rows)
-        strided_copy(y3[start : start + count].transpose(1, 2), rows.view(count, pixels, p.k))
+        strided_copy(y_part.transpose(1, 2), rows.view(count, pixels, p.k))
     return col_buf if step >= p.n else None
 
 
 def backward_data(
-    columns: ColumnSource, p: ConvProblem, dy3: torch.Tensor, wm: torch.Tensor, dx: torch.Tensor
+    columns: ColumnSource,
+    p: ConvProblem,
+    dy3: torch.Tensor,
+    wm: torch.Tensor,
+    dx: torch.Tensor,
+    step: int | None = None,
 ) -> None:
-    """The patch positions of dx from channels-first dY [N, K, P] and ``wm`` [K, ld]."""
+    """The patch positions of dx from channels-first dY [N, K, P] and ``wm`` [K, ld],
+    ``step`` samples a pass (as forward's)."""
+    from gemmconv.kernels.pixel_rows_gemm import channels_first_into_rows
+
     ld = wm.shape[1]
-    pixels, step = transposed_pixels(p), chunk_samples(p, ld)
-    dy_buf = dy3.new_empty(step * pixels, p.k)
+    pixels, step = transposed_pixels(p), step or chunk_samples(p, ld)
     dcol_buf = dy3.new_empty(step * pixels, ld)
+    fused = in_place(p)
+    if not fused:
+        dy_buf = dy3.new_empty(step * pixels, p.k)
     for start in range(0, p.n, step):
         count = min(step, p.n - start)
-        dy_rows = _dy_rows(dy3, start, count, dy_buf)
-        dcol = torch.mm(dy_rows, wm, out=dcol_buf[: count * pixels])
-        columns.scatter(dcol, p, dx[start : start + count])
+        dcol = _front(dcol_buf, count * pixels)
+        if fused:
+            channels_first_into_rows(_samples(dy3, start, count), wm, dcol)
+        else:
+            torch.mm(_dy_rows(dy3, start, count, dy_buf), wm, out=dcol)
+        columns.scatter(dcol, p, _samples(dx, start, count))
 
 
 def weight_gradient_rows(
-    columns: ColumnSource, p: ConvProblem, x: torch.Tensor, dy3: torch.Tensor, ld: int
+    columns: ColumnSource,
+    p: ConvProblem,
+    x: torch.Tensor,
+    dy3: torch.Tensor,
+    ld: int,
+    step: int | None = None,
 ) -> torch.Tensor:
-    """dW as [K, ld] rows in the column order, from x and channels-first dY [N, K, P];
-    fp32 where chunk products of half-precision operands were summed."""
-    pixels, step = transposed_pixels(p), chunk_samples(p, ld)
+    """dW as [K, ld] rows in the column order, from x and channels-first dY [N, K, P],
+    ``step`` samples a pass (as forward's); fp32 where chunk products of
+    half-precision operands were summed."""
+    pixels, step = transposed_pixels(p), step or chunk_samples(p, ld)
     col_buf = x.new_empty(step * pixels, ld)
     dy_buf = dy3.new_empty(step * pixels, p.k)
     # Chunk products are summed in fp32 (half types: cuBLAS's fp32 result, not a
     # rounded one) or in the dtype itself; one chunk is one GEMM, rounded once.
-    half = p.dtype in (torch.float16, torch.bfloat16)
+    half = p.dtype in _HALF
     total = None
     for start in range(0, p.n, step):
         count = min(step, p.n - start)
-        col = columns.gather(x[start : start + count], p, ld, out=col_buf[: count * pixels])
+        col = columns.gather(_samples(x, start, count), p, ld, out=_front(col_buf, count * pixels))
         dy_rows = _dy_rows(dy3, start, count, dy_buf)
         if step >= p.n or not half:
             part = torch.mm(dy_rows.t(), col)

@@ -1,0 +1,268 @@
+"""A GEMM over pixel rows whose one side is a channels-first tensor, read or written in place.
+
+The patch solvers' GEMMs have one row per output pixel. A channels-first y or dY
+[N, K, P] holds those rows transposed, sample by sample: element (m, k) of the row
+matrix sits at n * sN + k * sK + p, with m = n * P + p. The rows path
+(solvers/patch/rows_path.py) otherwise moves it to or from real rows with the
+transpose kernel around cuBLAS's GEMM: on an H100, 75 us of ViT-B/16's 222 us forward,
+and a second buffer of y's size. Here the GEMM reads A or writes C through that map:
+
+- forward: C = y [N, K, P] = col [M, Kred] @ W[K, Kred]^T (+ bias), stored in place;
+- backward-data: C = dcol [M, Kred] = dY [N, K, P] as A [M, K] @ W [K, Kred].
+
+Pixels are contiguous, so a channels-first side is read and written in runs along M.
+Triton cannot see runs through the division by P, so the kernel states them: with
+``RUN`` a power of two dividing P and the sample and channel strides, every aligned
+group of RUN rows is RUN consecutive elements starting at a multiple of RUN, which
+lets those accesses be vectorised and coalesced (without it each element is its own
+2-byte access). Rows past M are read as rows of the start (m mod M, which keeps the
+runs, M being a multiple of RUN) and never stored, so loads need no row mask; columns
+past N are masked (N is specialised on, so the mask does not stop vectorising).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gemmconv.kernels.launch import LaunchCache, PreparedLaunch, TensorSlot
+from gemmconv.kernels.patch_gemm import TileConfig
+
+# Tiles per dtype: Hopper-sized for half precision, fp32's half as deep.
+TILES = {
+    torch.float16: TileConfig(128, 128, 64, 8, 3),
+    torch.bfloat16: TileConfig(128, 128, 64, 8, 3),
+    torch.float32: TileConfig(128, 64, 32, 8, 3),
+}
+# The widest access the run claim is made for: one 16-byte vector.
+_VECTOR_BYTES = 16
+# The rows and the pixel count are not specialised on (a new batch or image size would
+# recompile); strides, N and the reduction are: their divisibility proves the
+# alignment that vector loads and stores of a row-major side need, masks included.
+_NOT_SPECIALISED = ("M", "PIXELS")
+
+
+def _pixel_rows_gemm_kernel(
+    a_ptr, b_ptr, bias_ptr, c_ptr,
+    M, N, KRED, PIXELS,
+    A_SM, A_SK, B_SN, B_SK, C_SM, C_SN, BS,
+    A_CHANNELS_FIRST: tl.constexpr,
+    C_CHANNELS_FIRST: tl.constexpr,
+    RUN: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """C[M, N] = A[M, KRED] @ B[KRED, N] (+ bias[N]). A row-major side's element
+    (m, j) is at m * S_M + j * S_J; a channels-first side's at
+    (m // PIXELS) * S_M + j * S_J + m % PIXELS (S_M the sample stride, S_J the
+    channel stride). B's element (j, n) is at n * B_SN + j * B_SK."""
+    # Grouped program order: consecutive programs share B tiles in L2.
+    pid = tl.program_id(0)
+    tiles_m = (M + BLOCK_M - 1) // BLOCK_M  # not tl.cdiv: a jit helper the interpreter lacks
+    tiles_n = (N + BLOCK_N - 1) // BLOCK_N
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.where(tiles_m - first_m < GROUP_M, tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    m0 = pid_m * BLOCK_M
+    m = m0 + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_read = (m % M).to(tl.int64)
+    n_ok = n < N
+    n64 = n.to(tl.int64)
+    if A_CHANNELS_FIRST:
+        a_rows = (m_read // PIXELS) * A_SM + m_read % PIXELS
+        if RUN > 1:
+            a_rows = tl.max_contiguous(tl.multiple_of(a_rows, RUN), RUN)
+    else:
+        a_rows = m_read * A_SM
+
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    for k0 in range(0, KRED, BLOCK_K):
+        j = k0 + tl.arange(0, BLOCK_K)
+        j_ok = j < KRED
+        a_cols = j.to(tl.int64) * A_SK
+        if A_CHANNELS_FIRST and RUN > 1:
+            a_cols = tl.multiple_of(a_cols, RUN)
+        a = tl.load(a_ptr + a_rows[:, None] + a_cols[None, :], mask=j_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + n64[None, :] * B_SN + j[:, None].to(tl.int64) * B_SK,
+                    mask=j_ok[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n * BS, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = acc.to(c_ptr.dtype.element_ty)
+    m64 = m.to(tl.int64)
+    c_cols = n64 * C_SN
+    if C_CHANNELS_FIRST:
+        c_rows = (m64 // PIXELS) * C_SM + m64 % PIXELS
+        if RUN > 1:
+            c_rows = tl.max_contiguous(tl.multiple_of(c_rows, RUN), RUN)
+            c_cols = tl.multiple_of(c_cols, RUN)
+    else:
+        c_rows = m64 * C_SM
+    c = c_ptr + c_rows[:, None] + c_cols[None, :]
+    if m0 + BLOCK_M <= M:
+        tl.store(c, out, mask=n_ok[None, :])  # whole rows: no row mask to stop vectorising
+    else:
+        tl.store(c, out, mask=(m < M)[:, None] & n_ok[None, :])
+
+
+def _run_length(pixels: int, strides: tuple[int, ...], element_size: int, block_m: int) -> int:
+    """The largest power of two, up to one 16-byte vector and one tile of rows, that
+    divides the pixel count and every given stride: the runs the kernel may claim."""
+    run = 1
+    while (
+        run * 2 * element_size <= _VECTOR_BYTES
+        and run * 2 <= block_m
+        and pixels % (run * 2) == 0
+        and all(s % (run * 2) == 0 for s in strides)
+    ):
+        run *= 2
+    return run
+
+
+def _channels_first_strides(t: torch.Tensor, name: str) -> tuple[int, int, int]:
+    """(pixels, sample stride, channel stride) of a channels-first [N, K, P] tensor
+    whose pixels are contiguous."""
+    if t.dim() != 3 or (t.shape[2] > 1 and t.stride(2) != 1):
+        raise ValueError(
+            f"{name} of shape {tuple(t.shape)} and strides {t.stride()}: expected "
+            "[N, K, P] with contiguous pixels"
+        )
+    return t.shape[2], t.stride(0), t.stride(1)
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} of shape {tuple(t.shape)}: expected {shape}")
+    if t.dtype != like.dtype or t.device != like.device:
+        raise ValueError(
+            f"{name} is {t.dtype} on {t.device}; expected {like.dtype} on {like.device}"
+        )
+
+
+def _precision(dtype: torch.dtype, allow_tf32: bool) -> str:
+    # As patch_gemm's: Triton's one-pass tf32 truncates beyond cuBLAS's TF32 tolerance.
+    return "tf32x3" if dtype == torch.float32 and allow_tf32 else "ieee"
+
+
+def _meta(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+_launches = LaunchCache()
+
+
+def rows_into_channels_first(
+    col: torch.Tensor,
+    weight_rows: torch.Tensor,
+    bias: torch.Tensor | None,
+    y3: torch.Tensor,
+    allow_tf32: bool = False,
+) -> torch.Tensor:
+    """y3 [N, K, P] (channels-first, contiguous pixels) = rows of ``col`` [N*P, Kred] @
+    ``weight_rows`` [K, Kred]^T (+ bias [K]), every element of y3 written; ``col``
+    and ``weight_rows`` of any strides. Returns y3."""
+    key = ("forward", _meta(col), _meta(weight_rows), _meta(bias), _meta(y3), allow_tf32)
+
+    def prepare() -> PreparedLaunch | None:
+        pixels, sample_stride, channel_stride = _channels_first_strides(y3, "y3")
+        n, k = y3.shape[:2]
+        reduction = col.shape[1]
+        _check("col", col, (n * pixels, reduction), y3)
+        _check("weight_rows", weight_rows, (k, reduction), y3)
+        if bias is not None:
+            _check("bias", bias, (k,), y3)
+        cfg = TILES[y3.dtype]
+        run = _run_length(pixels, (sample_stride, channel_stride), y3.element_size(), cfg.block_m)
+        # A missing bias is never read (HAS_BIAS); the weight stands in for the pointer.
+        bias_slot = TensorSlot(2) if bias is not None else TensorSlot(1)
+        args = (
+            TensorSlot(0), TensorSlot(1), bias_slot, TensorSlot(3),
+            n * pixels, k, reduction, pixels,
+            *col.stride(), *weight_rows.stride(), sample_stride, channel_stride,
+            1 if bias is None else bias.stride(0),
+        )  # fmt: skip
+        return _prepared(n * pixels, k, args, False, True, run, bias is not None, cfg,
+                         y3, allow_tf32)  # fmt: skip
+
+    launch = _launches.get(key, prepare)
+    if launch is not None:
+        launch(col, weight_rows, bias, y3)
+    return y3
+
+
+def channels_first_into_rows(
+    dy3: torch.Tensor,
+    weight_rows: torch.Tensor,
+    dcol: torch.Tensor,
+    allow_tf32: bool = False,
+) -> torch.Tensor:
+    """dcol [N*P, Kred] = channels-first ``dy3`` [N, K, P] (contiguous pixels) read as
+    rows [N*P, K], @ ``weight_rows`` [K, Kred], every element of dcol written;
+    ``weight_rows`` and ``dcol`` of any strides. Returns dcol."""
+    key = ("backward_data", _meta(dy3), _meta(weight_rows), _meta(dcol), allow_tf32)
+
+    def prepare() -> PreparedLaunch | None:
+        pixels, sample_stride, channel_stride = _channels_first_strides(dy3, "dy3")
+        n, k = dy3.shape[:2]
+        reduction = weight_rows.shape[1]
+        _check("weight_rows", weight_rows, (k, reduction), dy3)
+        _check("dcol", dcol, (n * pixels, reduction), dy3)
+        cfg = TILES[dy3.dtype]
+        run = _run_length(pixels, (sample_stride, channel_stride), dy3.element_size(),
+                          cfg.block_m)  # fmt: skip
+        # C = A @ B with B = weight_rows [K, Kred]: its element (j, n) is weight_rows[j, n].
+        args = (
+            TensorSlot(0), TensorSlot(1), TensorSlot(1), TensorSlot(2),
+            n * pixels, reduction, k, pixels, sample_stride, channel_stride,
+            weight_rows.stride(1), weight_rows.stride(0), *dcol.stride(), 1,
+        )  # fmt: skip
+        return _prepared(n * pixels, reduction, args, True, False, run, False, cfg,
+                         dy3, allow_tf32)  # fmt: skip
+
+    launch = _launches.get(key, prepare)
+    if launch is not None:
+        launch(dy3, weight_rows, dcol)
+    return dcol
+
+
+def _prepared(
+    m: int,
+    n: int,
+    args: tuple,
+    a_channels_first: bool,
+    c_channels_first: bool,
+    run: int,
+    has_bias: bool,
+    cfg: TileConfig,
+    like: torch.Tensor,
+    allow_tf32: bool,
+) -> PreparedLaunch | None:
+    if m == 0 or n == 0:
+        return None
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    constants = {
+        "A_CHANNELS_FIRST": a_channels_first,
+        "C_CHANNELS_FIRST": c_channels_first,
+        "RUN": run,
+        "HAS_BIAS": has_bias,
+        "INPUT_PRECISION": _precision(like.dtype, allow_tf32),
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+        "GROUP_M": 8,
+    }
+    return PreparedLaunch(_pixel_rows_gemm_kernel, grid, args, constants, cfg.launch_options(),
+                          like.device, {"do_not_specialize": _NOT_SPECIALISED})  # fmt: skip
+
+
+__all__ = ["channels_first_into_rows", "rows_into_channels_first"]
