@@ -27,7 +27,9 @@ import triton
 import triton.language as tl
 
 from gemmconv.kernels.launch import LaunchCache, PreparedLaunch, TensorSlot
-from gemmconv.kernels.patch_gemm import TileConfig
+
+# The operand checks, launch keys and dot precision of the patch GEMMs hold here too.
+from gemmconv.kernels.patch_gemm import TileConfig, _check, _meta, _precision
 
 # Tiles per dtype: Hopper-sized for half precision, fp32's half as deep.
 TILES = {
@@ -138,24 +140,6 @@ def _channels_first_strides(t: torch.Tensor, name: str) -> tuple[int, int, int]:
             "[N, K, P] with contiguous pixels"
         )
     return t.shape[2], t.stride(0), t.stride(1)
-
-
-def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> None:
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} of shape {tuple(t.shape)}: expected {shape}")
-    if t.dtype != like.dtype or t.device != like.device:
-        raise ValueError(
-            f"{name} is {t.dtype} on {t.device}; expected {like.dtype} on {like.device}"
-        )
-
-
-def _precision(dtype: torch.dtype, allow_tf32: bool) -> str:
-    # As patch_gemm's: Triton's one-pass tf32 truncates beyond cuBLAS's TF32 tolerance.
-    return "tf32x3" if dtype == torch.float32 and allow_tf32 else "ieee"
-
-
-def _meta(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
 _launches = LaunchCache()
