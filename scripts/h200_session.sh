@@ -9,11 +9,12 @@
 #   bash scripts/h200_session.sh models    # the end-to-end table (about 3 min)
 #   bash scripts/h200_session.sh gap       # backward-data public calls against call times
 #   bash scripts/h200_session.sh rows      # the rows path's in-place GEMM: tests, device time
+#   bash scripts/h200_session.sh suite-in-place  # the suite with that GEMM switched on
 #   OLD_TREE=old bash scripts/h200_session.sh ab   # order vs machine, below
 set -u
 : "${OUT:?set OUT to the folder for the results}"
 export PYTHONPATH=src
-stage=${1:?stage: tests, probe, compiled, suite, models, gap, rows or ab}
+stage=${1:?stage: tests, probe, compiled, suite, suite-in-place, models, gap, rows or ab}
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 # The device's copy of the tree reported an older HEAD than the files it held (the
 # tenth session of 2026-12-05): a digest of src/'s Python files says which code ran
@@ -55,6 +56,21 @@ compiled)
 suite)
     # 110 s of rows left 9 of 66 unrun on a slow host (the run at 316a61b); 140 ran all.
     python3 -m gemmconv bench --out "$OUT/suite" --time-budget 160 >"$OUT/suite.log" 2>&1
+    ;;
+suite-in-place)
+    # The suite with rows_path.IN_PLACE_ON_CUDA set in this process only: what setting
+    # it in the code would change, measured before it is set (after the rows stage
+    # has passed its tests).
+    python3 - --out "$OUT/suite_in_place" --time-budget 160 >"$OUT/suite_in_place.log" 2>&1 <<'PY'
+import runpy
+import sys
+
+from gemmconv.solvers.patch import rows_path
+
+rows_path.IN_PLACE_ON_CUDA = True
+sys.argv = ["gemmconv", "bench", *sys.argv[1:]]
+runpy.run_module("gemmconv", run_name="__main__", alter_sys=True)
+PY
     ;;
 models)
     # A budget of 230 s ran all ten scenarios at 316a61b.
@@ -117,7 +133,8 @@ ab)
     done
     ;;
 *)
-    echo "stage=$stage: expected tests, probe, compiled, suite, models, gap, rows or ab" >&2
+    echo "stage=$stage: expected tests, probe, compiled, suite, suite-in-place, models, gap," \
+        "rows or ab" >&2
     exit 2
     ;;
 esac
