@@ -161,6 +161,10 @@ class Solver:
     def gemm_is_aligned(self, problem: ConvProblem) -> bool:
         return (problem.gemm_k * problem.element_size) % 16 == 0
 
+    def gemm_slowdown(self, problem: ConvProblem) -> float:
+        """The solver's GEMM time against cuBLAS's at the same alignment (1: cuBLAS's)."""
+        return 1.0
+
     def host_launches(self, problem: ConvProblem) -> int:
         """Launches the host issues per call (the GEMMs and copies, plus the result's
         allocation)."""
@@ -195,6 +199,7 @@ class Solver:
         """The GEMM (flops at the matrix rate or bytes at the bandwidth, whichever is
         longer) and every byte copied besides it."""
         flop_ms = problem.flops() / rates.matrix_rate(_math_mode(problem))
+        flop_ms *= self.gemm_slowdown(problem)
         if not self.gemm_is_aligned(problem):
             # Unaligned reductions run on slower GEMM kernels (DeviceRates says how much).
             flop_ms *= rates.unaligned_slowdown

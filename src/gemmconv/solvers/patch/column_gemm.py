@@ -18,10 +18,9 @@ from typing import ClassVar
 
 import torch
 
-from gemmconv.device_rates import DeviceRates
 from gemmconv.precision import reduction_mm
 from gemmconv.problem import ConvProblem, Direction
-from gemmconv.solvers.base import ConvTensors, _math_mode
+from gemmconv.solvers.base import ConvTensors
 from gemmconv.solvers.patch import prepared, rows_path
 from gemmconv.solvers.patch.columns import ColumnSource
 from gemmconv.solvers.patch.cost import output_rows_bytes, torch_permute_slowdown, uncovered_bytes
@@ -105,13 +104,9 @@ class ColumnGemmSolver(PatchFamilySolver):
             moved += 2 * output_rows_bytes(p) * torch_permute_slowdown(p.device_type)
         return int(moved)
 
-    def work_ms(self, p: ConvProblem, rates: DeviceRates) -> float:
-        work = super().work_ms(p, rates)
-        if self.uses_rows_path(p):
-            # The rows path's in-place Triton GEMM runs behind cuBLAS's rate.
-            flop_ms = p.flops() / rates.matrix_rate(_math_mode(p))
-            work += (rows_path.gemm_slowdown(p) - 1.0) * flop_ms
-        return work
+    def gemm_slowdown(self, p: ConvProblem) -> float:
+        # The rows path's in-place Triton GEMM runs behind cuBLAS's rate.
+        return rows_path.gemm_slowdown(p) if self.uses_rows_path(p) else 1.0
 
     def gemm_launches(self, p: ConvProblem) -> int:
         if self.uses_rows_path(p):

@@ -235,7 +235,7 @@ def _backward_data(solver, p: ConvProblem, ld: int, t: ConvTensors, result: Resu
     weight_rows = _weight_rows(p, ld, t.weight)
     columns = solver.columns
     scatter = columns.prepared_scatter(result.meta, p, ld)
-    rows = p.gemm_m
+    pixel_rows = p.gemm_m
     # Where dx's memory is exactly the product's rows in order (one patch a sample),
     # the product allocates it and dx is its view, as the forward's y_is_rows.
     dx_is_rows = (
@@ -255,7 +255,7 @@ def _backward_data(solver, p: ConvProblem, ld: int, t: ConvTensors, result: Resu
             zero_outside(dx, covered)
         wm = weight_rows(t.weight)
         if in_place:  # the rows path's one pass, its GEMM reading dY (rows_path.backward_data)
-            dcol = dy.new_empty(rows, ld)
+            dcol = dy.new_empty(pixel_rows, ld)
             channels_first_into_rows(dy3(dy), wm, dcol)
             scatter(dcol, dx)
         elif through_rows:
