@@ -100,14 +100,16 @@ gap)
     done
     ;;
 rows)
-    # The GEMM that writes a channels-first y or reads dY in place
-    # (kernels/pixel_rows_gemm.py) ran only in Triton's interpreter when it landed, and
-    # CUDA runs keep cuBLAS and the transpose until IN_PLACE_ON_CUDA is set
-    # (solvers/patch/rows_path.py): its GPU tests (the kernel with pixel runs of 1 to 8
-    # elements, and the rows path with the switch either way), then its device time
-    # against cuBLAS and the transpose per tile configuration.
+    # The GEMMs that write a channels-first y or read dY in place
+    # (kernels/pixel_rows_gemm.py: forward, backward-data, weight gradient) ran only in
+    # Triton's interpreter when they landed, and CUDA runs keep cuBLAS and the transpose
+    # until IN_PLACE_ON_CUDA is set (solvers/patch/rows_path.py): their GPU tests (the
+    # kernels with pixel runs of 1 to 8 elements, the rows path and dW from kept
+    # columns with the switch either way), then their device time against cuBLAS and
+    # the transpose per tile configuration.
     python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_pixel_rows_gemm.py \
-        tests/test_triton_kernels.py -k "pixel_rows or rows_path or rows_into or into_rows" \
+        tests/test_triton_kernels.py tests/test_prepared_run.py \
+        -k "pixel_rows or rows_path or rows_into or into_rows or forwards_columns" \
         >"$OUT/rows_tests.log" 2>&1
     echo "pytest exit $?" >>"$OUT/rows_tests.log"
     timeout 240 python3 scripts/pixel_rows_bench.py >"$OUT/pixel_rows.txt" 2>&1

@@ -4,21 +4,24 @@ that reads or writes the channels-first side in place, per tile configuration.
 For each case: the gather, cuBLAS's GEMM on rows and the transpose kernel (the path
 before kernels/pixel_rows_gemm.py) against the gather and the in-place GEMM, for the
 forward; the transpose, cuBLAS's GEMM and the scatter against the in-place GEMM and
-the scatter, for backward-data; and each GEMM alone (the in-place kernel against
-torch.mm on rows: rows_path.IN_PLACE_GEMM_SLOWDOWN). Times are triton.testing.do_bench
-medians in ms (L2 flushed between repetitions). One line per row, flushed as it is
-written. Run on a GPU machine from the repository root:
+the scatter, for backward-data; the transpose of dY and cuBLAS's GEMM on the columns
+against the in-place weight-gradient kernel with its slice sum (dW from a forward's
+kept columns), per tile configuration and slice count; and each GEMM alone (the
+in-place kernel against torch.mm on rows: rows_path.IN_PLACE_GEMM_SLOWDOWN). Times
+are triton.testing.do_bench medians in ms (L2 flushed between repetitions). One line
+per row, flushed as it is written. Run on a GPU machine from the repository root:
     PYTHONPATH=src python3 scripts/pixel_rows_bench.py [--configs all|default]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import triton.testing
 
-from gemmconv.kernels import pixel_rows_gemm
+from gemmconv.kernels import pixel_rows_gemm, split_programs
 from gemmconv.kernels.patch_gemm import TileConfig
 from gemmconv.kernels.strided_copy import strided_copy
 from gemmconv.problem import ConvProblem
@@ -37,6 +40,15 @@ CONFIGS = [
     TileConfig(128, 256, 64, 8, 3),
     TileConfig(64, 128, 64, 4, 4),
     TileConfig(256, 128, 64, 8, 3),
+]
+
+# The weight gradient's: block_m is the slice of M one step reduces.
+WGRAD_CONFIGS = [
+    TileConfig(64, 128, 128, 8, 3),
+    TileConfig(64, 128, 128, 4, 4),
+    TileConfig(32, 128, 128, 4, 4),
+    TileConfig(64, 128, 64, 4, 4),
+    TileConfig(64, 256, 128, 8, 3),
 ]
 
 
@@ -77,6 +89,8 @@ def _case(name, n, side, patch, k, dtype, configs) -> None:
         "old_forward": _ms(old_forward),
         "mm_dgrad": _ms(lambda: torch.mm(dy_rows, wm, out=dcol)),
         "old_backward_data": _ms(old_backward_data),
+        "mm_wgrad": _ms(lambda: torch.mm(dy_rows.t(), col)),
+        "old_weight_gradient": _ms(lambda: torch.mm(_rows(dy3, dy_rows).t(), col)),
     }
     print(f"{name} {str(dtype)[6:]} n={n} P={pixels} Kred={ld}: "
           + " ".join(f"{key}={v:.4f}" for key, v in base.items()), flush=True)  # fmt: skip
@@ -108,6 +122,42 @@ def _case(name, n, side, patch, k, dtype, configs) -> None:
               f"forward={new_fwd:.4f} (old {base['old_forward']:.4f}) "
               f"backward_data={new_bwd:.4f} (old {base['old_backward_data']:.4f}) "
               f"max_err={err:.3g}", flush=True)  # fmt: skip
+    _weight_gradient(dy3, col, base, configs)
+
+
+def _rows(dy3: torch.Tensor, dy_rows: torch.Tensor) -> torch.Tensor:
+    n, k, pixels = dy3.shape
+    strided_copy(dy_rows.view(n, pixels, k), dy3.transpose(1, 2))
+    return dy_rows
+
+
+def _weight_gradient(dy3, col, base, configs) -> None:
+    """The in-place weight gradient per tile configuration (the first of configs is
+    WGRAD_TILES's when configs is the default list) and slice count."""
+    n, k, pixels = dy3.shape
+    dtype, ld = dy3.dtype, col.shape[1]
+    out = torch.empty(k, ld, device=dy3.device, dtype=dtype)
+    want = dy3.float().transpose(1, 2).reshape(n * pixels, k).t() @ col.float()
+    default = pixel_rows_gemm.WGRAD_TILES[dtype]
+    for cfg in WGRAD_CONFIGS if len(configs) > 1 else [default]:
+        pixel_rows_gemm.WGRAD_TILES[dtype] = cfg
+        chosen = pixel_rows_gemm.weight_gradient_splits(n * pixels, k, ld, dtype,
+                                                        split_programs(dy3.device))  # fmt: skip
+        for splits in sorted({1, max(1, chosen // 2), chosen, 2 * chosen}):
+            pixel_rows_gemm._launches.clear()
+            try:
+                run = functools.partial(pixel_rows_gemm.channels_first_weight_gradient,
+                                        dy3, col, out, splits)  # fmt: skip
+                ms = _ms(run)
+                err = (out.float() - want).abs().max().item()
+            except Exception as exc:  # a configuration that does not compile: say so, go on
+                print(f"  wgrad {cfg}: failed {type(exc).__name__}: {exc}"[:300], flush=True)
+                break
+            print(f"  wgrad {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} "
+                  f"s{cfg.num_stages} splits={splits}{' (chosen)' if splits == chosen else ''}: "
+                  f"{ms:.4f} ({ms / base['mm_wgrad']:.2f}x mm; transpose + mm "
+                  f"{base['old_weight_gradient']:.4f}) max_err={err:.3g}", flush=True)  # fmt: skip
+    pixel_rows_gemm.WGRAD_TILES[dtype] = default
 
 
 def main() -> None:

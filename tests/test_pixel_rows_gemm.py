@@ -16,8 +16,11 @@ import torch
 
 from gemmconv.kernels.pixel_rows_gemm import (
     TILES,
+    WGRAD_TILES,
     channels_first_into_rows,
+    channels_first_weight_gradient,
     rows_into_channels_first,
+    weight_gradient_splits,
 )
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -84,6 +87,48 @@ def _check_backward_data(shape, dtype, device, sliced: bool) -> None:
     _close(dcol, want, dtype, k)
 
 
+def _check_weight_gradient(shape, dtype, device, splits: int, fp32_out: bool, strided: bool):
+    n, k, pixels, reduction = shape
+    seed = _seed("weight_gradient", shape, dtype, splits, fp32_out, strided)
+    whole = _random((n + 1, k, pixels), dtype, device, seed)
+    dy3 = whole[1:] if strided else whole[:n]
+    # Strided operands where asked: the first columns of a wider column matrix (a padded
+    # reduction) and a transposed out.
+    wide = _random((n * pixels, reduction + 3), dtype, device, seed + 1)
+    col = wide[:, :reduction] if strided else wide[:, 3:].contiguous()
+    out_dtype = torch.float32 if fp32_out else dtype
+    if strided:
+        out = torch.full((reduction, k), float("nan"), dtype=out_dtype, device=device).t()
+    else:
+        out = torch.full((k, reduction), float("nan"), dtype=out_dtype, device=device)
+    assert channels_first_weight_gradient(dy3, col, out, splits) is out
+    want = dy3.double().transpose(1, 2).reshape(n * pixels, k).t() @ col.double()
+    _close(out, want, torch.float32 if fp32_out else dtype, n * pixels)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape", CPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("splits", [1, 3], ids=["one_slice", "slices"])
+@pytest.mark.parametrize("strided", [False, True], ids=["dense", "strided"])
+def test_channels_first_weight_gradient_interpreted(shape, dtype, splits, strided):
+    _check_weight_gradient(shape, dtype, torch.device("cpu"), splits, strided, strided)
+
+
+def test_weight_gradient_of_no_rows_is_zeros():
+    out = torch.full((4, 8), float("nan"))
+    channels_first_weight_gradient(torch.zeros(0, 4, 6), torch.zeros(0, 8), out, 3)
+    assert (out == 0).all()
+
+
+def test_weight_gradient_slices_fill_the_programs_but_stay_long():
+    cfg = WGRAD_TILES[torch.bfloat16]
+    # ViT-B/16 at batch 256: 36 output tiles, so 264 programs (an H100's 2 x 132) want
+    # 8 slices; a short reduction gets fewer, each at least four steps long.
+    assert weight_gradient_splits(256 * 196, 768, 768, torch.bfloat16, 264) == 8
+    assert weight_gradient_splits(8 * cfg.block_m, 768, 768, torch.bfloat16, 264) == 2
+    assert weight_gradient_splits(10, 768, 768, torch.bfloat16, 264) == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("shape", CPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
@@ -110,6 +155,16 @@ def test_bad_operands_are_refused_with_their_shapes():
     with pytest.raises(ValueError, match="expected torch.float32"):
         channels_first_into_rows(torch.zeros(2, 4, 6), torch.zeros(4, 8, dtype=torch.half),
                                  torch.zeros(12, 8))  # fmt: skip
+    with pytest.raises(ValueError, match=r"out of shape \(8, 4\): expected \(4, 8\)"):
+        channels_first_weight_gradient(torch.zeros(2, 4, 6), torch.zeros(12, 8),
+                                       torch.zeros(8, 4), 1)  # fmt: skip
+    with pytest.raises(ValueError, match="expected torch.float16 or torch.float32"):
+        channels_first_weight_gradient(torch.zeros(2, 4, 6, dtype=torch.half),
+                                       torch.zeros(12, 8, dtype=torch.half),
+                                       torch.zeros(4, 8, dtype=torch.float64), 1)  # fmt: skip
+    with pytest.raises(ValueError, match="splits=0: expected at least 1"):
+        channels_first_weight_gradient(torch.zeros(2, 4, 6), torch.zeros(12, 8),
+                                       torch.zeros(4, 8), 0)  # fmt: skip
 
 
 def test_half_tiles_fit_the_vector_runs():
@@ -134,3 +189,12 @@ def test_rows_into_channels_first_on_cuda(shape, dtype, bias):
 @pytest.mark.parametrize("sliced", [False, True], ids=["whole", "slice"])
 def test_channels_first_into_rows_on_cuda(shape, dtype, sliced):
     _check_backward_data(shape, dtype, torch.device("cuda"), sliced)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("splits", [1, 8], ids=["one_slice", "slices"])
+@pytest.mark.parametrize("strided", [False, True], ids=["dense", "strided"])
+def test_channels_first_weight_gradient_on_cuda(shape, dtype, splits, strided):
+    _check_weight_gradient(shape, dtype, torch.device("cuda"), splits, strided, strided)

@@ -144,16 +144,58 @@ def test_a_channels_first_dy_reaches_the_column_gemm_through_the_transpose_kerne
     assert torch.equal(by_kernel, by_torch)
 
 
+@pytest.mark.parametrize("kernel", [4, 3], ids=["aligned", "padded"])
+def test_a_channels_first_dy_is_read_in_place_by_the_weight_gradient_kernel(kernel, monkeypatch):
+    """Where the rows path's GEMMs run in place (half precision; CUDA behind
+    IN_PLACE_ON_CUDA, here Triton's interpreter made to apply on the CPU), dW from the
+    forward's columns reads a dense channels-first dY as it is, with no copy to rows:
+    dW against float64, NaN where unwritten, in the weight's own layout. The padded
+    case (patch_padded: 27 columns padded to 32) multiplies the first 27."""
+    from gemmconv.kernels import pixel_rows_gemm
+    from gemmconv.solvers.patch import rows_path
+
+    monkeypatch.setenv("GEMMCONV_SOLVER", "patch" if kernel == 4 else "patch_padded")
+    monkeypatch.setattr(rows_path, "transpose_kernel_runs", lambda p: True)
+    calls, kernel_run = [], pixel_rows_gemm.channels_first_weight_gradient
+
+    def spy(dy3, col, out, splits):
+        calls.append((tuple(dy3.shape), tuple(col.shape)))
+        return kernel_run(dy3, col, out, splits)
+
+    monkeypatch.setattr(pixel_rows_gemm, "channels_first_weight_gradient", spy)
+    x = torch.randn(3, 3, 4 * kernel, 2 * kernel).half()
+    w = torch.randn(5, 3, kernel, kernel).div_(kernel).half().requires_grad_()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # empty tensors come filled with NaN
+    try:
+        y = gemmconv.conv2d(x, w, stride=kernel)
+        dy = torch.randn(y.shape).half()
+        (dw,) = torch.autograd.grad(y, w, dy)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    (call,) = [c for c in eager._calls.values() if c is not None]
+    assert isinstance(call.plan.runner, ColumnKeepingForward)
+    assert calls == [((3, 5, 8), (24, 3 * kernel * kernel))]
+    leaves = [t.detach().double().requires_grad_() for t in (x, w)]
+    (ref,) = torch.autograd.grad(F.conv2d(*leaves, stride=kernel), leaves[1], dy.double())
+    assert dw.dtype == torch.float16 and dw.is_contiguous()
+    assert rms_range(dw, ref) <= tolerance(torch.float16, "cpu")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("x_layout", ["channels_first", "channels_last"])
 @pytest.mark.parametrize("solver", ["patch", "patch_triton"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["cublas", "in_place"])
 def test_a_weight_gradient_reuses_the_forwards_columns_on_cuda(
-    solver, x_layout, dtype, monkeypatch
+    solver, x_layout, dtype, in_place, monkeypatch
 ):
     """ViT-B/16's patch geometry (196 pixels a sample: the channels-first output goes
     through the rows path) on CUDA: the forward's columns serve dW, which matches
-    float64."""
+    float64, with the rows path's GEMMs in place (bf16: dY read as it is) or not."""
+    from gemmconv.solvers.patch import rows_path
+
+    monkeypatch.setattr(rows_path, "IN_PLACE_ON_CUDA", in_place)
     monkeypatch.setenv("GEMMCONV_SOLVER", solver)
     formats = {"channels_first": torch.contiguous_format, "channels_last": torch.channels_last}
     gen = torch.Generator(device="cuda").manual_seed(3)

@@ -266,22 +266,24 @@ def test_rows_path_runs_in_one_pass_unless_its_buffers_exceed_both_limits(in_pla
     assert solver.gemm_launches(p) == (2 if in_place else 3)
     assert not rows_path.applies(vit(256, torch.float32))  # 196 x 4 bytes: aligned
     wgrad = dataclasses.replace(p, direction=Direction.BACKWARD_WEIGHTS)
-    assert not rows_path.in_place(wgrad)  # dY is copied to rows by the transpose kernel
-    assert solver.workspace_bytes(wgrad) == 256 * 196 * (768 + 768) * 2
+    # dY is copied to rows by the transpose kernel, or read in place by the GEMM, which
+    # then sums its fp32 slices in a third launch.
+    assert rows_path.in_place(wgrad) == in_place
+    assert solver.workspace_bytes(wgrad) == 256 * 196 * (768 if in_place else 768 + 768) * 2
     assert solver.gemm_launches(wgrad) == 3
-    # At batch 2048 the weight gradient's buffers would be 1.2 GB, beyond both x (617
-    # MB) and 256 MiB: chunks that, with the padded weight and the fp32 sums
-    # (768 x 768 x (2 + 8) bytes), fit in one x.
+    # At batch 2048 the weight gradient's buffers would be 1.2 GB (0.6 with dY read in
+    # place), beyond both x (617 MB) and 256 MiB: chunks that, with the padded weight
+    # and the fp32 sums (768 x 768 x (2 + 8) bytes), fit in one x.
     big = dataclasses.replace(vit(2048), direction=Direction.BACKWARD_WEIGHTS)
     fixed = 768 * 768 * 10
-    per_sample = 196 * (768 + 768) * 2
+    per_sample = 196 * (768 if in_place else 768 + 768) * 2
     step = rows_path.chunk_samples(big, 768)
     assert step == (big.largest_operand_bytes() - fixed) // per_sample < 2048
     assert solver.workspace_bytes(big) + fixed <= big.largest_operand_bytes()
     assert solver.gemm_launches(big) == 3 * -(-2048 // step)
-    # A forward writing y in place holds the columns alone: chunks twice as long.
-    forward_step = rows_path.chunk_samples(vit(2048), 768)
-    assert (forward_step >= 2 * step) == in_place
+    # A forward holds the columns and y's rows, or the columns alone: chunks as long as
+    # the weight gradient's.
+    assert rows_path.chunk_samples(vit(2048), 768) == step
     aligned = ConvProblem.from_sizes(8, 3, 1280, (1024, 1024), (16, 16), (16, 16),
                                      dtype=torch.bfloat16, device_type="cuda")  # fmt: skip
     assert not rows_path.applies(aligned)  # SAM: 4096 pixels, the bmm is aligned
@@ -290,12 +292,13 @@ def test_rows_path_runs_in_one_pass_unless_its_buffers_exceed_both_limits(in_pla
 
 
 def test_the_rows_path_gemm_writes_in_place_off_cuda_in_half_precision_only():
-    # Off CUDA (the interpreter's runs in these tests) the in-place GEMM serves the half
-    # precision forward and backward-data; on CUDA it waits for IN_PLACE_ON_CUDA.
+    # Off CUDA (the interpreter's runs in these tests) the in-place GEMMs serve every
+    # half-precision direction; on CUDA they wait for IN_PLACE_ON_CUDA.
     for device_type, dtype, direction, expected in [
         ("cpu", torch.float16, Direction.FORWARD, True),
         ("cpu", torch.float16, Direction.BACKWARD_DATA, True),
-        ("cpu", torch.float16, Direction.BACKWARD_WEIGHTS, False),
+        ("cpu", torch.float16, Direction.BACKWARD_WEIGHTS, True),
+        ("cpu", torch.float32, Direction.BACKWARD_WEIGHTS, False),
         ("cpu", torch.float32, Direction.FORWARD, False),
         ("cuda", torch.bfloat16, Direction.FORWARD, rows_path.IN_PLACE_ON_CUDA),
     ]:
@@ -393,8 +396,8 @@ def test_gather_large_rows_on_cuda(dtype):
 def test_channels_first_rows_path_on_cuda(
     spatial, kernel, direction, dtype, chunk, in_place, monkeypatch
 ):
-    # Both GEMMs of the path whatever IN_PLACE_ON_CUDA says (fp32 and the weight
-    # gradient take cuBLAS's either way).
+    # Both GEMMs of the path whatever IN_PLACE_ON_CUDA says (fp32 takes cuBLAS's either
+    # way).
     monkeypatch.setattr(rows_path, "IN_PLACE_ON_CUDA", in_place)
     if chunk is not None:
         monkeypatch.setattr(rows_path, "chunk_samples", lambda p, ld: chunk)

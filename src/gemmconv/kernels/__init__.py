@@ -18,6 +18,22 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+# Programs per multiprocessor a weight-gradient kernel whose reduction is split into
+# partials aims for.
+SPLIT_PROGRAMS_PER_SM = 2
+# The interpreter (CPU tests) runs programs one by one: a few splits, so that the
+# split path is exercised.
+INTERPRETER_SPLIT_PROGRAMS = 8
+
+
+def split_programs(device: torch.device) -> int:
+    """Programs a split weight-gradient reduction aims for on ``device``."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return SPLIT_PROGRAMS_PER_SM * sms
+    return INTERPRETER_SPLIT_PROGRAMS
+
+
 _compiled: dict[tuple[Callable, str], object] = {}
 
 
@@ -41,4 +57,4 @@ def compiled(fn: Callable, device: torch.device, **jit_options) -> object:
     return kernel
 
 
-__all__ = ["compiled", "triton_available"]
+__all__ = ["compiled", "split_programs", "triton_available"]

@@ -8,7 +8,11 @@ transpose kernel around cuBLAS's GEMM: on an H100, 75 us of ViT-B/16's 222 us fo
 and a second buffer of y's size. Here the GEMM reads A or writes C through that map:
 
 - forward: C = y [N, K, P] = col [M, Kred] @ W[K, Kred]^T (+ bias), stored in place;
-- backward-data: C = dcol [M, Kred] = dY [N, K, P] as A [M, K] @ W [K, Kred].
+- backward-data: C = dcol [M, Kred] = dY [N, K, P] as A [M, K] @ W [K, Kred];
+- backward-weights: dW rows [K, Kred] = dY as rows, transposed, @ col: the reduction
+  over M is cut into slices, each an fp32 partial, summed in fp32 in a fixed order
+  and rounded once (as cuBLAS's one fp32-accumulated GEMM is), so no run depends on
+  scheduling.
 
 Pixels are contiguous, so a channels-first side is read and written in runs along M.
 Triton cannot see runs through the division by P, so the kernel states them: with
@@ -37,12 +41,22 @@ TILES = {
     torch.bfloat16: TileConfig(128, 128, 64, 8, 3),
     torch.float32: TileConfig(128, 64, 32, 8, 3),
 }
+# The weight gradient's tiles: block_m is the slice of M one step reduces, block_n
+# the output channels and block_k the column-matrix columns of one program.
+WGRAD_TILES = {
+    torch.float16: TileConfig(64, 128, 128, 8, 3),
+    torch.bfloat16: TileConfig(64, 128, 128, 8, 3),
+    torch.float32: TileConfig(32, 64, 64, 8, 3),
+}
+# Elements one program of the partial sum adds up.
+_SUM_BLOCK = 1024
 # The widest access the run claim is made for: one 16-byte vector.
 _VECTOR_BYTES = 16
 # The rows and the pixel count are not specialised on (a new batch or image size would
 # recompile); strides, N and the reduction are: their divisibility proves the
 # alignment that vector loads and stores of a row-major side need, masks included.
 _NOT_SPECIALISED = ("M", "PIXELS")
+_WGRAD_NOT_SPECIALISED = ("M", "PIXELS", "M_PER_SPLIT")
 
 
 def _pixel_rows_gemm_kernel(
@@ -115,6 +129,69 @@ def _pixel_rows_gemm_kernel(
         tl.store(c, out, mask=n_ok[None, :])  # whole rows: no row mask to stop vectorising
     else:
         tl.store(c, out, mask=(m < M)[:, None] & n_ok[None, :])
+
+
+def _pixel_rows_wgrad_kernel(
+    dy_ptr, col_ptr, out_ptr,
+    M, KOUT, KRED, PIXELS, M_PER_SPLIT,
+    DY_SN, DY_SK, COL_SM, COL_SK, OUT_SS, OUT_SN, OUT_SK,
+    RUN: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """out[split, n, j] = sum over the split's rows m of dY(m, n) * col(m, j), dY
+    channels-first [N, KOUT, P] (element (m, n) at (m // PIXELS) * DY_SN + n * DY_SK +
+    m % PIXELS), col row-major; accumulated in fp32 and stored as out's dtype."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    split = tl.program_id(2)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok = n < KOUT
+    j_ok = j < KRED
+    dy_cols = n.to(tl.int64) * DY_SK
+    if RUN > 1:
+        dy_cols = tl.multiple_of(dy_cols, RUN)
+    col_cols = j.to(tl.int64) * COL_SK
+
+    acc = tl.full((BLOCK_N, BLOCK_K), 0.0, dtype=tl.float32)
+    m_start = split * M_PER_SPLIT
+    m_end = tl.where(m_start + M_PER_SPLIT < M, m_start + M_PER_SPLIT, M)
+    for m0 in range(m_start, m_end, BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = m < m_end
+        # Rows past the slice are read as rows of the start (m mod M keeps the runs)
+        # and zeroed in registers, so the loads along the runs carry no mask.
+        m_read = (m % M).to(tl.int64)
+        dy_rows = (m_read // PIXELS) * DY_SN + m_read % PIXELS
+        if RUN > 1:
+            dy_rows = tl.max_contiguous(tl.multiple_of(dy_rows, RUN), RUN)
+        a = tl.load(dy_ptr + dy_cols[:, None] + dy_rows[None, :], mask=n_ok[:, None], other=0.0)
+        a = tl.where(m_ok[None, :], a, 0.0)
+        b = tl.load(col_ptr + m_read[:, None] * COL_SM + col_cols[None, :],
+                    mask=m_ok[:, None] & j_ok[None, :], other=0.0)  # fmt: skip
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+    out = out_ptr + split.to(tl.int64) * OUT_SS
+    out += n[:, None].to(tl.int64) * OUT_SN + j[None, :].to(tl.int64) * OUT_SK
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & j_ok[None, :])
+
+
+def _sum_splits_kernel(
+    part_ptr, out_ptr, SPLITS, KRED, NUMEL, OUT_SN, OUT_SK, BLOCK: tl.constexpr
+):  # fmt: skip
+    """out[n, j] = sum over s of part[s, n, j] (part fp32, dense), in split order, in
+    fp32, stored as out's dtype through out's strides."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < NUMEL
+    total = tl.full((BLOCK,), 0.0, dtype=tl.float32)
+    for s in range(0, SPLITS):
+        total += tl.load(part_ptr + s * NUMEL + i, mask=ok, other=0.0)
+    row, column = i // KRED, i % KRED
+    tl.store(out_ptr + row.to(tl.int64) * OUT_SN + column.to(tl.int64) * OUT_SK,
+             total.to(out_ptr.dtype.element_ty), mask=ok)  # fmt: skip
 
 
 def _run_length(pixels: int, strides: tuple[int, ...], element_size: int, block_m: int) -> int:
@@ -219,6 +296,96 @@ def channels_first_into_rows(
     return dcol
 
 
+def weight_gradient_splits(rows: int, kout: int, reduction: int, dtype: torch.dtype,
+                           programs: int) -> int:  # fmt: skip
+    """How many slices channels_first_weight_gradient cuts the reduction over ``rows``
+    into: enough programs to fill ``programs`` (gemmconv.kernels.split_programs),
+    never a slice shorter than four steps."""
+    cfg = WGRAD_TILES[dtype]
+    tiles = triton.cdiv(kout, cfg.block_n) * triton.cdiv(reduction, cfg.block_k)
+    longest = max(1, triton.cdiv(rows, 4 * cfg.block_m))
+    return max(1, min(triton.cdiv(programs, tiles), longest))
+
+
+def channels_first_weight_gradient(
+    dy3: torch.Tensor,
+    col: torch.Tensor,
+    out: torch.Tensor,
+    splits: int,
+    allow_tf32: bool = False,
+) -> torch.Tensor:
+    """out [K, Kred] = channels-first ``dy3`` [N, K, P] (contiguous pixels) read as
+    rows [N*P, K], transposed, @ ``col`` [N*P, Kred], the reduction cut into at most
+    ``splits`` slices (weight_gradient_splits); ``col`` and ``out`` of any strides,
+    ``out`` of dy3's dtype or fp32, every element written. Returns out."""
+    if splits < 1:
+        raise ValueError(f"splits={splits}: expected at least 1")
+    key = ("weight_gradient", _meta(dy3), _meta(col), _meta(out), splits, allow_tf32)
+
+    def prepare() -> tuple[PreparedLaunch | None, PreparedLaunch | None, int]:
+        pixels, sample_stride, channel_stride = _channels_first_strides(dy3, "dy3")
+        n, k = dy3.shape[:2]
+        reduction = col.shape[1]
+        _check("col", col, (n * pixels, reduction), dy3)
+        if tuple(out.shape) != (k, reduction):
+            raise ValueError(f"out of shape {tuple(out.shape)}: expected {(k, reduction)}")
+        if out.dtype not in (dy3.dtype, torch.float32) or out.device != dy3.device:
+            raise ValueError(f"out is {out.dtype} on {out.device}; expected {dy3.dtype} or "
+                             f"torch.float32 on {dy3.device}")  # fmt: skip
+        strides = (sample_stride, channel_stride)
+        return _prepared_weight_gradient(dy3, col, out, n * pixels, k, reduction, pixels,
+                                         strides, splits, allow_tf32)  # fmt: skip
+
+    product, total, parts = _launches.get(key, prepare)
+    if product is None:
+        return out.zero_()  # nothing to reduce (no rows), or nothing to write
+    if total is None:
+        product(dy3, col, out)
+        return out
+    partials = torch.empty(parts, *out.shape, dtype=torch.float32, device=out.device)
+    product(dy3, col, partials)
+    total(partials, out)
+    return out
+
+
+def _prepared_weight_gradient(dy3, col, out, m, k, reduction, pixels, dy_strides, splits,
+                              allow_tf32):  # fmt: skip
+    """The product's launch, the partial sum's (None for one slice) and the slice
+    count, for channels_first_weight_gradient."""
+    cfg = WGRAD_TILES[dy3.dtype]
+    per_split = triton.cdiv(triton.cdiv(max(m, 1), splits), cfg.block_m) * cfg.block_m
+    parts = triton.cdiv(max(m, 1), per_split)
+    if m == 0 or k == 0 or reduction == 0:
+        return None, None, parts
+    run = _run_length(pixels, dy_strides, dy3.element_size(), cfg.block_m)
+    grid = (triton.cdiv(k, cfg.block_n), triton.cdiv(reduction, cfg.block_k), parts)
+    # One slice stores the product straight into out; several store dense fp32
+    # partials [parts, K, Kred] for the sum.
+    out_strides = (0, *out.stride()) if parts == 1 else (k * reduction, reduction, 1)
+    args = (
+        TensorSlot(0), TensorSlot(1), TensorSlot(2),
+        m, k, reduction, pixels, per_split, *dy_strides, *col.stride(), *out_strides,
+    )  # fmt: skip
+    constants = {
+        "RUN": run,
+        "INPUT_PRECISION": _precision(dy3.dtype, allow_tf32),
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+    }
+    product = PreparedLaunch(_pixel_rows_wgrad_kernel, grid, args, constants,
+                             cfg.launch_options(), dy3.device,
+                             {"do_not_specialize": _WGRAD_NOT_SPECIALISED})  # fmt: skip
+    if parts == 1:
+        return product, None, parts
+    numel = k * reduction
+    total = PreparedLaunch(_sum_splits_kernel, (triton.cdiv(numel, _SUM_BLOCK),),
+                           (TensorSlot(0), TensorSlot(1), parts, reduction, numel,
+                            *out.stride()),
+                           {"BLOCK": _SUM_BLOCK}, {"num_warps": 4}, dy3.device)  # fmt: skip
+    return product, total, parts
+
+
 def _prepared(
     m: int,
     n: int,
@@ -249,4 +416,10 @@ def _prepared(
                           like.device, {"do_not_specialize": _NOT_SPECIALISED})  # fmt: skip
 
 
-__all__ = ["channels_first_into_rows", "rows_into_channels_first"]
+__all__ = [
+    "WGRAD_TILES",
+    "channels_first_into_rows",
+    "channels_first_weight_gradient",
+    "rows_into_channels_first",
+    "weight_gradient_splits",
+]

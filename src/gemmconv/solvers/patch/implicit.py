@@ -14,6 +14,7 @@ import math
 import torch
 
 from gemmconv.device_rates import DeviceRates, rates_for
+from gemmconv.kernels import SPLIT_PROGRAMS_PER_SM, split_programs
 from gemmconv.precision import convolutions_allow_tf32
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors, _math_mode
@@ -46,27 +47,14 @@ FULL_RATE_RUN_BYTES = 64
 # than a plain copy (tests/data/h200_suite.json: DiT-XL/2 channels-last forward
 # wrote its 151 MB output in 0.105 ms); fitted to that row.
 IMPLICIT_OUTPUT_STORE_SLOWDOWN = 3.0
-# Programs per multiprocessor the split weight-gradient reduction aims for.
-WGRAD_PROGRAMS_PER_SM = 2
-# The interpreter (CPU tests) runs programs one by one: a few splits, so that the
-# split path is exercised.
-INTERPRETER_PROGRAMS = 8
-
-
-def _device_programs(device: torch.device) -> int:
-    """Programs the split weight-gradient reduction aims for on ``device``."""
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return WGRAD_PROGRAMS_PER_SM * sms
-    return INTERPRETER_PROGRAMS
 
 
 def _costed_programs(rates: DeviceRates) -> int:
     """The programs the cost model assumes: by the rates' multiprocessor count, or
     where they carry none, as on the device this process runs kernels on."""
     if rates.multiprocessors is not None:
-        return WGRAD_PROGRAMS_PER_SM * rates.multiprocessors
-    return _device_programs(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        return SPLIT_PROGRAMS_PER_SM * rates.multiprocessors
+    return split_programs(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 class ImplicitGemmSolver(PatchFamilySolver):
@@ -143,7 +131,7 @@ class ImplicitGemmSolver(PatchFamilySolver):
 
         x = t.input
         dw = result_buffer(p, x, out)
-        splits = wgrad_splits(p.gemm_m, p.k, p.gemm_k, p.dtype, _device_programs(x.device))
+        splits = wgrad_splits(p.gemm_m, p.k, p.gemm_k, p.dtype, split_programs(x.device))
         rows32 = patch_gemm_weight_grad(t.grad_output, x, p.kernel, channels_last_columns(p),
                                         splits, allow_tf32=convolutions_allow_tf32())  # fmt: skip
         store_weight_rows(dw, rows32.to(p.dtype), column_layout(p))

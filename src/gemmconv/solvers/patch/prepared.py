@@ -141,43 +141,91 @@ class ColumnKeepingForward:
     operands apart, as the eager road holds them: no ConvTensors is built and none of
     this class's methods runs."""
 
-    __slots__ = ("keeping_columns", "_product", "_dy_rows", "_transpose_dy", "result_strides")
+    __slots__ = ("keeping_columns", "result_strides", "_p", "_ld", "_product", "_by_strides",
+                 "_transpose_dy", "_read_dy")  # fmt: skip
 
     def __init__(self, p: ConvProblem, ld: int, forward, result_strides: tuple[int, ...]) -> None:
         self.keeping_columns = with_precision(p, forward)
         self.result_strides = result_strides  # of every y it returns (a ResultBuffer's)
+        self._p, self._ld = p, ld
         self._product = with_precision(p, _weight_gradient_product(p, ld))
-        # How dY becomes rows (a view, or a copy) per dY strides; a call meets one or two.
-        self._dy_rows: dict[tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]] = {}
+        # dW from dY and the columns per dY strides; a call meets one or two.
+        self._by_strides: dict[tuple[int, ...], Callable[..., torch.Tensor]] = {}
         # A dense channels-first dY is copied to rows by the transpose kernel where it
         # runs, as the solvers' own weight gradient does (rows_path); torch's copy
-        # through the transposed view ran 3-5x slower on an H200.
+        # through the transposed view ran 3-5x slower on an H200. Where the rows path's
+        # GEMMs run in place, dW's reads it as it is instead.
         self._transpose_dy = rows_path.transpose_kernel_runs(p)
+        self._read_dy = rows_path.weight_gradient_reads_dy(p)
 
     def __call__(self, t: ConvTensors) -> torch.Tensor:
         return self.keeping_columns(t.input, t.weight, t.bias)[0]
 
     def weight_gradient(self, dy: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
         """dW from dY and the columns of the same call's forward."""
-        to_rows = self._dy_rows.get(dy.stride())
-        if to_rows is None:
-            to_rows = self._rows_of(dy)
-        return self._product(to_rows(dy).t(), col)
+        from_dy = self._by_strides.get(dy.stride())
+        if from_dy is None:
+            from_dy = self._weight_gradient_for(dy)
+        return from_dy(dy, col)
 
-    def _rows_of(self, dy: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-        """How a dY of ``dy``'s strides becomes rows [M, K] (a view where it is
-        token-major, else a copy), found and kept."""
-        if len(self._dy_rows) >= _DY_LAYOUTS_MAX:
-            self._dy_rows.clear()
+    def _weight_gradient_for(self, dy: torch.Tensor) -> Callable[..., torch.Tensor]:
+        """How dW comes from a dY of ``dy``'s strides and the columns: dY's rows
+        transposed (a view where dY is token-major, else a copy) into the product, or
+        a dense channels-first dY read in place; found and kept."""
+        if len(self._by_strides) >= _DY_LAYOUTS_MAX:
+            self._by_strides.clear()
         meta = meta_like(dy)
-        view = ViewRecipe.of(rows_view(meta), meta)
-        if view is not None:
-            to_rows = view.apply
+        rows_t = rows_view(meta)
+        product = self._product
+        dense = meta.is_contiguous()
+        if rows_t is not None:
+            # dY's rows, transposed, as one view: a .t() per call less.
+            view = ViewRecipe(rows_t.t(), meta).apply
+
+            def from_dy(dy: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+                return product(view(dy), col)
+
+        elif self._read_dy and dense:
+            from_dy = _channels_first_weight_gradient(self._p, self._ld, meta)
         else:
-            transpose = self._transpose_dy and meta.is_contiguous()
-            to_rows = rows_path.channels_first_rows if transpose else rows
-        self._dy_rows[dy.stride()] = to_rows
-        return to_rows
+            copy = rows_path.channels_first_rows if self._transpose_dy and dense else rows
+
+            def from_dy(dy: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+                return product(copy(dy).t(), col)
+
+        self._by_strides[dy.stride()] = from_dy
+        return from_dy
+
+
+def _channels_first_weight_gradient(
+    p: ConvProblem, ld: int, dy: torch.Tensor
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """dW from a dense channels-first dY like ``dy`` (meta), read in place by the rows
+    path's weight-gradient kernel, and the forward's columns [M, ld]: the product's
+    [K, Kred] rows land in dW's own memory where that is a view, else are copied in."""
+    from gemmconv.kernels.pixel_rows_gemm import channels_first_weight_gradient
+
+    dy3 = ViewRecipe(batched_view(dy), dy).apply
+    k = p.gemm_k
+    splits = rows_path.in_place_splits(p, p.gemm_m, k, torch.device(p.device_type))
+    order = column_layout(p)
+    meta_dw = empty_in(p.weight_shape, p.layout, p.dtype, torch.device("meta"))
+    size, stride = tuple(meta_dw.shape), meta_dw.stride()
+    dw_rows = ViewRecipe.of(weight_rows_target(meta_dw, order), meta_dw)
+    # The reduction's first k columns; past them a padded ld's columns hold padding.
+    columns = (lambda col: col) if ld == k else (lambda col: col[:, :k])
+
+    def weight_gradient(dy: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+        dw = torch.empty_strided(size, stride, dtype=col.dtype, device=col.device)
+        if dw_rows is not None:
+            channels_first_weight_gradient(dy3(dy), columns(col), dw_rows(dw), splits)
+        else:
+            product = col.new_empty(p.k, k)
+            channels_first_weight_gradient(dy3(dy), columns(col), product, splits)
+            store_weight_rows(dw, product, order)
+        return dw
+
+    return weight_gradient
 
 
 def _weight_gradient_product(

@@ -6,9 +6,9 @@ computes Y^T in y's own order has P as its leading dimension, and with P x eleme
 size not a multiple of 16 bytes (ViT-B/16: P = 196) cuBLAS falls off its fast
 kernels; the weight gradient copies dY to rows through torch's transposed copy.
 This path runs one row-major GEMM on rows instead: cuBLAS's, on rows moved to or
-from channels-first by the transpose kernel (kernels/strided_copy.py), or, for the
-forward and backward-data in half precision, the Triton kernel that writes y or
-reads dY in place (kernels/pixel_rows_gemm.py; in_place says where).
+from channels-first by the transpose kernel (kernels/strided_copy.py), or, in half
+precision, the Triton kernels that write y or read dY in place
+(kernels/pixel_rows_gemm.py; in_place says where).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ CHUNK_ABOVE_BYTES = 256 << 20
 TRANSPOSE_SLOWDOWN = 1.25
 # The batch (grid axis 1) of one transpose launch is a sample count.
 MAX_CHUNK_SAMPLES = 65535
-# The Triton GEMM that reads or writes the channels-first side in place, against
-# cuBLAS's on rows: a guess until it is measured (scripts/pixel_rows_bench.py).
+# The Triton GEMMs that read or write the channels-first side in place, against
+# cuBLAS's on rows: a guess until they are measured (scripts/pixel_rows_bench.py).
 IN_PLACE_GEMM_SLOWDOWN = 1.15
-# Whether CUDA runs use that GEMM. Off until a GPU has run its tests compiled and
+# Whether CUDA runs use those GEMMs. Off until a GPU has run its tests compiled and
 # measured it against cuBLAS's GEMM and the transpose: so far it has run only in
 # Triton's interpreter (the CPU tests), which ignores the alignment claims that a
 # compiled kernel's correctness rests on (scripts/h200_session.sh, stage rows).
@@ -50,15 +50,11 @@ def applies(p: ConvProblem) -> bool:
 
 def in_place(p: ConvProblem) -> bool:
     """Whether the direction's GEMM reads dY or writes y channels-first itself
-    (kernels/pixel_rows_gemm.py): the forward and backward-data in half precision.
-    fp32 stays on cuBLAS, whose one TF32 pass Triton's accurate fp32 dots (three
-    passes, or plain fp32) do not match; the weight gradient's long reduction over
-    pixels stays a cuBLAS GEMM on dY's rows. On CUDA only where IN_PLACE_ON_CUDA."""
-    return (
-        p.direction is not Direction.BACKWARD_WEIGHTS
-        and p.dtype in _HALF
-        and (IN_PLACE_ON_CUDA or p.device_type != "cuda")
-    )
+    (kernels/pixel_rows_gemm.py): every direction in half precision, the weight
+    gradient's reduction in fp32 slices summed in a fixed order. fp32 stays on
+    cuBLAS, whose one TF32 pass Triton's accurate fp32 dots (three passes, or plain
+    fp32) do not match. On CUDA only where IN_PLACE_ON_CUDA."""
+    return p.dtype in _HALF and (IN_PLACE_ON_CUDA or p.device_type != "cuda")
 
 
 def _row_width(p: ConvProblem, ld: int) -> int:
@@ -102,7 +98,8 @@ def workspace_bytes(p: ConvProblem, ld: int) -> int:
 
 def copied_bytes(p: ConvProblem) -> float:
     """y or dY crosses between rows and channels-first once, read and written, unless
-    the GEMM reads or writes it in place."""
+    the GEMM reads or writes it in place (the weight gradient's fp32 slices, a few
+    MB where dY is tens, are left out)."""
     return 0.0 if in_place(p) else 2 * output_rows_bytes(p) * TRANSPOSE_SLOWDOWN
 
 
@@ -117,8 +114,10 @@ def passes(p: ConvProblem, ld: int) -> int:
 
 
 def launches(p: ConvProblem, ld: int) -> int:
-    # Per chunk: gather or scatter, GEMM, and the transpose unless the GEMM does it.
-    return (2 if in_place(p) else 3) * passes(p, ld)
+    # Per chunk: gather or scatter, GEMM, and the transpose unless the GEMM does it;
+    # an in-place weight gradient sums its slices in a third.
+    fused = in_place(p) and p.direction is not Direction.BACKWARD_WEIGHTS
+    return (2 if fused else 3) * passes(p, ld)
 
 
 def transpose_kernel_runs(p: ConvProblem) -> bool:
@@ -126,6 +125,20 @@ def transpose_kernel_runs(p: ConvProblem) -> bool:
     from gemmconv.kernels import triton_available
 
     return p.device_type == "cuda" and transposed_pixels(p) > 0 and triton_available()
+
+
+def weight_gradient_reads_dy(p: ConvProblem) -> bool:
+    """Whether dW from a forward's kept columns reads a dense channels-first dY in
+    place (kernels/pixel_rows_gemm.py) where the transpose kernel would copy it."""
+    return transpose_kernel_runs(p) and in_place(p)
+
+
+def in_place_splits(p: ConvProblem, rows: int, ld: int, device: torch.device) -> int:
+    """The slices the in-place weight gradient cuts a reduction over ``rows`` into."""
+    from gemmconv.kernels import split_programs
+    from gemmconv.kernels.pixel_rows_gemm import weight_gradient_splits
+
+    return weight_gradient_splits(rows, p.k, ld, p.dtype, split_programs(device))
 
 
 def channels_first_rows(dy: torch.Tensor) -> torch.Tensor:
@@ -235,9 +248,15 @@ def weight_gradient_rows(
     """dW as [K, ld] rows in the column order, from x and channels-first dY [N, K, P],
     ``step`` samples a pass (as forward's); fp32 where chunk products of
     half-precision operands were summed."""
+    from gemmconv.kernels.pixel_rows_gemm import channels_first_weight_gradient
+
     pixels, step = transposed_pixels(p), step or chunk_samples(p, ld)
     col_buf = x.new_empty(step * pixels, ld)
-    dy_buf = dy3.new_empty(step * pixels, p.k)
+    fused = in_place(p)
+    if fused:
+        splits = in_place_splits(p, step * pixels, ld, x.device)
+    else:
+        dy_buf = dy3.new_empty(step * pixels, p.k)
     # Chunk products are summed in fp32 (half types: cuBLAS's fp32 result, not a
     # rounded one) or in the dtype itself; one chunk is one GEMM, rounded once.
     half = p.dtype in _HALF
@@ -245,6 +264,11 @@ def weight_gradient_rows(
     for start in range(0, p.n, step):
         count = min(step, p.n - start)
         col = columns.gather(_samples(x, start, count), p, ld, out=_front(col_buf, count * pixels))
+        if fused:
+            part = x.new_empty(p.k, ld, dtype=p.dtype if step >= p.n else torch.float32)
+            channels_first_weight_gradient(_samples(dy3, start, count), col, part, splits)
+            total = part if total is None else total.add_(part)
+            continue
         dy_rows = _dy_rows(dy3, start, count, dy_buf)
         if step >= p.n or not half:
             part = torch.mm(dy_rows.t(), col)
