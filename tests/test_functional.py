@@ -211,6 +211,16 @@ def _count_directions(monkeypatch):
     spy("run_forward_keeping_columns", planned)
     spy("run_backward", planned)
     spy("weight_gradient_from_columns", lambda plan: "backward_weights")
+    # The eager road's dW from kept columns calls the prepared run itself.
+    from gemmconv.solvers.patch.prepared import ColumnKeepingForward
+
+    from_columns = ColumnKeepingForward.weight_gradient
+
+    def weight_gradient(self, dy, col):
+        calls.append("backward_weights")
+        return from_columns(self, dy, col)
+
+    monkeypatch.setattr(ColumnKeepingForward, "weight_gradient", weight_gradient)
     return calls
 
 

@@ -473,16 +473,16 @@ def test_cpu_fp32_weight_gradient_from_kept_columns_rounds_once_on_a_skinny_resu
     # would, and rounded once. An fp32 GEMM measured 1.2-1.7e-6 here, the fp64 one
     # about 1.5e-8.
     monkeypatch.setenv("GEMMCONV_SOLVER", "patch")
-    import gemmconv.ops
+    from gemmconv.solvers.patch.prepared import ColumnKeepingForward
 
     from_columns = []
-    original = gemmconv.ops.weight_gradient_from_columns
+    original = ColumnKeepingForward.weight_gradient
 
-    def spied(*args):
-        from_columns.append(args[0].problem.gemm_m)
-        return original(*args)
+    def spied(self, dy, col):
+        from_columns.append(col.shape[0])
+        return original(self, dy, col)
 
-    monkeypatch.setattr(gemmconv.ops, "weight_gradient_from_columns", spied)
+    monkeypatch.setattr(ColumnKeepingForward, "weight_gradient", spied)
     gen = torch.Generator().manual_seed(5)
     x = torch.rand(2, 1, 256, 256, generator=gen) * 2 - 1
     w = (torch.rand(3, 1, 2, 2, generator=gen) * 2 - 1).requires_grad_()

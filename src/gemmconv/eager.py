@@ -57,6 +57,7 @@ _is_tracing = torch._C._is_tracing
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _functorch_transforms = torch._C._are_functorch_transforms_active
 _is_grad_enabled = torch.is_grad_enabled
+_any_autocast_enabled = torch._C._is_any_autocast_enabled
 # The devices the road covers; a call on any other takes the op road.
 _DEVICE_TYPES = frozenset({"cpu", "cuda"})
 
@@ -66,8 +67,8 @@ class _Call:
 
     __slots__ = ("plan", "unbatched", "accepted", "conv_args", "vendor_function",
                  "vendor_arguments", "input_size", "weight_size", "channels_last",
-                 "vendor_forward", "_vendor_serves", "_backward_plans",
-                 "_columns_serve_weight_gradient")  # fmt: skip
+                 "vendor_forward", "bias_dims", "keeps_columns", "_vendor_serves",
+                 "_backward_plans")  # fmt: skip
 
     def __init__(self, dims: int, plan: ops.Plan, unbatched: bool, arguments: tuple,
                  conv_args: tuple, input: torch.Tensor, weight: torch.Tensor) -> None:  # fmt: skip
@@ -84,11 +85,16 @@ class _Call:
         self.weight_size = list(weight.shape)
         self.channels_last = plan.problem.layout is Layout.CHANNELS_LAST
         self.vendor_forward = plan.solver.id == "vendor"
+        # The dimensions dY is summed over for the bias's gradient (batch and space);
+        # None for a zero-channel input, whose dY has no channels though the bias has
+        # some (bias_grad gives zeros).
+        self.bias_dims = None if plan.problem.c == 0 else _BIAS_DIMS[dims]
         # Per (dx needed, dW needed): whether torch's convolution serves the call.
         self._vendor_serves: dict[tuple[bool, bool], bool] = {}
         # Backward plans of backward-data, then of backward-weights.
         self._backward_plans: tuple[dict[tuple, ops.Plan], ...] = ({}, {})
-        self._columns_serve_weight_gradient: bool | None = None
+        # columns_serve_weight_gradient's verdict, None until a forward needing dW asks.
+        self.keeps_columns: bool | None = None
 
     def accepts(self, arguments: tuple) -> bool:
         """Whether ``arguments``, equal to the checked call's, are of the same types all
@@ -119,12 +125,11 @@ class _Call:
         solver, decided (found, logged) as for any call, is a column GEMM. Decided once,
         in the first forward that needs dW: the entry's key holds the selection state,
         and the weight gradient's problem is the forward's in another direction."""
-        verdict = self._columns_serve_weight_gradient
+        verdict = self.keeps_columns
         if verdict is None:
             weights = backward_problem(self.plan.problem, Direction.BACKWARD_WEIGHTS)
             solver = dispatch.solver_for(weights)
-            verdict = solver.weight_gradient_multiplies_columns
-            self._columns_serve_weight_gradient = verdict
+            verdict = self.keeps_columns = solver.weight_gradient_multiplies_columns
         return verdict
 
     def gradients(
@@ -260,6 +265,8 @@ _TORCH_CONVOLUTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _ACCEPTED_MAX = 64
 # dY of one call comes in few layouts (usually one); a bound all the same.
 _BACKWARD_PLANS_MAX = 8
+# Per spatial rank, the dimensions of dY the bias's gradient sums: batch and space.
+_BIAS_DIMS = {dims: (0, *range(2, dims + 2)) for dims in (1, 2, 3)}
 # Bounded like the ops' plans; emptied by dispatch.clear_cache() with the choices.
 _CALLS_MAX = 4096
 _calls: dict[tuple, _Call | None] = dispatch.dependent_cache()
@@ -415,7 +422,8 @@ class _EagerConvolution(torch.autograd.Function):
     def forward(ctx, input, weight, bias, call: _Call):  # type: ignore[override]
         need_dx, need_dw, _, _ = ctx.needs_input_grad
         columns = None
-        if need_dw and call.columns_serve_weight_gradient():
+        # The verdict read as an attribute once made: a method call per forward shows.
+        if need_dw and (call.keeps_columns or call.columns_serve_weight_gradient()):
             # A forward that gathers columns keeps them for dW, as the reshape + linear
             # rewrite does: a column-GEMM weight gradient then runs its GEMM alone.
             y, columns = ops.run_forward_keeping_columns(call.plan, input, weight, bias)
@@ -436,11 +444,22 @@ class _EagerConvolution(torch.autograd.Function):
             dx, dw = _differentiable_gradients(call, grad_output, input, weight, need_dx, need_dw)
         elif columns is not None and not need_dx:
             # dW alone, from the kept columns (a patch embed's usual backward): the
-            # shortest way, past call.gradients' frame.
-            dx, dw = None, ops.weight_gradient_from_columns(call.plan, grad_output, columns)
+            # shortest way, past call.gradients' and ops' frames where no autocast
+            # would recast the GEMM's operands (ops.weight_gradient_from_columns).
+            if _any_autocast_enabled():
+                dw = ops.weight_gradient_from_columns(call.plan, grad_output, columns)
+            else:
+                dw = call.plan.runner.weight_gradient(grad_output, columns)
+            dx = None
         else:
             dx, dw = call.gradients(grad_output, input, weight, columns, need_dx, need_dw)
-        db = bias_grad(grad_output, out_channels=call.weight_size[0]) if need_db else None
+        db = None
+        if need_db:
+            dims = call.bias_dims
+            if dims is None:
+                db = bias_grad(grad_output, out_channels=call.weight_size[0])
+            else:  # bias_grad's sum, without its frame and checks
+                db = grad_output.sum(dims)
         return dx, dw, db, None
 
 
