@@ -114,7 +114,7 @@ def _case(name, n, side, patch, k, dtype, configs) -> None:
             pixel_rows_gemm.rows_into_channels_first(col, wm, None, y3)
             err = (y3.float() - want).abs().max().item()
         except Exception as exc:  # a configuration that does not compile: say so, go on
-            print(f"  {cfg}: failed {type(exc).__name__}: {exc}"[:300], flush=True)
+            _failed("", cfg, exc)
             continue
         print(f"  {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}: "
               f"fwd_gemm={fwd_gemm:.4f} ({fwd_gemm / base['mm_rows']:.2f}x mm) "
@@ -123,6 +123,10 @@ def _case(name, n, side, patch, k, dtype, configs) -> None:
               f"backward_data={new_bwd:.4f} (old {base['old_backward_data']:.4f}) "
               f"max_err={err:.3g}", flush=True)  # fmt: skip
     _weight_gradient(dy3, col, base, configs)
+
+
+def _failed(label: str, cfg: TileConfig, exc: Exception) -> None:
+    print(f"  {label}{cfg}: failed {type(exc).__name__}: {exc}"[:300], flush=True)
 
 
 def _rows(dy3: torch.Tensor, dy_rows: torch.Tensor) -> torch.Tensor:
@@ -151,7 +155,7 @@ def _weight_gradient(dy3, col, base, configs) -> None:
                 ms = _ms(run)
                 err = (out.float() - want).abs().max().item()
             except Exception as exc:  # a configuration that does not compile: say so, go on
-                print(f"  wgrad {cfg}: failed {type(exc).__name__}: {exc}"[:300], flush=True)
+                _failed("wgrad ", cfg, exc)
                 break
             print(f"  wgrad {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} "
                   f"s{cfg.num_stages} splits={splits}{' (chosen)' if splits == chosen else ''}: "

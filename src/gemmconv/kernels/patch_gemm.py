@@ -348,10 +348,15 @@ def patch_gemm_backward_data(
 
 
 def wgrad_splits(rows: int, kout: int, reduction: int, dtype: torch.dtype, programs: int) -> int:
-    """How many slices the reduction over M is cut into: enough programs to fill the
-    device (``programs`` is about twice its multiprocessor count), never a slice
-    shorter than four steps."""
-    cfg = WGRAD_TILES[dtype]
+    """How many slices the reduction over M is cut into (reduction_slices)."""
+    return reduction_slices(rows, kout, reduction, WGRAD_TILES[dtype], programs)
+
+
+def reduction_slices(rows: int, kout: int, reduction: int, cfg: TileConfig, programs: int) -> int:
+    """How many slices a weight gradient tiled by ``cfg`` (block_m rows reduced a step,
+    block_n x block_k output tiles) cuts its reduction over ``rows`` into: enough
+    programs to fill ``programs`` (about twice the multiprocessors:
+    gemmconv.kernels.split_programs), never a slice shorter than four steps."""
     tiles = triton.cdiv(kout, cfg.block_n) * triton.cdiv(reduction, cfg.block_k)
     longest = max(1, triton.cdiv(rows, 4 * cfg.block_m))
     return max(1, min(triton.cdiv(programs, tiles), longest))

@@ -33,7 +33,13 @@ import triton.language as tl
 from gemmconv.kernels.launch import LaunchCache, PreparedLaunch, TensorSlot
 
 # The operand checks, launch keys and dot precision of the patch GEMMs hold here too.
-from gemmconv.kernels.patch_gemm import TileConfig, _check, _meta, _precision
+from gemmconv.kernels.patch_gemm import (
+    TileConfig,
+    _check,
+    _meta,
+    _precision,
+    reduction_slices,
+)
 
 # Tiles per dtype: Hopper-sized for half precision, fp32's half as deep.
 TILES = {
@@ -299,12 +305,8 @@ def channels_first_into_rows(
 def weight_gradient_splits(rows: int, kout: int, reduction: int, dtype: torch.dtype,
                            programs: int) -> int:  # fmt: skip
     """How many slices channels_first_weight_gradient cuts the reduction over ``rows``
-    into: enough programs to fill ``programs`` (gemmconv.kernels.split_programs),
-    never a slice shorter than four steps."""
-    cfg = WGRAD_TILES[dtype]
-    tiles = triton.cdiv(kout, cfg.block_n) * triton.cdiv(reduction, cfg.block_k)
-    longest = max(1, triton.cdiv(rows, 4 * cfg.block_m))
-    return max(1, min(triton.cdiv(programs, tiles), longest))
+    into (patch_gemm.reduction_slices)."""
+    return reduction_slices(rows, kout, reduction, WGRAD_TILES[dtype], programs)
 
 
 def channels_first_weight_gradient(
