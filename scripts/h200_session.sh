@@ -58,16 +58,17 @@ suite)
     python3 -m gemmconv bench --out "$OUT/suite" --time-budget 160 >"$OUT/suite.log" 2>&1
     ;;
 suite-in-place)
-    # The suite with rows_path.IN_PLACE_ON_CUDA set in this process only: what setting
-    # it in the code would change, measured before it is set (after the rows stage
-    # has passed its tests).
+    # The suite with the rows path's in-place GEMMs on in every direction and size in
+    # this process only (rows_path.IN_PLACE_ON_CUDA and its limits): what widening
+    # them in the code would change, measured before it is done.
     python3 - --out "$OUT/suite_in_place" --time-budget 160 >"$OUT/suite_in_place.log" 2>&1 <<'PY'
 import runpy
 import sys
 
 from gemmconv.solvers.patch import rows_path
 
-rows_path.IN_PLACE_ON_CUDA = True
+rows_path.IN_PLACE_ON_CUDA = frozenset(rows_path.Direction)
+rows_path.IN_PLACE_MIN_ROWS = rows_path.IN_PLACE_MIN_RUN_BYTES = 0
 sys.argv = ["gemmconv", "bench", *sys.argv[1:]]
 runpy.run_module("gemmconv", run_name="__main__", alter_sys=True)
 PY

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import gemmconv
 from gemmconv import dispatch, eager
+from gemmconv.problem import Direction
 from gemmconv.solvers.patch.prepared import ColumnKeepingForward
 from gemmconv.solvers.views import ViewRecipe, meta_like, rows_view
 from gemmconv.verify import rms_range, tolerance
@@ -192,10 +193,13 @@ def test_a_weight_gradient_reuses_the_forwards_columns_on_cuda(
 ):
     """ViT-B/16's patch geometry (196 pixels a sample: the channels-first output goes
     through the rows path) on CUDA: the forward's columns serve dW, which matches
-    float64, with the rows path's GEMMs in place (bf16: dY read as it is) or not."""
+    float64, with the rows path's GEMMs in place in every direction (bf16: dY read as
+    it is) or in none."""
     from gemmconv.solvers.patch import rows_path
 
-    monkeypatch.setattr(rows_path, "IN_PLACE_ON_CUDA", in_place)
+    # Every direction in place, or none (the forward needs 32768 rows by default).
+    monkeypatch.setattr(rows_path, "IN_PLACE_ON_CUDA", frozenset(Direction) if in_place else ())
+    monkeypatch.setattr(rows_path, "IN_PLACE_MIN_ROWS", 0)
     monkeypatch.setenv("GEMMCONV_SOLVER", solver)
     formats = {"channels_first": torch.contiguous_format, "channels_last": torch.channels_last}
     gen = torch.Generator(device="cuda").manual_seed(3)

@@ -251,7 +251,7 @@ def test_rows_path_runs_in_one_pass_unless_its_buffers_exceed_both_limits(in_pla
     # ViT-B/16 channels-first at batch 256: column rows and y or dY rows are 77 MB each,
     # two copies of x, within CHUNK_ABOVE_BYTES: one pass, no loop over chunks. Where
     # the forward's GEMM writes y in place there are no y rows and no transpose.
-    monkeypatch.setattr(rows_path, "IN_PLACE_ON_CUDA", in_place)
+    monkeypatch.setattr(rows_path, "IN_PLACE_ON_CUDA", frozenset(Direction) if in_place else ())
 
     def vit(n, dtype=torch.bfloat16):
         return ConvProblem.from_sizes(n, 3, 768, (224, 224), (16, 16), (16, 16),
@@ -291,18 +291,32 @@ def test_rows_path_runs_in_one_pass_unless_its_buffers_exceed_both_limits(in_pla
     assert rows_path.applies(wgrad)  # dY is copied to rows either way
 
 
-def test_the_rows_path_gemm_writes_in_place_off_cuda_in_half_precision_only():
+def test_the_rows_path_gemm_writes_in_place_where_it_was_measured_faster():
     # Off CUDA (the interpreter's runs in these tests) the in-place GEMMs serve every
-    # half-precision direction; on CUDA they wait for IN_PLACE_ON_CUDA.
-    for device_type, dtype, direction, expected in [
-        ("cpu", torch.float16, Direction.FORWARD, True),
-        ("cpu", torch.float16, Direction.BACKWARD_DATA, True),
-        ("cpu", torch.float16, Direction.BACKWARD_WEIGHTS, True),
-        ("cpu", torch.float32, Direction.BACKWARD_WEIGHTS, False),
-        ("cpu", torch.float32, Direction.FORWARD, False),
-        ("cuda", torch.bfloat16, Direction.FORWARD, rows_path.IN_PLACE_ON_CUDA),
+    # half-precision direction. On CUDA the forward alone, from 32768 pixel rows with
+    # runs of at least 8 bytes: ViT-B/16 at batch 256 (50176 rows, 196 pixels a
+    # sample: runs of 4 bf16 elements), not at batch 64, nor ViT-B/32 (49 pixels).
+    tiny = _problem((12, 6), (4, 3), Layout.CHANNELS_FIRST, torch.float16, "cpu")
+
+    def vit(n, patch, dtype=torch.bfloat16):
+        return ConvProblem.from_sizes(n, 3, 768, (224, 224), patch, patch, dtype=dtype,
+                                      device_type="cuda")  # fmt: skip
+
+    assert rows_path.pixel_run_bytes(vit(256, 16)) == 8
+    assert rows_path.pixel_run_bytes(vit(256, 32)) == 2
+    for p, direction, expected in [
+        (tiny, Direction.FORWARD, True),
+        (tiny, Direction.BACKWARD_DATA, True),
+        (tiny, Direction.BACKWARD_WEIGHTS, True),
+        (dataclasses.replace(tiny, dtype=torch.float32), Direction.FORWARD, False),
+        (vit(256, 16), Direction.FORWARD, True),
+        (vit(256, 16, torch.float16), Direction.FORWARD, True),
+        (vit(256, 16, torch.float32), Direction.FORWARD, False),
+        (vit(256, 16), Direction.BACKWARD_DATA, False),
+        (vit(256, 16), Direction.BACKWARD_WEIGHTS, False),
+        (vit(64, 16), Direction.FORWARD, False),
+        (vit(1024, 32), Direction.FORWARD, False),
     ]:
-        p = _problem((12, 6), (4, 3), Layout.CHANNELS_FIRST, dtype, device_type)
         assert rows_path.in_place(dataclasses.replace(p, direction=direction)) == expected
 
 
@@ -323,6 +337,13 @@ def test_rows_path_chunks_where_a_small_limit_is_exceeded_interpreted(direction,
     assert solver.gemm_launches(p) == 3 * 2
     case = (solver, "patch", g, 2, Layout.CHANNELS_FIRST, torch.float32, direction)
     check_case(case, "cpu", seed=zlib.crc32(repr(("small limit", direction)).encode()))
+
+
+def _in_place_on_cuda(monkeypatch, on: bool) -> None:
+    """The rows path's in-place GEMMs in every direction and size on CUDA, or none."""
+    monkeypatch.setattr(rows_path, "IN_PLACE_ON_CUDA", frozenset(Direction) if on else ())
+    monkeypatch.setattr(rows_path, "IN_PLACE_MIN_ROWS", 0)
+    monkeypatch.setattr(rows_path, "IN_PLACE_MIN_RUN_BYTES", 0)
 
 
 def test_triton_patch_solver_declares_cuda_only():
@@ -396,9 +417,9 @@ def test_gather_large_rows_on_cuda(dtype):
 def test_channels_first_rows_path_on_cuda(
     spatial, kernel, direction, dtype, chunk, in_place, monkeypatch
 ):
-    # Both GEMMs of the path whatever IN_PLACE_ON_CUDA says (fp32 takes cuBLAS's either
-    # way).
-    monkeypatch.setattr(rows_path, "IN_PLACE_ON_CUDA", in_place)
+    # Both GEMMs of the path in every direction, whatever IN_PLACE_ON_CUDA and its
+    # limits say (fp32 takes cuBLAS's either way).
+    _in_place_on_cuda(monkeypatch, in_place)
     if chunk is not None:
         monkeypatch.setattr(rows_path, "chunk_samples", lambda p, ld: chunk)
     g = Geometry("rows", spatial=spatial, kernel=kernel, stride=kernel, c=3, n=3, k=5)

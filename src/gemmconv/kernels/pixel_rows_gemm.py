@@ -40,11 +40,14 @@ from gemmconv.kernels.patch_gemm import (
     _precision,
     reduction_slices,
 )
+from gemmconv.kernels.patch_index import DeviceHelper
 
-# Tiles per dtype: Hopper-sized for half precision, fp32's half as deep.
+# Tiles per dtype: for half precision the fastest of six on an H100 for ViT-B/16's rows
+# at batch 256 (scripts/pixel_rows_bench.py: forward 1.45x cuBLAS's GEMM, against
+# 1.60-1.79x for the others), fp32's half as deep.
 TILES = {
-    torch.float16: TileConfig(128, 128, 64, 8, 3),
-    torch.bfloat16: TileConfig(128, 128, 64, 8, 3),
+    torch.float16: TileConfig(128, 256, 64, 8, 3),
+    torch.bfloat16: TileConfig(128, 256, 64, 8, 3),
     torch.float32: TileConfig(128, 64, 32, 8, 3),
 }
 # The weight gradient's tiles: block_m is the slice of M one step reduces, block_n
@@ -137,6 +140,35 @@ def _pixel_rows_gemm_kernel(
         tl.store(c, out, mask=(m < M)[:, None] & n_ok[None, :])
 
 
+def _wgrad_step_operands(
+    dy_ptr, col_ptr, m0, m_end, PIXELS, DY_SN, COL_SM, dy_cols, col_cols, n_ok, j_ok,
+    RUN: tl.constexpr, BLOCK_M: tl.constexpr, PART: tl.constexpr,
+):  # fmt: skip
+    """One step's dY tile [channels, rows m0..m0+BLOCK_M) and column tile [rows,
+    columns]; in a part step (PART) the rows from m_end on are masked to zero."""
+    m = m0 + tl.arange(0, BLOCK_M)
+    # The division runs in 32 bits (M fits): in 64 it is a long software routine.
+    sample = m // PIXELS
+    dy_rows = sample.to(tl.int64) * DY_SN + (m - sample * PIXELS)
+    if RUN > 1:
+        dy_rows = tl.max_contiguous(tl.multiple_of(dy_rows, RUN), RUN)
+    col_rows = m.to(tl.int64) * COL_SM
+    if PART:
+        m_ok = m < m_end
+        a = tl.load(dy_ptr + dy_cols[:, None] + dy_rows[None, :],
+                    mask=n_ok[:, None] & m_ok[None, :], other=0.0)  # fmt: skip
+        b = tl.load(col_ptr + col_rows[:, None] + col_cols[None, :],
+                    mask=m_ok[:, None] & j_ok[None, :], other=0.0)  # fmt: skip
+    else:
+        a = tl.load(dy_ptr + dy_cols[:, None] + dy_rows[None, :], mask=n_ok[:, None], other=0.0)
+        b = tl.load(col_ptr + col_rows[:, None] + col_cols[None, :], mask=j_ok[None, :],
+                    other=0.0)  # fmt: skip
+    return a, b
+
+
+wgrad_step_operands = DeviceHelper(_wgrad_step_operands)
+
+
 def _pixel_rows_wgrad_kernel(
     dy_ptr, col_ptr, out_ptr,
     M, KOUT, KRED, PIXELS, M_PER_SPLIT,
@@ -165,19 +197,17 @@ def _pixel_rows_wgrad_kernel(
     acc = tl.full((BLOCK_N, BLOCK_K), 0.0, dtype=tl.float32)
     m_start = split * M_PER_SPLIT
     m_end = tl.where(m_start + M_PER_SPLIT < M, m_start + M_PER_SPLIT, M)
-    for m0 in range(m_start, m_end, BLOCK_M):
-        m = m0 + tl.arange(0, BLOCK_M)
-        m_ok = m < m_end
-        # Rows past the slice are read as rows of the start (m mod M keeps the runs)
-        # and zeroed in registers, so the loads along the runs carry no mask.
-        m_read = (m % M).to(tl.int64)
-        dy_rows = (m_read // PIXELS) * DY_SN + m_read % PIXELS
-        if RUN > 1:
-            dy_rows = tl.max_contiguous(tl.multiple_of(dy_rows, RUN), RUN)
-        a = tl.load(dy_ptr + dy_cols[:, None] + dy_rows[None, :], mask=n_ok[:, None], other=0.0)
-        a = tl.where(m_ok[None, :], a, 0.0)
-        b = tl.load(col_ptr + m_read[:, None] * COL_SM + col_cols[None, :],
-                    mask=m_ok[:, None] & j_ok[None, :], other=0.0)  # fmt: skip
+    # Whole steps first, with no mask along dY's runs: a load whose value is changed
+    # before the dot (a select) or masked along the runs stops Triton from pipelining
+    # it. Slices are whole steps long, so only the last one ends in a part step.
+    whole_end = m_start + (m_end - m_start) // BLOCK_M * BLOCK_M
+    for m0 in range(m_start, whole_end, BLOCK_M):
+        a, b = wgrad_step_operands(dy_ptr, col_ptr, m0, m_end, PIXELS, DY_SN, COL_SM,
+                                    dy_cols, col_cols, n_ok, j_ok, RUN, BLOCK_M, False)  # fmt: skip
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    if whole_end < m_end:
+        a, b = wgrad_step_operands(dy_ptr, col_ptr, whole_end, m_end, PIXELS, DY_SN, COL_SM,
+                                    dy_cols, col_cols, n_ok, j_ok, RUN, BLOCK_M, True)  # fmt: skip
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
     out = out_ptr + split.to(tl.int64) * OUT_SS

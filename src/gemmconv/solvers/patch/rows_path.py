@@ -28,15 +28,24 @@ CHUNK_ABOVE_BYTES = 256 << 20
 TRANSPOSE_SLOWDOWN = 1.25
 # The batch (grid axis 1) of one transpose launch is a sample count.
 MAX_CHUNK_SAMPLES = 65535
-# The Triton GEMMs that read or write the channels-first side in place, against
-# cuBLAS's on rows: a guess until they are measured (scripts/pixel_rows_bench.py).
-IN_PLACE_GEMM_SLOWDOWN = 1.15
-# Whether CUDA runs use those GEMMs. Off until a GPU has run its tests compiled and
-# measured it against cuBLAS's GEMM and the transpose: so far it has run only in
-# Triton's interpreter (the CPU tests), which ignores the alignment claims that a
-# compiled kernel's correctness rests on (scripts/h200_session.sh, stage rows).
-IN_PLACE_ON_CUDA = False
+# The Triton GEMM that writes a channels-first y in place, against cuBLAS's on rows:
+# 1.45x on an H100 for ViT-B/16's rows at batch 256 (scripts/pixel_rows_bench.py,
+# bench/NOTES.md, twelfth session of 2026-12-05), 1.71x at batch 64.
+IN_PLACE_GEMM_SLOWDOWN = 1.45
+# The directions CUDA runs in place, and from where. Measured on an H100 against
+# cuBLAS's GEMM with the transpose kernel (the same notes): the forward of ViT-B/16's
+# channels-first rows at batch 256 (50176 rows, runs of 4 pixels) 0.196 ms against
+# 0.230; at batch 64 (12544 rows) 0.065 against 0.061; ViT-B/32 (49 pixels, no run
+# longer than one element) 0.19-0.31 against 0.16. Backward-data at best tied
+# (0.209 against 0.208) and the weight gradient lost (0.21-0.29 against 0.147): they
+# stay on cuBLAS. Every direction runs in place off CUDA (Triton's interpreter, the
+# CPU tests), so each kernel stays tested.
+IN_PLACE_ON_CUDA = frozenset({Direction.FORWARD})
+IN_PLACE_MIN_ROWS = 1 << 15
+IN_PLACE_MIN_RUN_BYTES = 8
 _HALF = (torch.float16, torch.bfloat16)
+# The widest pixel run the kernels claim: one 16-byte vector.
+_VECTOR_BYTES = 16
 
 
 def applies(p: ConvProblem) -> bool:
@@ -50,11 +59,31 @@ def applies(p: ConvProblem) -> bool:
 
 def in_place(p: ConvProblem) -> bool:
     """Whether the direction's GEMM reads dY or writes y channels-first itself
-    (kernels/pixel_rows_gemm.py): every direction in half precision, the weight
-    gradient's reduction in fp32 slices summed in a fixed order. fp32 stays on
-    cuBLAS, whose one TF32 pass Triton's accurate fp32 dots (three passes, or plain
-    fp32) do not match. On CUDA only where IN_PLACE_ON_CUDA."""
-    return p.dtype in _HALF and (IN_PLACE_ON_CUDA or p.device_type != "cuda")
+    (kernels/pixel_rows_gemm.py; the weight gradient's reduction in fp32 slices
+    summed in a fixed order): in half precision only, fp32 staying on cuBLAS, whose
+    one TF32 pass Triton's accurate fp32 dots (three passes, or plain fp32) do not
+    match. On CUDA only in the directions of IN_PLACE_ON_CUDA, for at least
+    IN_PLACE_MIN_ROWS pixel rows whose runs (pixel_run_bytes) are at least
+    IN_PLACE_MIN_RUN_BYTES long: where it was measured faster."""
+    if p.dtype not in _HALF:
+        return False
+    if p.device_type != "cuda":
+        return True
+    return (
+        p.direction in IN_PLACE_ON_CUDA
+        and p.gemm_m >= IN_PLACE_MIN_ROWS
+        and pixel_run_bytes(p) >= IN_PLACE_MIN_RUN_BYTES
+    )
+
+
+def pixel_run_bytes(p: ConvProblem) -> int:
+    """Bytes of the pixel runs the in-place kernels can claim on a dense
+    channels-first y or dY: the largest power of two dividing a sample's pixel
+    count, in elements, up to one 16-byte vector."""
+    pixels = transposed_pixels(p)
+    if pixels <= 0:
+        return 0
+    return min((pixels & -pixels) * p.dtype.itemsize, _VECTOR_BYTES)
 
 
 def _row_width(p: ConvProblem, ld: int) -> int:
