@@ -339,6 +339,19 @@ def test_rows_path_chunks_where_a_small_limit_is_exceeded_interpreted(direction,
     check_case(case, "cpu", seed=zlib.crc32(repr(("small limit", direction)).encode()))
 
 
+def test_dw_from_kept_columns_reads_dy_in_place_as_the_weight_gradient_decides(monkeypatch):
+    # The forward of ViT-B/16 at batch 256 runs in place on CUDA and its weight gradient
+    # does not: dW from the forward's kept columns must follow the weight gradient (it
+    # once followed the forward and ran the slower kernel).
+    monkeypatch.setattr(rows_path, "transpose_kernel_runs", lambda p: True)
+    p = ConvProblem.from_sizes(256, 3, 768, (224, 224), 16, 16, dtype=torch.bfloat16,
+                               device_type="cuda")  # fmt: skip
+    assert rows_path.in_place(p)
+    assert not rows_path.weight_gradient_reads_dy(p)
+    monkeypatch.setattr(rows_path, "IN_PLACE_ON_CUDA", frozenset(Direction))
+    assert rows_path.weight_gradient_reads_dy(p)
+
+
 def _in_place_on_cuda(monkeypatch, on: bool) -> None:
     """The rows path's in-place GEMMs in every direction and size on CUDA, or none."""
     monkeypatch.setattr(rows_path, "IN_PLACE_ON_CUDA", frozenset(Direction) if on else ())

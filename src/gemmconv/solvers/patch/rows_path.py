@@ -13,6 +13,8 @@ precision, the Triton kernels that write y or read dY in place
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from gemmconv.problem import ConvProblem, Direction
@@ -157,9 +159,11 @@ def transpose_kernel_runs(p: ConvProblem) -> bool:
 
 
 def weight_gradient_reads_dy(p: ConvProblem) -> bool:
-    """Whether dW from a forward's kept columns reads a dense channels-first dY in
-    place (kernels/pixel_rows_gemm.py) where the transpose kernel would copy it."""
-    return transpose_kernel_runs(p) and in_place(p)
+    """Whether dW from the kept columns of forward ``p`` reads a dense channels-first
+    dY in place (kernels/pixel_rows_gemm.py) where the transpose kernel would copy
+    it: as the weight gradient's direction decides, not the forward's."""
+    weights = dataclasses.replace(p, direction=Direction.BACKWARD_WEIGHTS)
+    return transpose_kernel_runs(p) and in_place(weights)
 
 
 def in_place_splits(p: ConvProblem, rows: int, ld: int, device: torch.device) -> int:
