@@ -154,7 +154,7 @@ class ColumnKeepingForward:
         # A dense channels-first dY is copied to rows by the transpose kernel where it
         # runs, as the solvers' own weight gradient does (rows_path); torch's copy
         # through the transposed view ran 3-5x slower on an H200. Where the rows path's
-        # GEMMs run in place, dW's reads it as it is instead.
+        # GEMMs run in place, dW reads it as it is instead.
         self._transpose_dy = rows_path.transpose_kernel_runs(p)
         self._read_dy = rows_path.weight_gradient_reads_dy(p)
 
