@@ -192,6 +192,17 @@ class LaunchCache:
         self._launches[key] = launch
         return launch
 
+    def launch(self, key: tuple, prepare: Callable[[], PreparedLaunch | None], *tensors) -> None:
+        """Launch the entry of ``key`` (``prepare()`` makes it on a miss) on ``tensors``;
+        an entry of None (an empty problem) launches nothing. A hit is looked up
+        inline rather than through get(), which would add a frame to every launch."""
+        try:
+            launch = self._launches[key]
+        except KeyError:
+            launch = self.get(key, prepare)
+        if launch is not None:
+            launch(*tensors)
+
     def clear(self) -> None:
         self._launches.clear()
 

@@ -303,9 +303,7 @@ def patch_gemm_forward(
         return PreparedLaunch(_forward_kernel, grid, args, constants, cfg.launch_options(),
                               x.device, {"do_not_specialize": _FORWARD_ARGS})  # fmt: skip
 
-    launch = _launches.get(key, prepare)
-    if launch is not None:
-        launch(x, weight_rows, bias, out)
+    _launches.launch(key, prepare, x, weight_rows, bias, out)
     return out
 
 
@@ -341,9 +339,7 @@ def patch_gemm_backward_data(
         return PreparedLaunch(_dgrad_kernel, grid, args, constants, cfg.launch_options(),
                               dx.device, {"do_not_specialize": _FORWARD_ARGS})  # fmt: skip
 
-    launch = _launches.get(key, prepare)
-    if launch is not None:
-        launch(grad_output, weight_rows, dx)
+    _launches.launch(key, prepare, grad_output, weight_rows, dx)
     return dx
 
 

@@ -215,9 +215,7 @@ def _move(
         g = PatchGeometry.of(strided, outs, kernel, channels_last_columns)
         return _prepare(strided, dense, g, gather)
 
-    launch = _launches.get(key, prepare)
-    if launch is not None:
-        launch(strided, dense)
+    _launches.launch(key, prepare, strided, dense)
 
 
 def gather_patches(

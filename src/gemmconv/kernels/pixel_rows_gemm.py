@@ -291,9 +291,7 @@ def rows_into_channels_first(
         return _prepared(n * pixels, k, args, False, True, run, bias is not None, cfg,
                          y3, allow_tf32)  # fmt: skip
 
-    launch = _launches.get(key, prepare)
-    if launch is not None:
-        launch(col, weight_rows, bias, y3)
+    _launches.launch(key, prepare, col, weight_rows, bias, y3)
     return y3
 
 
@@ -326,9 +324,7 @@ def channels_first_into_rows(
         return _prepared(n * pixels, reduction, args, True, False, run, False, cfg,
                          dy3, allow_tf32)  # fmt: skip
 
-    launch = _launches.get(key, prepare)
-    if launch is not None:
-        launch(dy3, weight_rows, dcol)
+    _launches.launch(key, prepare, dy3, weight_rows, dcol)
     return dcol
 
 

@@ -116,9 +116,7 @@ def _launch(dst: torch.Tensor, src: torch.Tensor, src_cols: int) -> torch.Tensor
     # The grid covers dst; src contributes its strides and its last-dim extent.
     d3, s3 = _as_3d(dst), _as_3d(src)
     key = (d3.shape, d3.stride(), s3.shape, s3.stride(), d3.dtype, d3.device, src_cols)
-    launch = _launches.get(key, lambda: _prepare(d3, s3, src_cols))
-    if launch is not None:
-        launch(s3, d3)
+    _launches.launch(key, lambda: _prepare(d3, s3, src_cols), s3, d3)
     return dst
 
 
