@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from gemmconv import device_rates, dispatch, ops
 from gemmconv.memory_format import Layout
 from gemmconv.problem import ConvProblem, Direction
-from gemmconv.solvers.views import bias_grad
+from gemmconv.solvers.views import BATCH_AND_SPACE, bias_grad
 
 # A forward's input without its data, as a gemmconv.nn module remembers it for
 # ``solvers()``: (shape, strides, dtype, device), the dtype the convolution ran in
@@ -88,7 +88,7 @@ class _Call:
         # The dimensions dY is summed over for the bias's gradient (batch and space);
         # None for a zero-channel input, whose dY has no channels though the bias has
         # some (bias_grad gives zeros).
-        self.bias_dims = None if plan.problem.c == 0 else _BIAS_DIMS[dims]
+        self.bias_dims = None if plan.problem.c == 0 else BATCH_AND_SPACE[dims + 2]
         # Per (dx needed, dW needed): whether torch's convolution serves the call.
         self._vendor_serves: dict[tuple[bool, bool], bool] = {}
         # Backward plans of backward-data, then of backward-weights.
@@ -265,8 +265,6 @@ _TORCH_CONVOLUTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _ACCEPTED_MAX = 64
 # dY of one call comes in few layouts (usually one); a bound all the same.
 _BACKWARD_PLANS_MAX = 8
-# Per spatial rank, the dimensions of dY the bias's gradient sums: batch and space.
-_BIAS_DIMS = {dims: (0, *range(2, dims + 2)) for dims in (1, 2, 3)}
 # Bounded like the ops' plans; emptied by dispatch.clear_cache() with the choices.
 _CALLS_MAX = 4096
 _calls: dict[tuple, _Call | None] = dispatch.dependent_cache()

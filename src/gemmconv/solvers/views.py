@@ -189,12 +189,12 @@ def bias_grad(grad_output: torch.Tensor, out_channels: int | None = None) -> tor
     # torch's sum accumulates fp16/bf16 in fp32 itself (its accumulate type, on the CPU
     # and in CUDA's reduction kernel) and rounds once: one kernel, where summing in
     # fp32 and casting back took two.
-    return grad_output.sum(_BATCH_AND_SPACE[grad_output.dim()])
+    return grad_output.sum(BATCH_AND_SPACE[grad_output.dim()])
 
 
 # The dimensions bias_grad sums, per rank of dY: built once, since building them per
 # call cost more than the sum of a small dY (bench/NOTES.md).
-_BATCH_AND_SPACE = {rank: (0, *range(2, rank)) for rank in range(2, 6)}
+BATCH_AND_SPACE = {rank: (0, *range(2, rank)) for rank in range(2, 6)}
 
 
 def gemm_into(
