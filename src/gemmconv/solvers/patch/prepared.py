@@ -114,7 +114,7 @@ def _forward(solver, p: ConvProblem, ld: int, t: ConvTensors, result: ResultBuff
             rows_into_channels_first(col, wm, bias, y3(y))
             return y, col
         if through_rows:  # in one pass of p.n samples: prepare() refuses chunked ones
-            return y, rows_path.forward(solver.columns, p, x, wm, bias, y3(y), p.n)
+            return y, rows_path.forward(solver.columns, p, x, wm, bias, y3(y), p.n, fused=False)
         col = columns(x)
         if y_rows is None:
             # Channels-first y: Y^T per sample lands in y's own order (store_batched).
@@ -307,7 +307,7 @@ def _backward_data(solver, p: ConvProblem, ld: int, t: ConvTensors, result: Resu
             channels_first_into_rows(dy3(dy), wm, dcol)
             scatter(dcol, dx)
         elif through_rows:
-            rows_path.backward_data(columns, p, dy3(dy), wm, dx, p.n)
+            rows_path.backward_data(columns, p, dy3(dy), wm, dx, p.n, fused=False)
         elif dy_rows is None:
             # Channels-first dY: each sample's [K, P] block read transposed, no copy.
             dcol = torch.bmm(dy3(dy).transpose(1, 2), wm.expand(p.n, *wm.shape))
@@ -329,12 +329,14 @@ def _backward_weights(solver, p: ConvProblem, ld: int, t: ConvTensors, result: R
     k = p.gemm_k
     # A channels-first dY off the rows path is copied to rows by torch.
     dy_as_rows = dy_rows or rows
+    in_place = through_rows and rows_path.in_place(p)
 
     def backward_weights(t: ConvTensors) -> torch.Tensor:
         dy, x = t.grad_output, t.input
         if through_rows:
             dw = result(x)
-            dw_rows = rows_path.weight_gradient_rows(solver.columns, p, x, dy3(dy), ld, p.n)
+            dw_rows = rows_path.weight_gradient_rows(solver.columns, p, x, dy3(dy), ld, p.n,
+                                                     fused=in_place)  # fmt: skip
             store_weight_rows(dw, dw_rows[:, :k].to(dw.dtype), order)
             return dw
         return product(dy_as_rows(dy).t(), columns(x))

@@ -212,17 +212,19 @@ def forward(
     bias: torch.Tensor | None,
     y3: torch.Tensor,
     step: int | None = None,
+    fused: bool | None = None,
 ) -> torch.Tensor | None:
     """y3 [N, K, P] (channels-first y) = conv(x), from the weight rows ``wm`` [K, ld],
-    ``step`` samples a pass (chunk_samples(p, ld) where not given: a prepared run
-    knows it); returns the column matrix of the whole batch where one pass made it."""
+    ``step`` samples a pass (chunk_samples(p, ld) where not given) and the GEMM in
+    place where ``fused`` (in_place(p) where not given): a prepared run knows both.
+    Returns the column matrix of the whole batch where one pass made it."""
     from gemmconv.kernels.pixel_rows_gemm import rows_into_channels_first
     from gemmconv.kernels.strided_copy import strided_copy
 
     ld = wm.shape[1]
     pixels, step = transposed_pixels(p), step or chunk_samples(p, ld)
     col_buf = x.new_empty(step * pixels, ld)
-    fused = in_place(p)
+    fused = in_place(p) if fused is None else fused
     if not fused:
         wt = wm.t()
         y_buf = x.new_empty(step * pixels, p.k)
@@ -249,15 +251,16 @@ def backward_data(
     wm: torch.Tensor,
     dx: torch.Tensor,
     step: int | None = None,
+    fused: bool | None = None,
 ) -> None:
     """The patch positions of dx from channels-first dY [N, K, P] and ``wm`` [K, ld],
-    ``step`` samples a pass (as forward's)."""
+    ``step`` samples a pass, the GEMM in place where ``fused`` (each as forward's)."""
     from gemmconv.kernels.pixel_rows_gemm import channels_first_into_rows
 
     ld = wm.shape[1]
     pixels, step = transposed_pixels(p), step or chunk_samples(p, ld)
     dcol_buf = dy3.new_empty(step * pixels, ld)
-    fused = in_place(p)
+    fused = in_place(p) if fused is None else fused
     if not fused:
         dy_buf = dy3.new_empty(step * pixels, p.k)
     for start in range(0, p.n, step):
@@ -277,15 +280,16 @@ def weight_gradient_rows(
     dy3: torch.Tensor,
     ld: int,
     step: int | None = None,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """dW as [K, ld] rows in the column order, from x and channels-first dY [N, K, P],
-    ``step`` samples a pass (as forward's); fp32 where chunk products of
-    half-precision operands were summed."""
+    ``step`` samples a pass, the GEMM in place where ``fused`` (each as forward's);
+    fp32 where chunk products of half-precision operands were summed."""
     from gemmconv.kernels.pixel_rows_gemm import channels_first_weight_gradient
 
     pixels, step = transposed_pixels(p), step or chunk_samples(p, ld)
     col_buf = x.new_empty(step * pixels, ld)
-    fused = in_place(p)
+    fused = in_place(p) if fused is None else fused
     if fused:
         splits = in_place_splits(p, step * pixels, ld, x.device)
     else:
