@@ -59,7 +59,7 @@ suite)
     ;;
 suite-in-place)
     # The suite with the rows path's in-place GEMMs on in every direction and size in
-    # this process only (rows_path.IN_PLACE_ON_CUDA and its limits): what widening
+    # this process only (rows_path.in_place_is_cheaper and its limits): what widening
     # them in the code would change, measured before it is done.
     python3 - --out "$OUT/suite_in_place" --time-budget 160 >"$OUT/suite_in_place.log" 2>&1 <<'PY'
 import runpy
@@ -67,7 +67,7 @@ import sys
 
 from gemmconv.solvers.patch import rows_path
 
-rows_path.IN_PLACE_ON_CUDA = frozenset(rows_path.Direction)
+rows_path.in_place_is_cheaper = lambda p, rates: True
 rows_path.IN_PLACE_MIN_ROWS = rows_path.IN_PLACE_MIN_RUN_BYTES = 0
 sys.argv = ["gemmconv", "bench", *sys.argv[1:]]
 runpy.run_module("gemmconv", run_name="__main__", alter_sys=True)
@@ -103,8 +103,8 @@ gap)
 rows)
     # The GEMMs that write a channels-first y or read dY in place
     # (kernels/pixel_rows_gemm.py: forward, backward-data, weight gradient) ran only in
-    # Triton's interpreter when they landed, and CUDA runs keep cuBLAS and the transpose
-    # until IN_PLACE_ON_CUDA is set (solvers/patch/rows_path.py): their GPU tests (the
+    # Triton's interpreter when they landed; CUDA runs them where rows_path.in_place
+    # says (solvers/patch/rows_path.py): their GPU tests (the
     # kernels with pixel runs of 1 to 8 elements, the rows path and dW from kept
     # columns with the switch either way), then their device time against cuBLAS and
     # the transpose per tile configuration.

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 import gemmconv
 from gemmconv import dispatch, eager
-from gemmconv.problem import Direction
 from gemmconv.solvers.patch.prepared import ColumnKeepingForward
 from gemmconv.solvers.views import ViewRecipe, meta_like, rows_view
 from gemmconv.verify import rms_range, tolerance
+from rows_in_place import force_in_place_on_cuda
 
 
 def test_a_view_recipe_replays_the_view_at_each_tensors_own_offset():
@@ -148,7 +148,7 @@ def test_a_channels_first_dy_reaches_the_column_gemm_through_the_transpose_kerne
 @pytest.mark.parametrize("kernel", [4, 3], ids=["aligned", "padded"])
 def test_a_channels_first_dy_is_read_in_place_by_the_weight_gradient_kernel(kernel, monkeypatch):
     """Where the rows path's GEMMs run in place (half precision; CUDA behind
-    IN_PLACE_ON_CUDA, here Triton's interpreter made to apply on the CPU), dW from the
+    its estimate, here Triton's interpreter made to apply on the CPU), dW from the
     forward's columns reads a dense channels-first dY as it is, with no copy to rows:
     dW against float64, NaN where unwritten, in the weight's own layout. The padded
     case (patch_padded: 27 columns padded to 32) multiplies the first 27."""
@@ -195,11 +195,8 @@ def test_a_weight_gradient_reuses_the_forwards_columns_on_cuda(
     through the rows path) on CUDA: the forward's columns serve dW, which matches
     float64, with the rows path's GEMMs in place in every direction (bf16: dY read as
     it is) or in none."""
-    from gemmconv.solvers.patch import rows_path
-
     # Every direction in place, or none (the forward needs 32768 rows by default).
-    monkeypatch.setattr(rows_path, "IN_PLACE_ON_CUDA", frozenset(Direction) if in_place else ())
-    monkeypatch.setattr(rows_path, "IN_PLACE_MIN_ROWS", 0)
+    force_in_place_on_cuda(monkeypatch, in_place)
     monkeypatch.setenv("GEMMCONV_SOLVER", solver)
     formats = {"channels_first": torch.contiguous_format, "channels_last": torch.channels_last}
     gen = torch.Generator(device="cuda").manual_seed(3)

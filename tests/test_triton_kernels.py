@@ -18,7 +18,7 @@ import zlib
 import pytest
 import torch
 
-from gemmconv import ConvProblem, Direction, Layout
+from gemmconv import ConvProblem, Direction, Layout, device_rates
 from gemmconv.kernels import strided_copy as strided_copy_module
 from gemmconv.kernels.patch_gemm import patch_gemm_forward, patch_gemm_weight_grad
 from gemmconv.kernels.patch_permute import (
@@ -31,6 +31,7 @@ from gemmconv.kernels.strided_copy import pad_rows, strided_copy
 from gemmconv.memory_format import empty_in
 from gemmconv.solvers import get_solver
 from gemmconv.solvers.patch import padded_reduction, patches, rows_path
+from rows_in_place import force_in_place_on_cuda
 
 from solver_cases import Geometry, check_case, problem_for
 
@@ -251,7 +252,7 @@ def test_rows_path_runs_in_one_pass_unless_its_buffers_exceed_both_limits(in_pla
     # ViT-B/16 channels-first at batch 256: column rows and y or dY rows are 77 MB each,
     # two copies of x, within CHUNK_ABOVE_BYTES: one pass, no loop over chunks. Where
     # the forward's GEMM writes y in place there are no y rows and no transpose.
-    monkeypatch.setattr(rows_path, "IN_PLACE_ON_CUDA", frozenset(Direction) if in_place else ())
+    force_in_place_on_cuda(monkeypatch, in_place)
 
     def vit(n, dtype=torch.bfloat16):
         return ConvProblem.from_sizes(n, 3, 768, (224, 224), (16, 16), (16, 16),
@@ -291,17 +292,26 @@ def test_rows_path_runs_in_one_pass_unless_its_buffers_exceed_both_limits(in_pla
     assert rows_path.applies(wgrad)  # dY is copied to rows either way
 
 
-def test_the_rows_path_gemm_writes_in_place_where_it_was_measured_faster():
+def test_the_rows_path_gemm_runs_in_place_where_its_estimate_is_cheaper(monkeypatch):
     # Off CUDA (the interpreter's runs in these tests) the in-place GEMMs serve every
-    # half-precision direction. On CUDA the forward alone, from 32768 pixel rows with
-    # runs of at least 8 bytes: ViT-B/16 at batch 256 (50176 rows, 196 pixels a
-    # sample: runs of 4 bf16 elements), not at batch 64, nor ViT-B/32 (49 pixels).
+    # half-precision direction. On CUDA (the H200's rates, as the table holds them)
+    # from 32768 pixel rows with runs of at least 8 bytes, where the slower GEMM costs
+    # less than the transpose it saves: ViT-B/16's forward at batch 256 (50176 rows,
+    # 196 pixels a sample: runs of 4 bf16 elements) but not its backward-data (tied
+    # when measured) or weight gradient (lost); DiT-XL/2's bandwidth-bound weight
+    # gradient (16 columns), not CLIP-L/14's flop-bound one; never ViT-B/16 at batch
+    # 64 nor ViT-B/32 (49 pixels), which lost whatever the estimate.
+    monkeypatch.setattr(rows_path, "rates_for", lambda device_type: device_rates.H200)
     tiny = _problem((12, 6), (4, 3), Layout.CHANNELS_FIRST, torch.float16, "cpu")
 
-    def vit(n, patch, dtype=torch.bfloat16):
-        return ConvProblem.from_sizes(n, 3, 768, (224, 224), patch, patch, dtype=dtype,
+    def model(n, c, k, size, patch, dtype=torch.bfloat16):
+        return ConvProblem.from_sizes(n, c, k, (size, size), patch, patch, dtype=dtype,
                                       device_type="cuda")  # fmt: skip
 
+    def vit(n, patch, dtype=torch.bfloat16):
+        return model(n, 3, 768, 224, patch, dtype)
+
+    dit, clip = model(256, 4, 1152, 32, 2), model(256, 3, 1024, 336, 14)
     assert rows_path.pixel_run_bytes(vit(256, 16)) == 8
     assert rows_path.pixel_run_bytes(vit(256, 32)) == 2
     for p, direction, expected in [
@@ -316,8 +326,15 @@ def test_the_rows_path_gemm_writes_in_place_where_it_was_measured_faster():
         (vit(256, 16), Direction.BACKWARD_WEIGHTS, False),
         (vit(64, 16), Direction.FORWARD, False),
         (vit(1024, 32), Direction.FORWARD, False),
+        (dit, Direction.BACKWARD_WEIGHTS, True),
+        (clip, Direction.BACKWARD_WEIGHTS, False),
     ]:
         assert rows_path.in_place(dataclasses.replace(p, direction=direction)) == expected
+    # The estimate decides: were the in-place weight gradient as fast as cuBLAS's,
+    # saving the transpose would pay on ViT-B/16 too.
+    wgrad = dataclasses.replace(vit(256, 16), direction=Direction.BACKWARD_WEIGHTS)
+    monkeypatch.setitem(rows_path.IN_PLACE_GEMM_SLOWDOWN, Direction.BACKWARD_WEIGHTS, 1.0)
+    assert rows_path.in_place(wgrad)
 
 
 @pytest.mark.parametrize("direction", list(Direction), ids=lambda d: d.value)
@@ -346,17 +363,11 @@ def test_dw_from_kept_columns_reads_dy_in_place_as_the_weight_gradient_decides(m
     monkeypatch.setattr(rows_path, "transpose_kernel_runs", lambda p: True)
     p = ConvProblem.from_sizes(256, 3, 768, (224, 224), 16, 16, dtype=torch.bfloat16,
                                device_type="cuda")  # fmt: skip
+    monkeypatch.setattr(rows_path, "rates_for", lambda device_type: device_rates.H200)
     assert rows_path.in_place(p)
     assert not rows_path.weight_gradient_reads_dy(p)
-    monkeypatch.setattr(rows_path, "IN_PLACE_ON_CUDA", frozenset(Direction))
+    force_in_place_on_cuda(monkeypatch, True)
     assert rows_path.weight_gradient_reads_dy(p)
-
-
-def _in_place_on_cuda(monkeypatch, on: bool) -> None:
-    """The rows path's in-place GEMMs in every direction and size on CUDA, or none."""
-    monkeypatch.setattr(rows_path, "IN_PLACE_ON_CUDA", frozenset(Direction) if on else ())
-    monkeypatch.setattr(rows_path, "IN_PLACE_MIN_ROWS", 0)
-    monkeypatch.setattr(rows_path, "IN_PLACE_MIN_RUN_BYTES", 0)
 
 
 def test_triton_patch_solver_declares_cuda_only():
@@ -430,9 +441,9 @@ def test_gather_large_rows_on_cuda(dtype):
 def test_channels_first_rows_path_on_cuda(
     spatial, kernel, direction, dtype, chunk, in_place, monkeypatch
 ):
-    # Both GEMMs of the path in every direction, whatever IN_PLACE_ON_CUDA and its
+    # Both GEMMs of the path in every direction, whatever the in-place estimate and its
     # limits say (fp32 takes cuBLAS's either way).
-    _in_place_on_cuda(monkeypatch, in_place)
+    force_in_place_on_cuda(monkeypatch, in_place)
     if chunk is not None:
         monkeypatch.setattr(rows_path, "chunk_samples", lambda p, ld: chunk)
     g = Geometry("rows", spatial=spatial, kernel=kernel, stride=kernel, c=3, n=3, k=5)

@@ -17,7 +17,8 @@ import dataclasses
 
 import torch
 
-from gemmconv.problem import ConvProblem, Direction
+from gemmconv.device_rates import DeviceRates, rates_for
+from gemmconv.problem import ConvProblem, Direction, dtype_name
 from gemmconv.solvers.patch.columns import ColumnSource
 from gemmconv.solvers.patch.cost import output_rows_bytes
 from gemmconv.solvers.patch.mapping import batched_gemm_is_unaligned, transposed_pixels
@@ -30,19 +31,23 @@ CHUNK_ABOVE_BYTES = 256 << 20
 TRANSPOSE_SLOWDOWN = 1.25
 # The batch (grid axis 1) of one transpose launch is a sample count.
 MAX_CHUNK_SAMPLES = 65535
-# The Triton GEMM that writes a channels-first y in place, against cuBLAS's on rows:
-# 1.45x on an H100 for ViT-B/16's rows at batch 256 (scripts/pixel_rows_bench.py,
-# bench/NOTES.md, twelfth session of 2026-12-05), 1.71x at batch 64.
-IN_PLACE_GEMM_SLOWDOWN = 1.45
-# The directions CUDA runs in place, and from where. Measured on an H100 against
-# cuBLAS's GEMM with the transpose kernel (the same notes): the forward of ViT-B/16's
-# channels-first rows at batch 256 (50176 rows, runs of 4 pixels) 0.196 ms against
-# 0.230; at batch 64 (12544 rows) 0.065 against 0.061; ViT-B/32 (49 pixels, no run
-# longer than one element) 0.19-0.31 against 0.16. Backward-data at best tied
-# (0.209 against 0.208) and the weight gradient lost (0.21-0.29 against 0.147): they
-# stay on cuBLAS. Every direction runs in place off CUDA (Triton's interpreter, the
-# CPU tests), so each kernel stays tested.
-IN_PLACE_ON_CUDA = frozenset({Direction.FORWARD})
+# The in-place kernels' GEMM time against cuBLAS's on rows, by direction, where the
+# GEMM is bound by its flops (scripts/pixel_rows_bench.py on an H100, bench/NOTES.md):
+# the forward 1.35-1.66x (1.45 on ViT-B/16's rows at batch 256), backward-data
+# 1.25-1.71x (1.66 on ViT-B/16's), the weight gradient 1.71-3.11x with its split
+# count, and CLIP-L/14's at 336 pixels ran 0.95 ms against 0.28 on an H200 (the
+# twelfth session's kept-columns bug) where 2.0 would have sent it in place. Where
+# the GEMM is bound by bandwidth they run near cuBLAS's time (DiT-XL/2's weight
+# gradient, 16 columns: 1.10x), and the transpose they drop is most of the
+# work: dW in 0.076 ms against 0.172 for the transpose and cuBLAS.
+IN_PLACE_GEMM_SLOWDOWN = {
+    Direction.FORWARD: 1.45,
+    Direction.BACKWARD_DATA: 1.66,
+    Direction.BACKWARD_WEIGHTS: 3.5,
+}
+# Below these the in-place kernels lost on CUDA whatever the estimate (the same
+# notes): ViT-B/16's forward at batch 64 (12544 rows) 0.065 ms against 0.061, and
+# ViT-B/32's (49 pixels, no run longer than one element) 0.19-0.31 against 0.16.
 IN_PLACE_MIN_ROWS = 1 << 15
 IN_PLACE_MIN_RUN_BYTES = 8
 _HALF = (torch.float16, torch.bfloat16)
@@ -64,18 +69,29 @@ def in_place(p: ConvProblem) -> bool:
     (kernels/pixel_rows_gemm.py; the weight gradient's reduction in fp32 slices
     summed in a fixed order): in half precision only, fp32 staying on cuBLAS, whose
     one TF32 pass Triton's accurate fp32 dots (three passes, or plain fp32) do not
-    match. On CUDA only in the directions of IN_PLACE_ON_CUDA, for at least
-    IN_PLACE_MIN_ROWS pixel rows whose runs (pixel_run_bytes) are at least
-    IN_PLACE_MIN_RUN_BYTES long: where it was measured faster."""
+    match. On CUDA from IN_PLACE_MIN_ROWS pixel rows whose runs (pixel_run_bytes)
+    are at least IN_PLACE_MIN_RUN_BYTES long, where the estimate says the slower
+    GEMM costs less than the transpose it saves. Off CUDA (Triton's interpreter, the
+    CPU tests) every direction runs in place, so each kernel stays tested."""
     if p.dtype not in _HALF:
         return False
     if p.device_type != "cuda":
         return True
     return (
-        p.direction in IN_PLACE_ON_CUDA
-        and p.gemm_m >= IN_PLACE_MIN_ROWS
+        p.gemm_m >= IN_PLACE_MIN_ROWS
         and pixel_run_bytes(p) >= IN_PLACE_MIN_RUN_BYTES
+        and in_place_is_cheaper(p, rates_for(p.device_type))
     )
+
+
+def in_place_is_cheaper(p: ConvProblem, rates: DeviceRates) -> bool:
+    """Whether the in-place GEMM's estimated time is below cuBLAS's GEMM and the
+    transpose, each GEMM bound by its flops or its bytes as in Solver.work_ms."""
+    flop_ms = p.flops() / rates.matrix_rate(dtype_name(p.dtype))
+    byte_ms = p.min_bytes() / rates.bytes_per_ms()
+    transpose_ms = 2 * output_rows_bytes(p) * TRANSPOSE_SLOWDOWN / rates.bytes_per_ms()
+    in_place_ms = max(flop_ms * IN_PLACE_GEMM_SLOWDOWN[p.direction], byte_ms)
+    return in_place_ms < max(flop_ms, byte_ms) + transpose_ms
 
 
 def pixel_run_bytes(p: ConvProblem) -> int:
@@ -136,7 +152,7 @@ def copied_bytes(p: ConvProblem) -> float:
 
 def gemm_slowdown(p: ConvProblem) -> float:
     """The path's GEMM time against cuBLAS's on rows."""
-    return IN_PLACE_GEMM_SLOWDOWN if in_place(p) else 1.0
+    return IN_PLACE_GEMM_SLOWDOWN[p.direction] if in_place(p) else 1.0
 
 
 def passes(p: ConvProblem, ld: int) -> int:
