@@ -27,6 +27,7 @@ import triton.language as tl
 from gemmconv.kernels.launch import LaunchCache, PreparedLaunch, TensorSlot
 from gemmconv.kernels.patch_index import patch_columns, patch_rows
 from gemmconv.kernels.patch_permute import PatchGeometry, contiguous_run
+from gemmconv.kernels.program_order import grouped_tile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,15 +77,7 @@ def _forward_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    # Grouped program order: consecutive programs share weight tiles in L2.
-    pid = tl.program_id(0)
-    tiles_m = (M + BLOCK_M - 1) // BLOCK_M  # not tl.cdiv: a jit helper the interpreter lacks
-    tiles_n = (KOUT + BLOCK_N - 1) // BLOCK_N
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.where(tiles_m - first_m < GROUP_M, tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, KOUT, BLOCK_M, BLOCK_N, GROUP_M)
 
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     kout = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -41,6 +41,7 @@ from gemmconv.kernels.patch_gemm import (
     reduction_slices,
 )
 from gemmconv.kernels.patch_index import DeviceHelper
+from gemmconv.kernels.program_order import grouped_tile
 
 # Tiles per dtype: for half precision the fastest of six on an H100 for ViT-B/16's rows
 # at batch 256 (scripts/pixel_rows_bench.py: forward 1.45x cuBLAS's GEMM, against
@@ -86,15 +87,7 @@ def _pixel_rows_gemm_kernel(
     (m, j) is at m * S_M + j * S_J; a channels-first side's at
     (m // PIXELS) * S_M + j * S_J + m % PIXELS (S_M the sample stride, S_J the
     channel stride). B's element (j, n) is at n * B_SN + j * B_SK."""
-    # Grouped program order: consecutive programs share B tiles in L2.
-    pid = tl.program_id(0)
-    tiles_m = (M + BLOCK_M - 1) // BLOCK_M  # not tl.cdiv: a jit helper the interpreter lacks
-    tiles_n = (N + BLOCK_N - 1) // BLOCK_N
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.where(tiles_m - first_m < GROUP_M, tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     m0 = pid_m * BLOCK_M
     m = m0 + tl.arange(0, BLOCK_M)
