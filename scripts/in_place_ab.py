@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from gemmconv import dispatch
+from gemmconv import device_rates, dispatch
 from gemmconv.api_timing import api_times
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.patch import rows_path
@@ -31,6 +31,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     decide = rows_path.in_place_is_cheaper
+    # The verdicts below read the device's rates: calibrated first, as the first call's
+    # dispatch would (before it, a GPU the table does not know takes the nearest entry).
+    device_rates.prepare("cuda")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     for name, n, c, k, size, patch, direction in CASES:
         p = ConvProblem.from_sizes(
