@@ -10,11 +10,12 @@
 #   bash scripts/h200_session.sh gap       # backward-data public calls against call times
 #   bash scripts/h200_session.sh rows      # the rows path's in-place GEMM: tests, device time
 #   bash scripts/h200_session.sh suite-in-place  # the suite with that GEMM switched on
+#   bash scripts/h200_session.sh precision # the GEMMs with cuBLAS's half-precision reductions on/off
 #   OLD_TREE=old bash scripts/h200_session.sh ab   # order vs machine, below
 set -u
 : "${OUT:?set OUT to the folder for the results}"
 export PYTHONPATH=src
-stage=${1:?stage: tests, probe, compiled, suite, suite-in-place, models, gap, rows or ab}
+stage=${1:?stage: tests, probe, compiled, suite, suite-in-place, models, gap, rows, precision or ab}
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 # The device's copy of the tree reported an older HEAD than the files it held (the
 # tenth session of 2026-12-05): a digest of src/'s Python files says which code ran
@@ -115,6 +116,11 @@ rows)
     echo "pytest exit $?" >>"$OUT/rows_tests.log"
     timeout 240 python3 scripts/pixel_rows_bench.py >"$OUT/pixel_rows.txt" 2>&1
     ;;
+precision)
+    # The Qwen2-VL patch embed stayed 3-6% behind the rewrite, whose GEMMs are the same
+    # but may sum in half precision (scripts/reduction_flag_probe.py says why).
+    timeout 200 python3 scripts/reduction_flag_probe.py >"$OUT/reduction_flag.txt" 2>&1
+    ;;
 ab)
     # Whether the suite's backward calls moved with the machine or with the order of
     # the interleaved calls: the same rows, alternating processes, in the shuffled
@@ -137,7 +143,7 @@ ab)
     ;;
 *)
     echo "stage=$stage: expected tests, probe, compiled, suite, suite-in-place, models, gap," \
-        "rows or ab" >&2
+        "rows, precision or ab" >&2
     exit 2
     ;;
 esac
