@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+import gemmconv.bench_models as bench_models
 import gemmconv.e2e_scenarios as e2e
 from gemmconv.bench_models import main, verdicts
 from gemmconv.e2e_scenarios import SCENARIOS, VARIANTS, qwen_grid, scenarios
@@ -116,6 +117,35 @@ def test_a_variant_that_disagrees_with_torch_fails_the_run(monkeypatch, tmp_path
     assert rows["linear"]["agrees_with_torch"] is False
     assert rows["converted"]["agrees_with_torch"] is True
     assert "qwen2vl_patch_embed_fwd/linear: output DISAGREES" in (tmp_path / "x.md").read_text()
+
+
+def test_every_timed_step_follows_an_untimed_step_of_its_own_variant(monkeypatch):
+    # A step right after another variant's pays for the switch (bench_models' docstring),
+    # so each turn is an untimed step and a timed one of the same variant.
+    calls, labels = [], iter(VARIANTS)
+    real_make_step = bench_models.make_step
+
+    def recording_make_step(*args):
+        step, label = real_make_step(*args), next(labels)
+
+        def recorded():
+            calls.append(label)
+            return step()
+
+        return recorded
+
+    monkeypatch.setattr(bench_models, "make_step", recording_make_step)
+    (s,) = scenarios(["qwen2vl_patch_embed_fwd"])
+    out = bench_models.run_scenario(s, torch.device("cpu"), quick=True, steps=1, warmup=1,
+                                    log=lambda line: None)  # fmt: skip
+    assert out["errors"] == [] and len(out["rows"]) == len(VARIANTS)
+    warm_up, turns = calls[: len(VARIANTS)], calls[len(VARIANTS) :]
+    assert warm_up == list(VARIANTS)
+    pairs = list(zip(turns[::2], turns[1::2]))
+    assert len(turns) == 2 * len(pairs) == 2 * len(VARIANTS) * s.steps_multiple
+    assert all(first == second for first, second in pairs), pairs
+    for r in out["rows"]:
+        assert r["steps"] == s.steps_multiple == sum(p[0] == r["variant"] for p in pairs)
 
 
 def test_a_spent_time_budget_runs_nothing_and_says_so(tmp_path):

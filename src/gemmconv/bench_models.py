@@ -4,10 +4,14 @@ For each scenario of gemmconv.e2e_scenarios, every variant (torch, converted,
 converted_channels_last, linear) is built from the same random model in one process;
 each is warmed up (compilation happens there), then the variants take their timed
 steps in turn, interleaved, in a fresh random order each round
-(timing.interleaved_orders). A step's time is the wall clock from an idle device to
-the end of the step (synchronised); a variant's time is the median of its steps. The
-first warm-up output of every variant is compared with torch's, so a fast wrong answer
-cannot pass unnoticed.
+(timing.interleaved_orders). Each turn is two steps, the first untimed: a step right
+after another variant's pays for the switch, which a user running one model never
+does (on an H100 a compiled CUDA-graph step was issued 55 us later right after the
+other variant's step than right after its own, bench/results/cudagraph_step_h100.txt).
+A step's time is the wall clock from an idle device to the end of the step
+(synchronised); a variant's time is the median of its steps. The first warm-up
+output of every variant is compared with torch's, so a fast wrong answer cannot pass
+unnoticed.
 
 Results go to <out>/<device>_e2e.json and .md, rewritten after every scenario so a run
 cut short keeps what finished; no scenario starts once ``--time-budget`` seconds have
@@ -116,6 +120,7 @@ def run_scenario(
             if variant not in runners:
                 continue
             try:
+                runners[variant]()  # the untimed step that absorbs the switch
                 sync()  # the device is idle when the step starts
                 started = time.perf_counter()
                 runners[variant]()
@@ -188,7 +193,8 @@ def _empty_results(device: torch.device, quick: bool, steps: int, warmup: int) -
         "find_mode": dispatch.current_find_mode().value,
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "timing": "wall clock per step from an idle device to the synchronised end, median "
-        "of the steps, variants interleaved step by step in one process",
+        "of the steps, variants interleaved turn by turn in one process, each timed step "
+        "right after an untimed step of its own variant",
         "seconds": 0.0,
         "truncated": False,
         "rows": [],
