@@ -119,7 +119,8 @@ rows)
     ;;
 precision)
     # The Qwen2-VL patch embed stayed 3-6% behind the rewrite, whose GEMMs are the same
-    # but may sum in half precision (scripts/reduction_flag_probe.py says why).
+    # but may sum in half precision; on an H100 the flag changed none of the embed's
+    # kernels (bench/results/reduction_flag_h100.txt).
     timeout 200 python3 scripts/reduction_flag_probe.py >"$OUT/reduction_flag.txt" 2>&1
     ;;
 ab)

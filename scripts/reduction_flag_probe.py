@@ -71,8 +71,8 @@ def _gemms(dtype: torch.dtype) -> None:
 
 
 def _qwen_embed_step() -> None:
-    """The Qwen2-VL patch embed's forward+backward (dW and the bias's gradient), as
-    module calls back to back: gemmconv's, the rewrite's with the flag on and off."""
+    """The Qwen2-VL patch embed's forward+backward (dW; it has no bias), as module calls
+    back to back: gemmconv's, the rewrite's with the flag on and off."""
     conv = torch.nn.Conv3d(3, 1280, (2, 14, 14), (2, 14, 14), bias=False)
     conv = conv.cuda().to(torch.bfloat16)
     pixels = torch.randn(8192, 3, 2, 14, 14, device="cuda", dtype=torch.bfloat16)
