@@ -198,7 +198,7 @@ class Solver:
     def work_ms(self, problem: ConvProblem, rates: DeviceRates) -> float:
         """The GEMM (flops at the matrix rate or bytes at the bandwidth, whichever is
         longer) and every byte copied besides it."""
-        flop_ms = problem.flops() / rates.matrix_rate(_math_mode(problem))
+        flop_ms = gemm_flop_ms(problem, rates)
         flop_ms *= self.gemm_slowdown(problem)
         if not self.gemm_is_aligned(problem):
             # Unaligned reductions run on slower GEMM kernels (DeviceRates says how much).
@@ -259,6 +259,12 @@ class Solver:
 
     def __repr__(self) -> str:
         return f"<solver {self.id}>"
+
+
+def gemm_flop_ms(problem: ConvProblem, rates: DeviceRates) -> float:
+    """The problem's GEMM flops at the device's matrix rate for its math mode (TF32 for
+    fp32 on CUDA where convolutions allow it), before any kernel's slowdown."""
+    return problem.flops() / rates.matrix_rate(_math_mode(problem))
 
 
 def _math_mode(problem: ConvProblem) -> str:

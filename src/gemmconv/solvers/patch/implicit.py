@@ -17,7 +17,7 @@ from gemmconv.device_rates import DeviceRates, rates_for
 from gemmconv.kernels import SPLIT_PROGRAMS_PER_SM, split_programs
 from gemmconv.precision import convolutions_allow_tf32
 from gemmconv.problem import ConvProblem, Direction
-from gemmconv.solvers.base import ConvTensors, _math_mode
+from gemmconv.solvers.base import ConvTensors, gemm_flop_ms
 from gemmconv.solvers.patch.cost import gathered_run_bytes
 from gemmconv.solvers.patch.family import PatchFamilySolver
 from gemmconv.solvers.patch.mapping import (
@@ -91,7 +91,7 @@ class ImplicitGemmSolver(PatchFamilySolver):
 
     def estimate_ms(self, p: ConvProblem, rates: DeviceRates | None = None) -> float:
         rates = rates or rates_for(p.device_type)
-        flop_ms = p.flops() / rates.matrix_rate(_math_mode(p)) / self.efficiency(p)
+        flop_ms = gemm_flop_ms(p, rates) / self.efficiency(p)
         if not self.gemm_is_aligned(p):
             flop_ms *= rates.unaligned_slowdown
         moved = p.min_bytes()

@@ -18,7 +18,8 @@ import dataclasses
 import torch
 
 from gemmconv.device_rates import DeviceRates, rates_for
-from gemmconv.problem import ConvProblem, Direction, dtype_name
+from gemmconv.problem import ConvProblem, Direction
+from gemmconv.solvers.base import gemm_flop_ms
 from gemmconv.solvers.patch.columns import ColumnSource
 from gemmconv.solvers.patch.cost import output_rows_bytes
 from gemmconv.solvers.patch.mapping import batched_gemm_is_unaligned, transposed_pixels
@@ -87,7 +88,7 @@ def in_place(p: ConvProblem) -> bool:
 def in_place_is_cheaper(p: ConvProblem, rates: DeviceRates) -> bool:
     """Whether the in-place GEMM's estimated time is below cuBLAS's GEMM and the
     transpose, each GEMM bound by its flops or its bytes as in Solver.work_ms."""
-    flop_ms = p.flops() / rates.matrix_rate(dtype_name(p.dtype))
+    flop_ms = gemm_flop_ms(p, rates)
     byte_ms = p.min_bytes() / rates.bytes_per_ms()
     transpose_ms = 2 * output_rows_bytes(p) * TRANSPOSE_SLOWDOWN / rates.bytes_per_ms()
     in_place_ms = max(flop_ms * IN_PLACE_GEMM_SLOWDOWN[p.direction], byte_ms)
