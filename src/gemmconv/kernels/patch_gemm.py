@@ -14,6 +14,13 @@ imported without TRITON_INTERPRET), so the CPU tests run the same code.
   across programs; each writes an fp32 partial and the partials are summed in fp32,
   so the long reduction never rounds to half precision and the result does not
   depend on scheduling (no atomics).
+
+Where a patch is a whole sample whose memory is dense in the column order (one patch a
+sample: point 2D), row m of the column matrix is x's memory at m * XSN and column k
+is offset k, so the index map is skipped (``ROW_ALIGN`` > 0). ``ROW_ALIGN`` elements
+then divide every row stride and the reduction, which the kernels tell Triton: with
+C*R = 588 (1176 bytes a bf16 row, a multiple of 8 but not 16) its loads become 8-byte
+vectors and can be pipelined, where the general map loads 2 bytes at a time.
 """
 
 from __future__ import annotations
@@ -49,6 +56,14 @@ FORWARD_TILES = {
     torch.float32: TileConfig(128, 64, 32, 8, 3),
 }
 DGRAD_TILES = FORWARD_TILES  # the same GEMM shape: [M, K] @ [K, Kred]
+# The whole-row forward (ROW_ALIGN > 0) in half precision: point 2D bf16 ran 56 us with
+# these against 63 with FORWARD_TILES on an H100 (scripts/whole_row_tiles.py,
+# bench/results/whole_row_h100.txt; backward-data and the weight gradient gained
+# under 10% from any tile there and keep theirs).
+WHOLE_ROW_FORWARD_TILES = {
+    torch.float16: TileConfig(128, 128, 32, 4, 3),
+    torch.bfloat16: TileConfig(128, 128, 32, 4, 3),
+}
 WGRAD_TILES = {
     torch.float16: TileConfig(64, 128, 128, 8, 3),  # block_m is the reduction chunk here
     torch.bfloat16: TileConfig(64, 128, 128, 8, 3),
@@ -71,6 +86,7 @@ def _forward_kernel(
     HAS_BIAS: tl.constexpr,
     CHANNELS_LAST_COLUMNS: tl.constexpr,
     RUN: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -81,21 +97,33 @@ def _forward_kernel(
 
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     kout = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n, o1, o2, o3, x_row = patch_rows(
-        m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN
-    )
-    y_row = n * YSN + o1.to(tl.int64) * YS1 + o2.to(tl.int64) * YS2 + o3.to(tl.int64) * YS3
+    if ROW_ALIGN > 0:
+        x_row = tl.multiple_of(m.to(tl.int64) * XSN, ROW_ALIGN)
+        y_row = m.to(tl.int64) * YSN
+    else:
+        n, o1, o2, o3, x_row = patch_rows(
+            m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN
+        )
+        y_row = n * YSN + o1.to(tl.int64) * YS1 + o2.to(tl.int64) * YS2
+        y_row += o3.to(tl.int64) * YS3
+    w_row = kout.to(tl.int64) * WLD
+    if ROW_ALIGN > 0:
+        w_row = tl.multiple_of(w_row, ROW_ALIGN)
     m_ok = m < M
     n_ok = kout < KOUT
 
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     for k0 in range(0, KRED, BLOCK_K):
         kr = k0 + tl.arange(0, BLOCK_K)
-        x_col = patch_columns(kr, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN)
-        k_ok = kr < KRED
+        if ROW_ALIGN > 0:
+            x_col = kr
+            k_ok = kr // ROW_ALIGN < KRED // ROW_ALIGN  # constant over each aligned vector
+        else:
+            x_col = patch_columns(kr, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN)
+            k_ok = kr < KRED
         a = tl.load(x_ptr + x_row[:, None] + x_col[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        b = tl.load(w_ptr + kout[None, :].to(tl.int64) * WLD + kr[:, None],
+        b = tl.load(w_ptr + w_row[None, :] + kr[:, None],
                     mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
@@ -114,6 +142,7 @@ def _wgrad_kernel(
     M_PER_SPLIT,
     CHANNELS_LAST_COLUMNS: tl.constexpr,
     RUN: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -126,21 +155,31 @@ def _wgrad_kernel(
     split = tl.program_id(2)
     kout = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kr = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    x_col = patch_columns(kr, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN)
     dy_col = kout.to(tl.int64) * YSC
     n_ok = kout < KOUT
-    k_ok = kr < KRED
+    part_row = kout.to(tl.int64) * KRED
+    if ROW_ALIGN > 0:
+        x_col = kr
+        k_ok = kr // ROW_ALIGN < KRED // ROW_ALIGN  # constant over each aligned vector
+        part_row = tl.multiple_of(part_row, ROW_ALIGN)
+    else:
+        x_col = patch_columns(kr, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN)
+        k_ok = kr < KRED
 
     acc = tl.full((BLOCK_N, BLOCK_K), 0.0, dtype=tl.float32)
     m_start = split * M_PER_SPLIT
     m_end = tl.where(m_start + M_PER_SPLIT < M, m_start + M_PER_SPLIT, M)
     for m0 in range(m_start, m_end, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M)
-        n, o1, o2, o3, x_row = patch_rows(
-            m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN
-        )
-        dy_row = n * YSN + o1.to(tl.int64) * YS1 + o2.to(tl.int64) * YS2
-        dy_row += o3.to(tl.int64) * YS3
+        if ROW_ALIGN > 0:
+            x_row = tl.multiple_of(m.to(tl.int64) * XSN, ROW_ALIGN)
+            dy_row = m.to(tl.int64) * YSN
+        else:
+            n, o1, o2, o3, x_row = patch_rows(
+                m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN
+            )
+            dy_row = n * YSN + o1.to(tl.int64) * YS1 + o2.to(tl.int64) * YS2
+            dy_row += o3.to(tl.int64) * YS3
         m_ok = m < m_end
         a = tl.load(dy_ptr + dy_col[:, None] + dy_row[None, :],
                     mask=n_ok[:, None] & m_ok[None, :], other=0.0)  # fmt: skip
@@ -149,7 +188,7 @@ def _wgrad_kernel(
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
     base = split.to(tl.int64) * KOUT * KRED
-    tl.store(part_ptr + base + kout[:, None].to(tl.int64) * KRED + kr[None, :], acc,
+    tl.store(part_ptr + base + part_row[:, None] + kr[None, :], acc,
              mask=n_ok[:, None] & k_ok[None, :])  # fmt: skip
 
 
@@ -161,6 +200,7 @@ def _dgrad_kernel(
     WLD,
     CHANNELS_LAST_COLUMNS: tl.constexpr,
     RUN: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -173,13 +213,20 @@ def _dgrad_kernel(
     pid_n = tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     kr = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n, o1, o2, o3, x_row = patch_rows(
-        m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN
-    )
-    dy_row = n * YSN + o1.to(tl.int64) * YS1 + o2.to(tl.int64) * YS2 + o3.to(tl.int64) * YS3
-    x_col = patch_columns(kr, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN)
+    if ROW_ALIGN > 0:
+        x_row = tl.multiple_of(m.to(tl.int64) * XSN, ROW_ALIGN)
+        dy_row = m.to(tl.int64) * YSN
+        x_col = kr
+        kr_ok = kr // ROW_ALIGN < KRED // ROW_ALIGN  # constant over each aligned vector
+    else:
+        n, o1, o2, o3, x_row = patch_rows(
+            m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN
+        )
+        dy_row = n * YSN + o1.to(tl.int64) * YS1 + o2.to(tl.int64) * YS2
+        dy_row += o3.to(tl.int64) * YS3
+        x_col = patch_columns(kr, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN)
+        kr_ok = kr < KRED
     m_ok = m < M
-    kr_ok = kr < KRED
 
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     for k0 in range(0, KOUT, BLOCK_K):
@@ -187,7 +234,10 @@ def _dgrad_kernel(
         k_ok = kout < KOUT
         a = tl.load(dy_ptr + dy_row[:, None] + kout[None, :].to(tl.int64) * YSC,
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        b = tl.load(w_ptr + kout[:, None].to(tl.int64) * WLD + kr[None, :],
+        w_row = kout.to(tl.int64) * WLD
+        if ROW_ALIGN > 0:
+            w_row = tl.multiple_of(w_row, ROW_ALIGN)
+        b = tl.load(w_ptr + w_row[:, None] + kr[None, :],
                     mask=k_ok[:, None] & kr_ok[None, :], other=0.0)  # fmt: skip
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
@@ -202,18 +252,43 @@ def _output_strides(t: torch.Tensor) -> tuple[int, ...]:
     return (t.stride(0), t.stride(1), *((0,) * (3 - dims)), *t.stride()[2:])
 
 
+def whole_row_alignment(g: PatchGeometry, element_size: int, *row_strides: int) -> int:
+    """ROW_ALIGN: 0 unless every patch is a whole sample whose memory is dense in the
+    column order (row m at m * stride_n, column k at offset k); then the largest power
+    of two, up to 16 bytes' worth of elements, dividing the reduction, stride_n and
+    ``row_strides`` (the other operands' row strides along the reduction)."""
+    if g.outs != (1, 1, 1):
+        return 0
+    _, sc, s1, s2, s3 = g.strides
+    r1, r2, r3 = g.kernel
+    if g.channels_last_columns:
+        nested = ((g.c, sc, 1), (r3, s3, g.c), (r2, s2, g.c * r3), (r1, s1, g.c * r3 * r2))
+    else:
+        nested = ((r3, s3, 1), (r2, s2, r3), (r1, s1, r3 * r2), (g.c, sc, r3 * r2 * r1))
+    if any(size > 1 and stride != dense for size, stride, dense in nested):
+        return 0
+    shared = (g.reduction, g.strides[0], *row_strides)
+    align = 1
+    while 2 * align * element_size <= 16 and all(v % (2 * align) == 0 for v in shared):
+        align *= 2
+    return align
+
+
 def _tile_constants(
     g: PatchGeometry,
     cfg: TileConfig,
     dtype: torch.dtype,
     channels_last_columns: bool,
     allow_tf32: bool,
+    *row_strides: int,
 ) -> dict[str, object]:
     """The constexpr arguments every patch GEMM kernel takes: the column order and its
-    contiguous run, the dot's precision and the tile sizes."""
+    contiguous run, the whole-row alignment (``row_strides`` as whole_row_alignment
+    takes them), the dot's precision and the tile sizes."""
     return {
         "CHANNELS_LAST_COLUMNS": channels_last_columns,
         "RUN": contiguous_run(g),
+        "ROW_ALIGN": whole_row_alignment(g, dtype.itemsize, *row_strides),  # fmt: skip
         "INPUT_PRECISION": _precision(dtype, allow_tf32),
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n,
@@ -278,7 +353,9 @@ def patch_gemm_forward(
             _check("bias", bias, (kout,), x)
         if g.rows == 0 or kout == 0:
             return None
-        cfg = FORWARD_TILES[x.dtype]
+        whole_rows = whole_row_alignment(g, x.element_size(), weight_rows.stride(0)) > 0
+        tiles = WHOLE_ROW_FORWARD_TILES if whole_rows else FORWARD_TILES
+        cfg = tiles.get(x.dtype, FORWARD_TILES[x.dtype])
         grid = (triton.cdiv(g.rows, cfg.block_m) * triton.cdiv(kout, cfg.block_n),)
         # A missing bias is never read (HAS_BIAS); the weight stands in for the pointer.
         bias_slot = TensorSlot(2) if bias is not None else TensorSlot(1)
@@ -289,7 +366,9 @@ def patch_gemm_forward(
             1 if bias is None else bias.stride(0),  # a bias is taken with any stride
         )  # fmt: skip
         constants = {
-            **_tile_constants(g, cfg, x.dtype, channels_last_columns, allow_tf32),
+            **_tile_constants(
+                g, cfg, x.dtype, channels_last_columns, allow_tf32, weight_rows.stride(0)
+            ),
             "HAS_BIAS": bias is not None,
             "GROUP_M": 8,
         }
@@ -328,7 +407,9 @@ def patch_gemm_backward_data(
             g.rows, kout, g.reduction, g.c, *g.outs, *g.kernel, *g.strides,
             *_output_strides(grad_output), weight_rows.stride(0),
         )  # fmt: skip
-        constants = _tile_constants(g, cfg, dx.dtype, channels_last_columns, allow_tf32)
+        constants = _tile_constants(
+            g, cfg, dx.dtype, channels_last_columns, allow_tf32, weight_rows.stride(0)
+        )
         return PreparedLaunch(_dgrad_kernel, grid, args, constants, cfg.launch_options(),
                               dx.device, {"do_not_specialize": _FORWARD_ARGS})  # fmt: skip
 
@@ -412,8 +493,10 @@ __all__ = [
     "DGRAD_TILES",
     "FORWARD_TILES",
     "WGRAD_TILES",
+    "WHOLE_ROW_FORWARD_TILES",
     "patch_gemm_backward_data",
     "patch_gemm_forward",
     "patch_gemm_weight_grad",
     "wgrad_splits",
+    "whole_row_alignment",
 ]

@@ -24,6 +24,7 @@ from gemmconv.solvers.patch.mapping import (
     channels_last_columns,
     column_layout,
     covered_extent,
+    patches_are_views,
 )
 from gemmconv.solvers.views import result_buffer, store_weight_rows, weight_rows, zero_outside
 
@@ -47,6 +48,19 @@ FULL_RATE_RUN_BYTES = 64
 # than a plain copy (tests/data/h200_suite.json: DiT-XL/2 channels-last forward
 # wrote its 151 MB output in 0.105 ms); fitted to that row.
 IMPLICIT_OUTPUT_STORE_SLOWDOWN = 3.0
+# One dense patch a sample (point 2D and 3D) runs the kernels' whole-row path: no index
+# map, each row loaded in vectors of its alignment (kernels/patch_gemm.py). On an H100
+# (bench/results/whole_row_h100.txt) point 2D bf16, 588-element rows in 8-byte
+# vectors, ran its forward at 0.29-0.32 of the measured matrix rate, backward-data at
+# 0.38 and the weight gradient at 0.23; point 3D's forward, 16-byte vectors, at 0.36.
+WHOLE_ROW_EFFICIENCY = {
+    Direction.FORWARD: 0.32,
+    Direction.BACKWARD_DATA: 0.38,
+    Direction.BACKWARD_WEIGHTS: 0.23,
+}
+# Rows whose vectors would be narrower than this were not measured: they keep the
+# device's unaligned slowdown.
+WHOLE_ROW_MEASURED_VECTOR_BYTES = 8
 
 
 def _costed_programs(rates: DeviceRates) -> int:
@@ -55,6 +69,13 @@ def _costed_programs(rates: DeviceRates) -> int:
     if rates.multiprocessors is not None:
         return SPLIT_PROGRAMS_PER_SM * rates.multiprocessors
     return split_programs(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _whole_rows_in_measured_vectors(p: ConvProblem) -> bool:
+    """Whether the whole-row path loads ``p``'s rows in vectors as wide as those measured
+    (the largest power of two dividing a row's bytes, up to 16)."""
+    row_bytes = p.gemm_k * p.element_size
+    return patches_are_views(p) and row_bytes % WHOLE_ROW_MEASURED_VECTOR_BYTES == 0
 
 
 class ImplicitGemmSolver(PatchFamilySolver):
@@ -83,6 +104,8 @@ class ImplicitGemmSolver(PatchFamilySolver):
 
     def efficiency(self, p: ConvProblem) -> float:
         """Fraction of the device's matrix rate the Triton kernel reaches."""
+        if patches_are_views(p):
+            return WHOLE_ROW_EFFICIENCY[p.direction]
         if p.direction is Direction.BACKWARD_WEIGHTS:
             base = IMPLICIT_WGRAD_EFFICIENCY
         else:
@@ -92,7 +115,7 @@ class ImplicitGemmSolver(PatchFamilySolver):
     def estimate_ms(self, p: ConvProblem, rates: DeviceRates | None = None) -> float:
         rates = rates or rates_for(p.device_type)
         flop_ms = gemm_flop_ms(p, rates) / self.efficiency(p)
-        if not self.gemm_is_aligned(p):
+        if not (self.gemm_is_aligned(p) or _whole_rows_in_measured_vectors(p)):
             flop_ms *= rates.unaligned_slowdown
         moved = p.min_bytes()
         if p.direction is Direction.FORWARD:
