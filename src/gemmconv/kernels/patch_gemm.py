@@ -288,7 +288,7 @@ def _tile_constants(
     return {
         "CHANNELS_LAST_COLUMNS": channels_last_columns,
         "RUN": contiguous_run(g),
-        "ROW_ALIGN": whole_row_alignment(g, dtype.itemsize, *row_strides),  # fmt: skip
+        "ROW_ALIGN": whole_row_alignment(g, dtype.itemsize, *row_strides),
         "INPUT_PRECISION": _precision(dtype, allow_tf32),
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n,
