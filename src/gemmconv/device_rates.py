@@ -98,12 +98,7 @@ H200 = DeviceRates(
     multiprocessors=132,
     launch_us=4.0,
     # bf16 [9500 x 588] x [588 x 1280] ran 88 us, the same GEMM padded to 592 31 us.
-    # The slowdown multiplies the flop floor (18.3 us here), not the padded GEMM's
-    # time, so it is 88 / 18.3. At 2.8 (88 / 31) the table priced cuBLAS on point 2D's
-    # unaligned rows at 0.055 ms where it ran 0.087-0.091 on H200s and H100s, and kept
-    # point 2D there though the padded solvers' calls ran 0.055-0.075 (bench/NOTES.md,
-    # second session of 2026-12-06).
-    unaligned_slowdown=4.8,
+    unaligned_slowdown=2.8,
     # A torch op cost 10-15 us of Python and dispatch on the H200's host, a prepared
     # Triton launch about 55 (bench/results/host_costs_h200.txt: pad_rows 57.7 us a
     # call for about 5 us of copying; F.pad 25 us, an allocation and addmm 28 us).
@@ -153,11 +148,11 @@ H200 = DeviceRates(
         "vendor_other": 0.5,
     },
     source="tests/data/h200_suite.json (NVIDIA H200, torch 2.11, cuDNN 9.19, the suite of "
-    "gemmconv 0.1.0, bench/results/h200.json at commit f291b03; the vendor factors were "
-    "fitted to the device times of the run before the host-path work, the 1x1 and "
-    "small-patch ones refitted to bench/results/h200.json at 9acd9a1 and 22a7a55 (the "
-    "vendor's channels-last small-patch backward-data re-measured without a stand-in "
-    "input), the unaligned slowdown and the fit test's rows to the run at f291b03)",
+    "gemmconv 0.1.0 with prepared runs, bench/results/h200.json at commit 9acd9a1; the "
+    "vendor factors were fitted to the device times of the run before the host-path work, "
+    "the 1x1 and small-patch ones refitted to the same file and bench/results/h200.json "
+    "at 22a7a55; the vendor's channels-last small-patch backward-data re-measured without a "
+    "stand-in input, see the file's 'amended')",
 )
 
 # The CPU machines of this project (2 cores): orders of magnitude below any GPU; only
