@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from gemmconv.kernels.launch import LaunchCache, PreparedLaunch, TensorSlot
-from gemmconv.kernels.patch_index import patch_columns, patch_rows
+from gemmconv.kernels.patch_index import column_offsets, row_offsets
 from gemmconv.kernels.patch_permute import PatchGeometry, contiguous_run
 from gemmconv.kernels.program_order import grouped_tile
 
@@ -97,15 +97,8 @@ def _forward_kernel(
 
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     kout = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if ROW_ALIGN > 0:
-        x_row = tl.multiple_of(m.to(tl.int64) * XSN, ROW_ALIGN)
-        y_row = m.to(tl.int64) * YSN
-    else:
-        n, o1, o2, o3, x_row = patch_rows(
-            m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN
-        )
-        y_row = n * YSN + o1.to(tl.int64) * YS1 + o2.to(tl.int64) * YS2
-        y_row += o3.to(tl.int64) * YS3
+    x_row, y_row = row_offsets(m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, YSN, YS1, YS2,
+                               YS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN)  # fmt: skip
     w_row = kout.to(tl.int64) * WLD
     if ROW_ALIGN > 0:
         w_row = tl.multiple_of(w_row, ROW_ALIGN)
@@ -115,12 +108,9 @@ def _forward_kernel(
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     for k0 in range(0, KRED, BLOCK_K):
         kr = k0 + tl.arange(0, BLOCK_K)
-        if ROW_ALIGN > 0:
-            x_col = kr
-            k_ok = kr // ROW_ALIGN < KRED // ROW_ALIGN  # constant over each aligned vector
-        else:
-            x_col = patch_columns(kr, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN)
-            k_ok = kr < KRED
+        x_col, k_ok = column_offsets(
+            kr, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN
+        )
         a = tl.load(x_ptr + x_row[:, None] + x_col[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         b = tl.load(w_ptr + w_row[None, :] + kr[:, None],
@@ -157,29 +147,20 @@ def _wgrad_kernel(
     kr = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     dy_col = kout.to(tl.int64) * YSC
     n_ok = kout < KOUT
+    x_col, k_ok = column_offsets(
+        kr, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN
+    )
     part_row = kout.to(tl.int64) * KRED
     if ROW_ALIGN > 0:
-        x_col = kr
-        k_ok = kr // ROW_ALIGN < KRED // ROW_ALIGN  # constant over each aligned vector
         part_row = tl.multiple_of(part_row, ROW_ALIGN)
-    else:
-        x_col = patch_columns(kr, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN)
-        k_ok = kr < KRED
 
     acc = tl.full((BLOCK_N, BLOCK_K), 0.0, dtype=tl.float32)
     m_start = split * M_PER_SPLIT
     m_end = tl.where(m_start + M_PER_SPLIT < M, m_start + M_PER_SPLIT, M)
     for m0 in range(m_start, m_end, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M)
-        if ROW_ALIGN > 0:
-            x_row = tl.multiple_of(m.to(tl.int64) * XSN, ROW_ALIGN)
-            dy_row = m.to(tl.int64) * YSN
-        else:
-            n, o1, o2, o3, x_row = patch_rows(
-                m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN
-            )
-            dy_row = n * YSN + o1.to(tl.int64) * YS1 + o2.to(tl.int64) * YS2
-            dy_row += o3.to(tl.int64) * YS3
+        x_row, dy_row = row_offsets(m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, YSN, YS1,
+                                    YS2, YS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN)  # fmt: skip
         m_ok = m < m_end
         a = tl.load(dy_ptr + dy_col[:, None] + dy_row[None, :],
                     mask=n_ok[:, None] & m_ok[None, :], other=0.0)  # fmt: skip
@@ -213,19 +194,11 @@ def _dgrad_kernel(
     pid_n = tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     kr = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if ROW_ALIGN > 0:
-        x_row = tl.multiple_of(m.to(tl.int64) * XSN, ROW_ALIGN)
-        dy_row = m.to(tl.int64) * YSN
-        x_col = kr
-        kr_ok = kr // ROW_ALIGN < KRED // ROW_ALIGN  # constant over each aligned vector
-    else:
-        n, o1, o2, o3, x_row = patch_rows(
-            m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN
-        )
-        dy_row = n * YSN + o1.to(tl.int64) * YS1 + o2.to(tl.int64) * YS2
-        dy_row += o3.to(tl.int64) * YS3
-        x_col = patch_columns(kr, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN)
-        kr_ok = kr < KRED
+    x_row, dy_row = row_offsets(m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, YSN, YS1, YS2,
+                                YS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN)  # fmt: skip
+    x_col, kr_ok = column_offsets(
+        kr, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN
+    )
     m_ok = m < M
 
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)

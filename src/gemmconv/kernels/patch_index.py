@@ -74,6 +74,39 @@ def _patch_columns(k, C, R1, R2, R3, SC, S1, S2, S3,
     return offset
 
 
+def _row_offsets(m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, YSN, YS1, YS2, YS3,
+                 CHANNELS_LAST_COLUMNS: tl.constexpr, RUN: tl.constexpr,
+                 ROW_ALIGN: tl.constexpr):  # fmt: skip
+    """(offset of each patch in x, offset of its pixel in y or dY) for rows ``m``. With
+    ``ROW_ALIGN`` > 0 a patch is a whole dense sample: row m starts at m * XSN, a
+    multiple of ROW_ALIGN elements (kernels/patch_gemm.whole_row_alignment)."""
+    if ROW_ALIGN > 0:
+        x_row = tl.multiple_of(m.to(tl.int64) * XSN, ROW_ALIGN)
+        y_row = m.to(tl.int64) * YSN
+    else:
+        n, o1, o2, o3, x_row = patch_rows(
+            m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN
+        )
+        y_row = n * YSN + o1.to(tl.int64) * YS1 + o2.to(tl.int64) * YS2
+        y_row += o3.to(tl.int64) * YS3
+    return x_row, y_row
+
+
+def _column_offsets(k, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3,
+                    CHANNELS_LAST_COLUMNS: tl.constexpr, RUN: tl.constexpr,
+                    ROW_ALIGN: tl.constexpr):  # fmt: skip
+    """(offset of columns ``k`` within a patch, whether they are below KRED). With
+    ``ROW_ALIGN`` > 0 the offset is k itself and the test is made over groups of
+    ROW_ALIGN columns, so that it is constant over each aligned vector."""
+    if ROW_ALIGN > 0:
+        offset = k
+        inside = k // ROW_ALIGN < KRED // ROW_ALIGN
+    else:
+        offset = patch_columns(k, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN)
+        inside = k < KRED
+    return offset, inside
+
+
 def _mixed_radix_digits(k, B0, B1, B2):
     """The digits of ``k`` in the mixed radix B0 (innermost), B1, B2, the last unbounded."""
     d0 = k % B0
@@ -86,5 +119,7 @@ def _mixed_radix_digits(k, B0, B1, B2):
 patch_rows = DeviceHelper(_patch_rows)
 patch_columns = DeviceHelper(_patch_columns)
 mixed_radix_digits = DeviceHelper(_mixed_radix_digits)
+row_offsets = DeviceHelper(_row_offsets)
+column_offsets = DeviceHelper(_column_offsets)
 
-__all__ = ["DeviceHelper", "patch_columns", "patch_rows"]
+__all__ = ["DeviceHelper", "column_offsets", "patch_columns", "patch_rows", "row_offsets"]
