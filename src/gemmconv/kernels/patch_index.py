@@ -10,6 +10,9 @@ column part: the kernels compute each once per tile edge and add them.
 ``RUN > 0`` says the innermost RUN columns are consecutive in memory (r3 of a
 channels-first x, (r3, c) of a channels-last one; see ``contiguous_run``): keeping
 them one modulo apart lets Triton see the contiguity and issue vector accesses.
+``ROW_ALIGN > 0`` says each patch is a whole sample, dense in the column order: row
+m is at m * stride_n and column k at k, with the alignment the host proved
+(``row_offsets``, ``column_offsets``).
 """
 
 from __future__ import annotations
