@@ -11,11 +11,12 @@
 #   bash scripts/h200_session.sh rows      # the rows path's in-place GEMM: tests, device time
 #   bash scripts/h200_session.sh suite-in-place  # the suite with that GEMM switched on
 #   bash scripts/h200_session.sh precision # the GEMMs with cuBLAS's half-precision reductions on/off
+#   bash scripts/h200_session.sh node      # point 2D's public backward calls per solver, profiled
 #   OLD_TREE=old bash scripts/h200_session.sh ab   # order vs machine, below
 set -u
 : "${OUT:?set OUT to the folder for the results}"
 export PYTHONPATH=src
-stage=${1:?stage: tests, probe, compiled, suite, suite-in-place, models, gap, rows, precision or ab}
+stage=${1:?stage: tests, probe, compiled, suite, suite-in-place, models, gap, rows, precision, node or ab}
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 # The device's copy of the tree reported an older HEAD than the files it held (the
 # tenth session of 2026-12-05): a digest of src/'s Python files says which code ran
@@ -123,6 +124,23 @@ precision)
     # kernels (bench/results/reduction_flag_h100.txt).
     timeout 200 python3 scripts/reduction_flag_probe.py >"$OUT/reduction_flag.txt" 2>&1
     ;;
+node)
+    # Point 2D's public backward calls ran 1.5-2.6x their solver's call time on an H200
+    # for every solver but point_output (bench/results/point2d_public_h200.txt, second
+    # session of 2026-12-06): each solver forced, on the engine's thread and on the
+    # calling thread, with the kernels and the host's ops listed. One file: the device
+    # tool brings back at most eight.
+    for solver in point_output patch_padded patch_implicit; do
+        for kind in bwd_data bwd_weights; do
+            for thread in "" --calling-thread; do
+                echo "== point2d cf $kind, GEMMCONV_SOLVER=$solver $thread" >>"$OUT/node_gap.txt"
+                GEMMCONV_SOLVER=$solver timeout 60 python3 scripts/host_profile.py point2d \
+                    --layout cf --kind $kind --top 20 --kernels --host-ops 14 $thread \
+                    >>"$OUT/node_gap.txt" 2>&1
+            done
+        done
+    done
+    ;;
 ab)
     # Whether the suite's backward calls moved with the machine or with the order of
     # the interleaved calls: the same rows, alternating processes, in the shuffled
@@ -145,7 +163,7 @@ ab)
     ;;
 *)
     echo "stage=$stage: expected tests, probe, compiled, suite, suite-in-place, models, gap," \
-        "rows, precision or ab" >&2
+        "rows, precision, node or ab" >&2
     exit 2
     ;;
 esac
