@@ -253,15 +253,15 @@ def _tile_constants(
     dtype: torch.dtype,
     channels_last_columns: bool,
     allow_tf32: bool,
-    *row_strides: int,
+    row_align: int,
 ) -> dict[str, object]:
     """The constexpr arguments every patch GEMM kernel takes: the column order and its
-    contiguous run, the whole-row alignment (``row_strides`` as whole_row_alignment
-    takes them), the dot's precision and the tile sizes."""
+    contiguous run, the whole-row alignment (whole_row_alignment), the dot's precision
+    and the tile sizes."""
     return {
         "CHANNELS_LAST_COLUMNS": channels_last_columns,
         "RUN": contiguous_run(g),
-        "ROW_ALIGN": whole_row_alignment(g, dtype.itemsize, *row_strides),
+        "ROW_ALIGN": row_align,
         "INPUT_PRECISION": _precision(dtype, allow_tf32),
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n,
@@ -326,8 +326,8 @@ def patch_gemm_forward(
             _check("bias", bias, (kout,), x)
         if g.rows == 0 or kout == 0:
             return None
-        whole_rows = whole_row_alignment(g, x.element_size(), weight_rows.stride(0)) > 0
-        tiles = WHOLE_ROW_FORWARD_TILES if whole_rows else FORWARD_TILES
+        row_align = whole_row_alignment(g, x.element_size(), weight_rows.stride(0))
+        tiles = WHOLE_ROW_FORWARD_TILES if row_align else FORWARD_TILES
         cfg = tiles.get(x.dtype, FORWARD_TILES[x.dtype])
         grid = (triton.cdiv(g.rows, cfg.block_m) * triton.cdiv(kout, cfg.block_n),)
         # A missing bias is never read (HAS_BIAS); the weight stands in for the pointer.
@@ -339,9 +339,7 @@ def patch_gemm_forward(
             1 if bias is None else bias.stride(0),  # a bias is taken with any stride
         )  # fmt: skip
         constants = {
-            **_tile_constants(
-                g, cfg, x.dtype, channels_last_columns, allow_tf32, weight_rows.stride(0)
-            ),
+            **_tile_constants(g, cfg, x.dtype, channels_last_columns, allow_tf32, row_align),
             "HAS_BIAS": bias is not None,
             "GROUP_M": 8,
         }
@@ -380,9 +378,8 @@ def patch_gemm_backward_data(
             g.rows, kout, g.reduction, g.c, *g.outs, *g.kernel, *g.strides,
             *_output_strides(grad_output), weight_rows.stride(0),
         )  # fmt: skip
-        constants = _tile_constants(
-            g, cfg, dx.dtype, channels_last_columns, allow_tf32, weight_rows.stride(0)
-        )
+        row_align = whole_row_alignment(g, dx.element_size(), weight_rows.stride(0))
+        constants = _tile_constants(g, cfg, dx.dtype, channels_last_columns, allow_tf32, row_align)
         return PreparedLaunch(_dgrad_kernel, grid, args, constants, cfg.launch_options(),
                               dx.device, {"do_not_specialize": _FORWARD_ARGS})  # fmt: skip
 
@@ -456,7 +453,8 @@ def _prepare_weight_grad(
         g.rows, kout, g.reduction, g.c, *g.outs, *g.kernel, *g.strides,
         *_output_strides(grad_output), per_split,
     )  # fmt: skip
-    constants = _tile_constants(g, cfg, x.dtype, channels_last_columns, allow_tf32)
+    row_align = whole_row_alignment(g, x.element_size())
+    constants = _tile_constants(g, cfg, x.dtype, channels_last_columns, allow_tf32, row_align)
     launch = PreparedLaunch(_wgrad_kernel, grid, args, constants, cfg.launch_options(),
                             x.device, {"do_not_specialize": _WGRAD_ARGS})  # fmt: skip
     return launch, (parts, kout, g.reduction)
