@@ -160,7 +160,7 @@ def _precision_context_cost(device: torch.device, sync) -> None:
     def per_call(fn, calls=300):
         for _ in range(20):
             fn()
-        return issue_us(fn, calls, sync)
+        return issue_us(fn, calls, sync, passes=1)
 
     print("host us to issue one F.linear [8192x1176] @ [1176x1280]^T, back to back:")
     print(f"  plain                       {per_call(plain):8.1f}")
@@ -218,7 +218,7 @@ def _forward_ladder(device: torch.device, patches: int, rounds: int, sync) -> No
         for order in interleaved_orders(list(rungs), rounds):
             for name in order:
                 fn = rungs[name]
-                hot[name].append(issue_us(fn, 50, sync))
+                hot[name].append(issue_us(fn, 50, sync, passes=1))
                 for _ in range(5):
                     sync()
                     start = time.perf_counter()

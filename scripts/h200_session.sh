@@ -128,16 +128,14 @@ node)
     # Point 2D's public backward calls ran 1.5-2.6x their solver's call time on an H200
     # for every solver but point_output (bench/results/point2d_public_h200.txt, second
     # session of 2026-12-06): each solver forced, on the engine's thread and on the
-    # calling thread, with the kernels and the host's ops listed. One file: the device
-    # tool brings back at most eight.
+    # calling thread (--calling-thread times both in one process), with the kernels and
+    # the host's ops listed. One file: the device tool brings back at most eight.
     for solver in point_output patch_padded patch_implicit; do
         for kind in bwd_data bwd_weights; do
-            for thread in "" --calling-thread; do
-                echo "== point2d cf $kind, GEMMCONV_SOLVER=$solver $thread" >>"$OUT/node_gap.txt"
-                GEMMCONV_SOLVER=$solver timeout 60 python3 scripts/host_profile.py point2d \
-                    --layout cf --kind $kind --top 20 --kernels --host-ops 14 $thread \
-                    >>"$OUT/node_gap.txt" 2>&1
-            done
+            echo "== point2d cf $kind, GEMMCONV_SOLVER=$solver" >>"$OUT/node_gap.txt"
+            GEMMCONV_SOLVER=$solver timeout 90 python3 scripts/host_profile.py point2d \
+                --layout cf --kind $kind --top 20 --kernels --host-ops 14 --calling-thread \
+                --reps 9 --calls 100 >>"$OUT/node_gap.txt" 2>&1
         done
     done
     ;;

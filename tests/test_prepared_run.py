@@ -265,3 +265,62 @@ def test_a_forward_needing_no_copy_runs_the_column_keeping_form_on_its_operands(
     (plan,) = [call.plan for call in eager._calls.values() if call is not None]
     assert plan.copy_first and plan.keeping_columns is None
     torch.testing.assert_close(y, F.conv2d(strided, w, stride=4))
+
+
+@pytest.fixture
+def implicit_on_the_cpu(monkeypatch):
+    """patch_implicit let onto the CPU, where its kernels run in Triton's interpreter."""
+    from gemmconv.solvers import get_solver
+
+    solver = get_solver("patch_implicit")
+    monkeypatch.setattr(type(solver), "devices", solver.devices | {"cpu"})
+    monkeypatch.setenv("GEMMCONV_SOLVER", "patch_implicit")
+    return solver
+
+
+@pytest.mark.parametrize("weight_format", [torch.contiguous_format, torch.channels_last])
+def test_the_implicit_gemms_keep_a_prepared_launch_per_direction(
+    implicit_on_the_cpu, weight_format
+):
+    """An eager call of patch_implicit runs its prepared run (implicit_prepared), not
+    the solver's own: forward, backward-data and the weight gradient each match torch,
+    with the weight's rows a view (channels-first) or copied each call (a channels-last
+    weight read in the channels-first column order)."""
+    x = torch.randn(4, 3, 10, 10, requires_grad=True)
+    w = torch.randn(6, 3, 4, 4).to(memory_format=weight_format).requires_grad_()
+    b = torch.randn(6, requires_grad=True)
+    y = gemmconv.conv2d(x, w, b, stride=4)
+    x_ref, w_ref, b_ref = (t.detach().double().requires_grad_() for t in (x, w, b))
+    y_ref = F.conv2d(x_ref, w_ref, b_ref, stride=4)
+    torch.testing.assert_close(y, y_ref.float())
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, w, b), dy)
+    refs = torch.autograd.grad(y_ref, (x_ref, w_ref, b_ref), dy.double())
+    for got, want in zip(grads, refs):
+        torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+    runners = [call.plan.runner for call in eager._calls.values() if call is not None]
+    for call in eager._calls.values():
+        runners += [plan.runner for plans in call._backward_plans for plan in plans.values()]
+    assert len(runners) == 3
+    assert all(r is not None and not isinstance(r, functools.partial) for r in runners)
+
+
+def test_a_prepared_implicit_run_follows_a_changed_tf32_flag(implicit_on_the_cpu, monkeypatch):
+    """The fp32 dot's precision is fixed in the launch from the cudnn TF32 flag at
+    preparation: a call made under the other setting runs the solver's own
+    direction, which reads the flag afresh."""
+    from gemmconv.problem import ConvProblem
+    from gemmconv.solvers.base import ConvTensors
+
+    solver = implicit_on_the_cpu
+    x, w = torch.randn(2, 3, 8, 8), torch.randn(5, 3, 4, 4)
+    p = ConvProblem.from_tensors(x, w, None, stride=4)
+    tensors = ConvTensors(x, w, None)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    runner = solver.prepare(p, tensors)
+    own_runs = []
+    monkeypatch.setattr(type(solver), "run", lambda self, *a: own_runs.append(a) or "own")
+    runner(tensors)
+    assert own_runs == []
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    assert runner(tensors) == "own" and len(own_runs) == 1

@@ -302,6 +302,48 @@ def _meta(t: torch.Tensor | None) -> tuple | None:
 _launches = LaunchCache()
 
 
+def forward_launch(
+    x: torch.Tensor,
+    weight_rows: torch.Tensor,
+    bias: torch.Tensor | None,
+    kernel: tuple[int, ...],
+    channels_last_columns: bool,
+    out: torch.Tensor,
+    allow_tf32: bool,
+    device: torch.device,
+) -> PreparedLaunch | None:
+    """The forward's launch on ``device`` for operands of these sizes and strides (real
+    or meta tensors), taking (x, weight_rows, bias, out); None for an empty problem."""
+    outs = tuple(out.shape[2:])
+    g = PatchGeometry.of(x, outs, kernel, channels_last_columns)
+    kout = weight_rows.shape[0]
+    _check("out", out, (g.n, kout, *outs), x)
+    _check_weight_rows(weight_rows, kout, g.reduction, x)
+    if bias is not None:
+        _check("bias", bias, (kout,), x)
+    if g.rows == 0 or kout == 0:
+        return None
+    row_align = whole_row_alignment(g, x.element_size(), weight_rows.stride(0))
+    tiles = WHOLE_ROW_FORWARD_TILES if row_align else FORWARD_TILES
+    cfg = tiles.get(x.dtype, FORWARD_TILES[x.dtype])
+    grid = (triton.cdiv(g.rows, cfg.block_m) * triton.cdiv(kout, cfg.block_n),)
+    # A missing bias is never read (HAS_BIAS); the weight stands in for the pointer.
+    bias_slot = TensorSlot(2) if bias is not None else TensorSlot(1)
+    args = (
+        TensorSlot(0), TensorSlot(1), bias_slot, TensorSlot(3),
+        g.rows, kout, g.reduction, g.c, *g.outs, *g.kernel, *g.strides,
+        *_output_strides(out), weight_rows.stride(0),
+        1 if bias is None else bias.stride(0),  # a bias is taken with any stride
+    )  # fmt: skip
+    constants = {
+        **_tile_constants(g, cfg, x.dtype, channels_last_columns, allow_tf32, row_align),
+        "HAS_BIAS": bias is not None,
+        "GROUP_M": 8,
+    }
+    return PreparedLaunch(_forward_kernel, grid, args, constants, cfg.launch_options(),
+                          device, {"do_not_specialize": _FORWARD_ARGS})  # fmt: skip
+
+
 def patch_gemm_forward(
     x: torch.Tensor,
     weight_rows: torch.Tensor,
@@ -315,39 +357,44 @@ def patch_gemm_forward(
     ``weight_rows`` [K, Kred] is the weight flattened in the column order. Returns out."""
     key = ("forward", _meta(x), _meta(weight_rows), _meta(bias), _meta(out), tuple(kernel),
            channels_last_columns, allow_tf32)  # fmt: skip
-
-    def prepare() -> PreparedLaunch | None:
-        outs = tuple(out.shape[2:])
-        g = PatchGeometry.of(x, outs, kernel, channels_last_columns)
-        kout = weight_rows.shape[0]
-        _check("out", out, (g.n, kout, *outs), x)
-        _check_weight_rows(weight_rows, kout, g.reduction, x)
-        if bias is not None:
-            _check("bias", bias, (kout,), x)
-        if g.rows == 0 or kout == 0:
-            return None
-        row_align = whole_row_alignment(g, x.element_size(), weight_rows.stride(0))
-        tiles = WHOLE_ROW_FORWARD_TILES if row_align else FORWARD_TILES
-        cfg = tiles.get(x.dtype, FORWARD_TILES[x.dtype])
-        grid = (triton.cdiv(g.rows, cfg.block_m) * triton.cdiv(kout, cfg.block_n),)
-        # A missing bias is never read (HAS_BIAS); the weight stands in for the pointer.
-        bias_slot = TensorSlot(2) if bias is not None else TensorSlot(1)
-        args = (
-            TensorSlot(0), TensorSlot(1), bias_slot, TensorSlot(3),
-            g.rows, kout, g.reduction, g.c, *g.outs, *g.kernel, *g.strides,
-            *_output_strides(out), weight_rows.stride(0),
-            1 if bias is None else bias.stride(0),  # a bias is taken with any stride
-        )  # fmt: skip
-        constants = {
-            **_tile_constants(g, cfg, x.dtype, channels_last_columns, allow_tf32, row_align),
-            "HAS_BIAS": bias is not None,
-            "GROUP_M": 8,
-        }
-        return PreparedLaunch(_forward_kernel, grid, args, constants, cfg.launch_options(),
-                              x.device, {"do_not_specialize": _FORWARD_ARGS})  # fmt: skip
-
-    _launches.launch(key, prepare, x, weight_rows, bias, out)
+    _launches.launch(
+        key,
+        lambda: forward_launch(x, weight_rows, bias, kernel, channels_last_columns, out,
+                               allow_tf32, x.device),  # fmt: skip
+        x, weight_rows, bias, out,
+    )  # fmt: skip
     return out
+
+
+def backward_data_launch(
+    grad_output: torch.Tensor,
+    weight_rows: torch.Tensor,
+    kernel: tuple[int, ...],
+    channels_last_columns: bool,
+    dx: torch.Tensor,
+    allow_tf32: bool,
+    device: torch.device,
+) -> PreparedLaunch | None:
+    """Backward-data's launch on ``device`` for operands of these sizes and strides
+    (real or meta tensors), taking (grad_output, weight_rows, dx); None when empty."""
+    outs = tuple(grad_output.shape[2:])
+    g = PatchGeometry.of(dx, outs, kernel, channels_last_columns)
+    kout = grad_output.shape[1]
+    _check("grad_output", grad_output, (g.n, kout, *outs), dx)
+    _check_weight_rows(weight_rows, kout, g.reduction, dx)
+    if g.rows == 0 or g.reduction == 0:
+        return None
+    cfg = DGRAD_TILES[dx.dtype]
+    grid = (triton.cdiv(g.rows, cfg.block_m), triton.cdiv(g.reduction, cfg.block_n))
+    args = (
+        TensorSlot(0), TensorSlot(1), TensorSlot(2),
+        g.rows, kout, g.reduction, g.c, *g.outs, *g.kernel, *g.strides,
+        *_output_strides(grad_output), weight_rows.stride(0),
+    )  # fmt: skip
+    row_align = whole_row_alignment(g, dx.element_size(), weight_rows.stride(0))
+    constants = _tile_constants(g, cfg, dx.dtype, channels_last_columns, allow_tf32, row_align)
+    return PreparedLaunch(_dgrad_kernel, grid, args, constants, cfg.launch_options(),
+                          device, {"do_not_specialize": _FORWARD_ARGS})  # fmt: skip
 
 
 def patch_gemm_backward_data(
@@ -362,28 +409,12 @@ def patch_gemm_backward_data(
     no patch covers are left as they are. Returns dx."""
     key = ("backward_data", _meta(grad_output), _meta(weight_rows), _meta(dx), tuple(kernel),
            channels_last_columns, allow_tf32)  # fmt: skip
-
-    def prepare() -> PreparedLaunch | None:
-        outs = tuple(grad_output.shape[2:])
-        g = PatchGeometry.of(dx, outs, kernel, channels_last_columns)
-        kout = grad_output.shape[1]
-        _check("grad_output", grad_output, (g.n, kout, *outs), dx)
-        _check_weight_rows(weight_rows, kout, g.reduction, dx)
-        if g.rows == 0 or g.reduction == 0:
-            return None
-        cfg = DGRAD_TILES[dx.dtype]
-        grid = (triton.cdiv(g.rows, cfg.block_m), triton.cdiv(g.reduction, cfg.block_n))
-        args = (
-            TensorSlot(0), TensorSlot(1), TensorSlot(2),
-            g.rows, kout, g.reduction, g.c, *g.outs, *g.kernel, *g.strides,
-            *_output_strides(grad_output), weight_rows.stride(0),
-        )  # fmt: skip
-        row_align = whole_row_alignment(g, dx.element_size(), weight_rows.stride(0))
-        constants = _tile_constants(g, cfg, dx.dtype, channels_last_columns, allow_tf32, row_align)
-        return PreparedLaunch(_dgrad_kernel, grid, args, constants, cfg.launch_options(),
-                              dx.device, {"do_not_specialize": _FORWARD_ARGS})  # fmt: skip
-
-    _launches.launch(key, prepare, grad_output, weight_rows, dx)
+    _launches.launch(
+        key,
+        lambda: backward_data_launch(grad_output, weight_rows, kernel, channels_last_columns,
+                                     dx, allow_tf32, dx.device),  # fmt: skip
+        grad_output, weight_rows, dx,
+    )  # fmt: skip
     return dx
 
 
@@ -416,28 +447,47 @@ def patch_gemm_weight_grad(
         raise ValueError(f"splits={splits}: expected at least 1")
     key = ("weight_grad", _meta(grad_output), _meta(x), tuple(kernel), channels_last_columns,
            splits, allow_tf32)  # fmt: skip
-    launch, (parts, kout, reduction) = _launches.get(
+    launch = _launches.get(
         key,
-        lambda: _prepare_weight_grad(grad_output, x, kernel, channels_last_columns, splits,
-                                     allow_tf32),
+        lambda: weight_grad_launch(grad_output, x, kernel, channels_last_columns, splits,
+                                   allow_tf32, x.device),
     )  # fmt: skip
-    if launch is None:
-        return torch.zeros(kout, reduction, dtype=torch.float32, device=x.device)
-    # Every element of every partial is written: each split owns a non-empty M range.
-    partials = torch.empty(parts, kout, reduction, dtype=torch.float32, device=x.device)
-    launch(grad_output, x, partials)
-    return partials[0] if parts == 1 else partials.sum(0)
+    return launch.run(grad_output, x)
 
 
-def _prepare_weight_grad(
+class WeightGradLaunch:
+    """The weight gradient's launch and its fp32 partials' shape (parts, K, Kred)."""
+
+    __slots__ = ("launch", "partials_shape", "device")
+
+    def __init__(
+        self, launch: PreparedLaunch | None, partials_shape: tuple[int, int, int],
+        device: torch.device,
+    ) -> None:  # fmt: skip
+        self.launch, self.partials_shape, self.device = launch, partials_shape, device
+
+    def run(self, grad_output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """dW as fp32 rows [K, Kred] of these operands (of the launch's metadata)."""
+        parts, kout, reduction = self.partials_shape
+        if self.launch is None:
+            return torch.zeros(kout, reduction, dtype=torch.float32, device=self.device)
+        # Every element of every partial is written: each split owns a non-empty M range.
+        partials = torch.empty(self.partials_shape, dtype=torch.float32, device=self.device)
+        self.launch(grad_output, x, partials)
+        return partials[0] if parts == 1 else partials.sum(0)
+
+
+def weight_grad_launch(
     grad_output: torch.Tensor,
     x: torch.Tensor,
     kernel: tuple[int, ...],
     channels_last_columns: bool,
     splits: int,
     allow_tf32: bool,
-) -> tuple[PreparedLaunch | None, tuple[int, int, int]]:
-    """The launch and (partials, K, Kred) of a weight gradient; no launch when empty."""
+    device: torch.device,
+) -> WeightGradLaunch:
+    """The weight gradient's launch on ``device`` for operands of these sizes and
+    strides (real or meta tensors), taking (grad_output, x, partials)."""
     outs = tuple(grad_output.shape[2:])
     g = PatchGeometry.of(x, outs, kernel, channels_last_columns)
     kout = grad_output.shape[1]
@@ -446,7 +496,7 @@ def _prepare_weight_grad(
     per_split = triton.cdiv(triton.cdiv(max(g.rows, 1), splits), cfg.block_m) * cfg.block_m
     parts = triton.cdiv(max(g.rows, 1), per_split)
     if not (g.rows and kout and g.reduction):
-        return None, (parts, kout, g.reduction)
+        return WeightGradLaunch(None, (parts, kout, g.reduction), device)
     grid = (triton.cdiv(kout, cfg.block_n), triton.cdiv(g.reduction, cfg.block_k), parts)
     args = (
         TensorSlot(0), TensorSlot(1), TensorSlot(2),
@@ -456,8 +506,8 @@ def _prepare_weight_grad(
     row_align = whole_row_alignment(g, x.element_size())
     constants = _tile_constants(g, cfg, x.dtype, channels_last_columns, allow_tf32, row_align)
     launch = PreparedLaunch(_wgrad_kernel, grid, args, constants, cfg.launch_options(),
-                            x.device, {"do_not_specialize": _WGRAD_ARGS})  # fmt: skip
-    return launch, (parts, kout, g.reduction)
+                            device, {"do_not_specialize": _WGRAD_ARGS})  # fmt: skip
+    return WeightGradLaunch(launch, (parts, kout, g.reduction), device)
 
 
 __all__ = [
@@ -465,9 +515,13 @@ __all__ = [
     "FORWARD_TILES",
     "WGRAD_TILES",
     "WHOLE_ROW_FORWARD_TILES",
+    "WeightGradLaunch",
+    "backward_data_launch",
+    "forward_launch",
     "patch_gemm_backward_data",
     "patch_gemm_forward",
     "patch_gemm_weight_grad",
+    "weight_grad_launch",
     "wgrad_splits",
     "whole_row_alignment",
 ]

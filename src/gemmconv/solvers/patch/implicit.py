@@ -18,6 +18,7 @@ from gemmconv.kernels import SPLIT_PROGRAMS_PER_SM, split_programs
 from gemmconv.precision import convolutions_allow_tf32
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors, gemm_flop_ms
+from gemmconv.solvers.patch import implicit_prepared
 from gemmconv.solvers.patch.cost import gathered_run_bytes
 from gemmconv.solvers.patch.family import PatchFamilySolver
 from gemmconv.solvers.patch.mapping import (
@@ -128,6 +129,9 @@ class ImplicitGemmSolver(PatchFamilySolver):
 
     # ---- the three directions ----------------------------------------------
 
+    def prepare(self, p: ConvProblem, tensors: ConvTensors):
+        return implicit_prepared.prepare(self, p, tensors)
+
     def forward(self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None) -> torch.Tensor:
         from gemmconv.kernels.patch_gemm import patch_gemm_forward
 
@@ -157,5 +161,5 @@ class ImplicitGemmSolver(PatchFamilySolver):
         splits = wgrad_splits(p.gemm_m, p.k, p.gemm_k, p.dtype, split_programs(x.device))
         rows32 = patch_gemm_weight_grad(t.grad_output, x, p.kernel, channels_last_columns(p),
                                         splits, allow_tf32=convolutions_allow_tf32())  # fmt: skip
-        store_weight_rows(dw, rows32.to(p.dtype), column_layout(p))
+        store_weight_rows(dw, rows32, column_layout(p))  # the copy rounds to dW's dtype
         return dw
