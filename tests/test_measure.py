@@ -150,6 +150,35 @@ def test_a_timing_policy_refuses_a_count_that_measures_nothing(field, value):
         measure.TimingPolicy(**{field: value})
 
 
+def test_a_call_through_autograd_runs_inside_a_node_in_any_grad_mode():
+    """through_autograd makes each call from a backward node of a graph built once,
+    whether the caller is under no_grad, inference_mode or inside a backward itself
+    (find decides a backward plan on its first backward call)."""
+    made = []
+    call = measure.through_autograd(lambda: made.append(torch.is_grad_enabled()), CPU)
+    call()
+    with torch.no_grad():
+        call()
+    with torch.inference_mode():
+        measure.through_autograd(lambda: made.append("inference"), CPU)()
+
+    class Outer(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            measure.through_autograd(lambda: made.append("reentrant"), CPU)()
+            return grad * 2
+
+    x = torch.ones(3, requires_grad=True)
+    Outer.apply(x).sum().backward()
+    # The node's backward runs without grad mode, as autograd runs every backward.
+    assert made == [False, False, "inference", "reentrant"]
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+
+
 # ---- find decides on the call time ----------------------------------------------
 
 
@@ -186,6 +215,29 @@ def test_on_cuda_a_candidate_has_a_call_time_and_a_device_time():
     (m,) = measure.measure_solvers(p, [get_solver("patch")], verify=True)
     assert m.ok and m.verdict.ok
     assert m.call is not m.device and m.call_ms > 0 and m.device_ms > 0
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_backward_candidate_is_timed_from_an_autograd_node(monkeypatch):
+    """A backward direction's call time is of calls made from an autograd node (what a
+    user's backward pays); a forward's is of bare calls."""
+    cuda = torch.device("cuda")
+    wrapped = []
+    real = measure.through_autograd
+
+    def counted(call, device):
+        wrapped.append(device)
+        return real(call, device)
+
+    monkeypatch.setattr(measure, "through_autograd", counted)
+    for direction in Direction:
+        p = ConvProblem.from_sizes(64, 3, 64, (32, 32), 4, stride=4, dtype=torch.bfloat16,
+                                   device_type="cuda", direction=direction)  # fmt: skip
+        before = len(wrapped)
+        (m,) = measure.measure_solvers(p, [get_solver("patch")])
+        assert m.ok and m.call_ms > 0
+        sets = len(measure.operand_sets(p, cuda))
+        assert len(wrapped) - before == (0 if direction is Direction.FORWARD else sets)
 
 
 @pytest.mark.gpu

@@ -63,7 +63,8 @@ class DeviceRates:
     # What gemmconv's own autograd node costs the host beyond torch's fused
     # convolution backward (the Python node and a call per direction): where the
     # forward goes to the vendor, the backward leaves torch's fused one only for GEMM
-    # solvers that save more than this.
+    # solvers that save more than this; and every backward direction's call pays it
+    # (Solver.call_ms), each running inside that node.
     autograd_node_us: float = 60.0
     factors: Mapping[str, float] = dataclasses.field(default_factory=dict)
     source: str = ""
@@ -97,26 +98,29 @@ H200 = DeviceRates(
     bandwidth_gbs=4300.0,
     multiprocessors=132,
     launch_us=4.0,
-    # bf16 [9500 x 588] x [588 x 1280] ran 88 us, the same GEMM padded to 592 31 us.
-    unaligned_slowdown=2.8,
-    # A torch op cost 10-15 us of Python and dispatch on the H200's host, a prepared
-    # Triton launch about 55 (bench/results/host_costs_h200.txt: pad_rows 57.7 us a
-    # call for about 5 us of copying; F.pad 25 us, an allocation and addmm 28 us).
-    # Fitted to the suite's call times: with these every row but the STILL_OFF ones
-    # of tests/h200_measurements.py picks within 10% of the fastest call. The 55 us
-    # was Triton's ordinary launch route, before the direct one ever ran (88b9da4); a
-    # refit to the direct route's 9-10 us sent point 2D to patch_triton, faster only
-    # where the host is fast: on a slower H200 host its public calls ran 1.4-5.6x
-    # slower (bench/NOTES.md). A static table cannot follow the host, so it stays.
-    # Scaling the table to each host by a timed Triton launch was tried too and taken
-    # back: on an H100 host it sent point 2D's backward-data to patch_triton, whose
-    # public calls then ran 0.41-0.49x the rewrite's though find's call times put
-    # the solver ahead (bench/NOTES.md, ninth session of 2026-12-05).
-    host_launch_us=15.0,
-    host_triton_launch_us=55.0,
+    # bf16 [9500 x 588] x [588 x 1280] ran 88 us a call, 4.6x its flop floor at the
+    # matrix rate above (the same GEMM padded to 592 ran 31 us). The factor was 2.8,
+    # the ratio to the padded GEMM, which priced the unaligned GEMM at 55 us.
+    unaligned_slowdown=4.6,
+    # A torch op cost 20-28 us of Python and dispatch on the H200's host (bench/results/
+    # host_costs_h200.txt: F.pad 25 us, an allocation and addmm 28 us); a prepared
+    # Triton launch, on the direct route, about as much: patch_implicit's public
+    # forward of point 2D, an allocation and one launch, issued in 36 us (bench/
+    # results/point2d_public_h200.txt). The Triton price was 55 us, the ordinary
+    # route's, and stayed so long after the direct route landed because each refit
+    # to the direct route sent point 2D's backward to a solver whose public calls ran
+    # 1.5-5.6x slower than find's call times said (bench/NOTES.md): a backward runs
+    # in gemmconv's autograd node on the engine's worker thread, whose cost no call
+    # time held. Backward estimates now carry the node (Solver.call_ms, below) and
+    # find times backward candidates from a node (measure.through_autograd). Fitted
+    # to the suite's call times: with these every row but the STILL_OFF ones of
+    # tests/h200_measurements.py picks within 10% of the fastest call.
+    host_launch_us=20.0,
+    host_triton_launch_us=25.0,
     # gemmconv's backward of the Qwen2-VL patch embed spent 97 us per call on that
     # host, where a minimal autograd.Function running the same GEMMs added almost
     # nothing over the rewrite (bench/NOTES.md, "Host path and cost table, measured").
+    # A backward direction's call pays it on top of its own host time.
     autograd_node_us=80.0,
     # The vendor's fraction of the floor in the suite run: 1x1 at 0.78-0.94 of it
     # (NHWC backward-data 0.17 there, 0.87 without the stand-in input below); patch
@@ -147,12 +151,11 @@ H200 = DeviceRates(
         "vendor_few_channel_patch": 0.25,
         "vendor_other": 0.5,
     },
-    source="tests/data/h200_suite.json (NVIDIA H200, torch 2.11, cuDNN 9.19, the suite of "
-    "gemmconv 0.1.0 with prepared runs, bench/results/h200.json at commit 9acd9a1; the "
-    "vendor factors were fitted to the device times of the run before the host-path work, "
-    "the 1x1 and small-patch ones refitted to the same file and bench/results/h200.json "
-    "at 22a7a55; the vendor's channels-last small-patch backward-data re-measured without a "
-    "stand-in input, see the file's 'amended')",
+    source="tests/data/h200_suite.json (NVIDIA H200, torch 2.11, cuDNN 9.19, the suite at "
+    "commit 22a735c, bench/results/h200.json of the second session of 2026-12-06): the "
+    "unaligned slowdown and host costs fitted to it; the vendor factors fitted to earlier runs "
+    "(9acd9a1, 22a7a55, the channels-last small-patch backward-data without a stand-in input) "
+    "and kept, with which every pick on this run but point 2D's stays the same",
 )
 
 # The CPU machines of this project (2 cores): orders of magnitude below any GPU; only

@@ -248,10 +248,45 @@ def time_solver(
     if device.type != "cuda":
         return device_time, device_time
     calls = [lambda t=t: run(t) for t in operand_sets]
+    if problem.direction is not Direction.FORWARD:
+        calls = [through_autograd(call, device) for call in calls]
     call_time = time_interleaved(
         {solver.id: calls}, device, reps=policy.call_reps, warmup=1, block_ms=policy.block_ms
     )[solver.id]
     return call_time, device_time
+
+
+class _BackwardRunning(torch.autograd.Function):
+    """An autograd node whose backward makes one call: a backward direction as the
+    eager road's node runs it."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, call: Callable[[], object]) -> torch.Tensor:  # type: ignore[override]
+        ctx.call = call
+        return anchor.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        ctx.call()
+        return grad, None
+
+
+def through_autograd(call: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """``call`` made from inside an autograd node, as a user's backward reaches a
+    backward direction: each call is one ``torch.autograd.grad`` of a graph built
+    once. On CUDA the engine runs the node on the device's worker thread, where the
+    host work of a backward call measured 1.5-2.6x its time on the calling thread
+    (bench/results/point2d_public_h200.txt): timed bare, the backward solvers with the
+    most host work looked fastest and ran slowest for users."""
+    with torch.inference_mode(False), torch.enable_grad():
+        anchor = torch.zeros((), device=device, requires_grad=True)
+        out = _BackwardRunning.apply(anchor, call)
+    seed = torch.ones_like(out)
+
+    def from_a_node() -> object:
+        return torch.autograd.grad(out, anchor, seed, retain_graph=True)
+
+    return from_a_node
 
 
 def _first_operand(tensors: ConvTensors) -> torch.Tensor:

@@ -184,9 +184,12 @@ class Solver:
 
     def call_ms(self, problem: ConvProblem, rates: DeviceRates | None = None) -> float:
         """What one call costs in a steady stream of calls: device and host time
-        overlap on a GPU (the host queues ahead), and add up on a CPU."""
+        overlap on a GPU (the host queues ahead), and add up on a CPU. A backward
+        direction runs inside gemmconv's autograd node, whose host time it pays too."""
         rates = rates or rates_for(problem.device_type)
         device, host = self.estimate_ms(problem, rates), self.host_ms(problem, rates)
+        if problem.direction is not Direction.FORWARD:
+            host += rates.autograd_node_us / 1000.0
         return max(device, host) if rates.host_overlaps_device else device + host
 
     def estimate_ms(self, problem: ConvProblem, rates: DeviceRates | None = None) -> float:
