@@ -50,14 +50,16 @@ FULL_RATE_RUN_BYTES = 64
 # wrote its 151 MB output in 0.105 ms); fitted to that row.
 IMPLICIT_OUTPUT_STORE_SLOWDOWN = 3.0
 # One dense patch a sample (point 2D and 3D) runs the kernels' whole-row path: no index
-# map, each row loaded in vectors of its alignment (kernels/patch_gemm.py). On an H100
-# (bench/results/whole_row_h100.txt) point 2D bf16, 588-element rows in 8-byte
-# vectors, ran its forward at 0.29-0.32 of the measured matrix rate, backward-data at
-# 0.38 and the weight gradient at 0.23; point 3D's forward, 16-byte vectors, at 0.36.
+# map, each row loaded in vectors of its alignment (kernels/patch_gemm.py). In the H200
+# suite at 22a735c (tests/data/h200_suite.json) point 2D bf16, 588-element rows in
+# 8-byte vectors, ran its forward in 56 us, backward-data in 45 and the weight
+# gradient in 73; point 3D, 16-byte vectors, 107, 83 and 119-131: these fractions of
+# the table's matrix rate reproduce them (an H100 reached 0.29-0.38 of its measured
+# rate, bench/results/whole_row_h100.txt).
 WHOLE_ROW_EFFICIENCY = {
-    Direction.FORWARD: 0.32,
-    Direction.BACKWARD_DATA: 0.38,
-    Direction.BACKWARD_WEIGHTS: 0.23,
+    Direction.FORWARD: 0.35,
+    Direction.BACKWARD_DATA: 0.45,
+    Direction.BACKWARD_WEIGHTS: 0.32,
 }
 # Rows whose vectors would be narrower than this were not measured: they keep the
 # device's unaligned slowdown.
