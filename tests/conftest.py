@@ -62,7 +62,8 @@ def work_costs_only(monkeypatch):
     from gemmconv import device_rates
 
     monkeypatch.setattr(device_rates, "CPU", dataclasses.replace(device_rates.CPU,
-                        launch_us=0.0, host_launch_us=0.0, autograd_node_us=0.0))  # fmt: skip
+                        launch_us=0.0, host_launch_us=0.0, host_allocation_us=0.0,
+                        autograd_node_us=0.0))  # fmt: skip
 
 
 def find_db_warnings(caught) -> int:

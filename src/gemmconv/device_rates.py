@@ -59,6 +59,8 @@ class DeviceRates:
     # device time in the first case, their sum in the second.
     host_launch_us: float = 10.0
     host_triton_launch_us: float = 10.0
+    # The result's allocation alone (torch.empty_strided), without a kernel.
+    host_allocation_us: float = 10.0
     host_overlaps_device: bool = True
     # What gemmconv's own autograd node costs the host beyond torch's fused
     # convolution backward (the Python node and a call per direction): where the
@@ -103,25 +105,33 @@ H200 = DeviceRates(
     # the ratio to the padded GEMM, which priced the unaligned GEMM at 55 us.
     unaligned_slowdown=4.6,
     # A torch op cost 20-28 us of Python and dispatch on the H200's host (bench/results/
-    # host_costs_h200.txt: F.pad 25 us, an allocation and addmm 28 us); a prepared
-    # Triton launch, on the direct route, about as much: patch_implicit's public
-    # forward of point 2D, an allocation and one launch, issued in 36 us (bench/
-    # results/point2d_public_h200.txt). The Triton price was 55 us, the ordinary
-    # route's, and stayed so long after the direct route landed because each refit
-    # to the direct route sent point 2D's backward to a solver whose public calls ran
-    # 1.5-5.6x slower than find's call times said (bench/NOTES.md): a backward runs
-    # in gemmconv's autograd node on the engine's worker thread, whose cost no call
-    # time held. Backward estimates now carry the node (Solver.call_ms, below) and
-    # find times backward candidates from a node (measure.through_autograd). Fitted
-    # to the suite's call times: with these every row but the STILL_OFF ones of
-    # tests/h200_measurements.py picks within 10% of the fastest call.
+    # host_costs_h200.txt: F.pad 25 us, an allocation and addmm 28 us), an allocation
+    # alone 3-5 (torch.profiler's aten::empty_strided in bench/results/
+    # node_gap_h100.txt), a prepared Triton launch on the direct route about 15 with its
+    # Python: patch_implicit's run of point 2D's forward, an allocation and one launch,
+    # issued in 26 us there (36 as the public call; bench/results/
+    # point2d_public_h200.txt). The Triton price
+    # was 55 us, the ordinary route's, and stayed so long after the direct route landed
+    # because each refit to the direct route sent point 2D's backward to a solver whose
+    # public calls ran 1.5-5.6x slower than find's call times said (bench/NOTES.md): a
+    # backward runs in gemmconv's autograd node on the engine's worker thread, whose
+    # cost no call time held. Backward estimates now carry the node (Solver.call_ms,
+    # below) and find times backward candidates from a node (measure.through_autograd).
+    # Fitted to the suite's call times, the 22a735c run here and the H100 run at 462056e
+    # (bench/results/h100.json, backward candidates timed from the node): with these
+    # every row of both but the STILL_OFF ones of tests/h200_measurements.py (and
+    # DiT-XL/2's channels-last backward-data on the H100) picks within 10% of the
+    # fastest call.
     host_launch_us=20.0,
-    host_triton_launch_us=25.0,
-    # gemmconv's backward of the Qwen2-VL patch embed spent 97 us per call on that
-    # host, where a minimal autograd.Function running the same GEMMs added almost
-    # nothing over the rewrite (bench/NOTES.md, "Host path and cost table, measured").
-    # A backward direction's call pays it on top of its own host time.
-    autograd_node_us=80.0,
+    host_triton_launch_us=15.0,
+    host_allocation_us=5.0,
+    # What a public backward call cost the host beyond the solver's own run: 60 us on
+    # the H200's host (point_output's backward-data, bench/results/
+    # point2d_public_h200.txt: 80.7 us of host issue against 20.4 for its bare run) and
+    # 58-66 on an H100's (bench/results/node_gap_h100.txt): torch's autograd.grad, the
+    # engine's hand-off to its worker thread and gemmconv's Python node. A backward
+    # direction's call pays it on top of its own host time (Solver.call_ms).
+    autograd_node_us=60.0,
     # The vendor's fraction of the floor in the suite run: 1x1 at 0.78-0.94 of it
     # (NHWC backward-data 0.17 there, 0.87 without the stand-in input below); patch
     # embeddings of 16 taps or more 0.007-0.45, 0.038 at the median of 48 rows;
@@ -170,6 +180,7 @@ CPU = DeviceRates(
     launch_us=5.0,
     host_launch_us=4.0,
     host_triton_launch_us=4.0,  # never a contender on the CPU: Triton runs interpreted
+    host_allocation_us=4.0,
     host_overlaps_device=False,
     # A channels-last 4x4 patch's forward+backward cost 196.5 us through gemmconv's
     # node (a vendor dW and a patch dX) against torch's 125.2, its forward 3.4 of that

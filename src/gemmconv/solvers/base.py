@@ -170,6 +170,11 @@ class Solver:
         allocation)."""
         return self.gemm_launches(problem) + 1
 
+    def allocations(self, problem: ConvProblem) -> int:
+        """How many of the host's launches are allocations alone (the result's), each
+        costing the host less than an op (DeviceRates.host_allocation_us)."""
+        return 1
+
     def triton_launches(self, problem: ConvProblem) -> int:
         """How many of the host's launches are Triton kernels, each costing the host
         more than a torch op (DeviceRates.host_triton_launch_us)."""
@@ -178,9 +183,13 @@ class Solver:
     def host_ms(self, problem: ConvProblem, rates: DeviceRates | None = None) -> float:
         """Host time of one call on the eager road."""
         rates = rates or rates_for(problem.device_type)
-        triton = self.triton_launches(problem)
-        torch_ops = self.host_launches(problem) - triton
-        return (torch_ops * rates.host_launch_us + triton * rates.host_triton_launch_us) / 1000.0
+        triton, allocations = self.triton_launches(problem), self.allocations(problem)
+        torch_ops = self.host_launches(problem) - triton - allocations
+        return (
+            torch_ops * rates.host_launch_us
+            + triton * rates.host_triton_launch_us
+            + allocations * rates.host_allocation_us
+        ) / 1000.0
 
     def call_ms(self, problem: ConvProblem, rates: DeviceRates | None = None) -> float:
         """What one call costs in a steady stream of calls: device and host time

@@ -57,6 +57,9 @@ class VendorSolver(Solver):
     def host_launches(self, problem: ConvProblem) -> int:
         return 1  # one aten call, which allocates its own result
 
+    def allocations(self, problem: ConvProblem) -> int:
+        return 0
+
     def _args(self, p: ConvProblem):
         return (list(p.stride), list(p.padding), list(p.dilation), False, [0] * p.dims, p.groups)
 

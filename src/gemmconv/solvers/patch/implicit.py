@@ -89,6 +89,11 @@ class ImplicitGemmSolver(PatchFamilySolver):
     def triton_launches(self, p: ConvProblem) -> int:
         return self.gemm_launches(p)  # its GEMM is a Triton kernel
 
+    def host_launches(self, p: ConvProblem) -> int:
+        # The weight gradient also sums its fp32 partials and rounds them into dW.
+        extra = 2 if p.direction is Direction.BACKWARD_WEIGHTS else 0
+        return super().host_launches(p) + extra
+
     def _partials_bytes(self, p: ConvProblem, rates: DeviceRates) -> int:
         """The weight gradient's fp32 partials and their sum."""
         if p.direction is not Direction.BACKWARD_WEIGHTS:
