@@ -110,9 +110,9 @@ H200 = DeviceRates(
     # node_gap_h100.txt), a prepared Triton launch on the direct route about 15 with its
     # Python: patch_implicit's run of point 2D's forward, an allocation and one launch,
     # issued in 26 us there (36 as the public call; bench/results/
-    # point2d_public_h200.txt). The Triton price
-    # was 55 us, the ordinary route's, and stayed so long after the direct route landed
-    # because each refit to the direct route sent point 2D's backward to a solver whose
+    # point2d_public_h200.txt). The Triton price was 55 us, the ordinary route's, and
+    # stayed so long after the direct route landed because each refit to the direct
+    # route sent point 2D's backward to a solver whose
     # public calls ran 1.5-5.6x slower than find's call times said (bench/NOTES.md): a
     # backward runs in gemmconv's autograd node on the engine's worker thread, whose
     # cost no call time held. Backward estimates now carry the node (Solver.call_ms,

@@ -274,10 +274,11 @@ class _BackwardRunning(torch.autograd.Function):
 def through_autograd(call: Callable[[], object], device: torch.device) -> Callable[[], object]:
     """``call`` made from inside an autograd node, as a user's backward reaches a
     backward direction: each call is one ``torch.autograd.grad`` of a graph built
-    once. On CUDA the engine runs the node on the device's worker thread, where the
-    host work of a backward call measured 1.5-2.6x its time on the calling thread
-    (bench/results/point2d_public_h200.txt): timed bare, the backward solvers with the
-    most host work looked fastest and ran slowest for users."""
+    once. A public backward call cost about 60 us of host beyond its solver's bare
+    call (autograd, the hand-off to the engine's worker thread on CUDA, the node;
+    bench/results/node_gap_h100.txt), so timed bare, the backward solvers with the
+    most host work looked fastest and ran slowest for users (up to 2.6x their bare
+    call, bench/results/point2d_public_h200.txt)."""
     with torch.inference_mode(False), torch.enable_grad():
         anchor = torch.zeros((), device=device, requires_grad=True)
         out = _BackwardRunning.apply(anchor, call)
