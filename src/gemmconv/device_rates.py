@@ -119,9 +119,9 @@ H200 = DeviceRates(
     # below) and find times backward candidates from a node (measure.through_autograd).
     # Fitted to the suite's call times, the 22a735c run here and the H100 run at 462056e
     # (bench/results/h100.json, backward candidates timed from the node): with these
-    # every row of both but the STILL_OFF ones of tests/h200_measurements.py (and
-    # DiT-XL/2's channels-last backward-data on the H100) picks within 10% of the
-    # fastest call.
+    # every row of the H100 run, and every row of this one but the STILL_OFF ones of
+    # tests/h200_measurements.py (two backward rows it timed bare), picks within 10% of
+    # the fastest call.
     host_launch_us=20.0,
     host_triton_launch_us=15.0,
     host_allocation_us=5.0,
