@@ -22,6 +22,7 @@ import argparse
 import cProfile
 import dataclasses
 import io
+import itertools
 import pstats
 import time
 
@@ -98,10 +99,10 @@ def _print_host_ops(fn, calls: int, top: int) -> None:
 
 def _rotating(fns):
     """One call of ``fns`` after another, in turn, as the timed blocks make them."""
-    turn = iter(range(1 << 62))
+    turn = itertools.cycle(fns)
 
     def call():
-        return fns[next(turn) % len(fns)]()
+        return next(turn)()
 
     return call
 
