@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from gemmconv import device_rates, dispatch
+from gemmconv.host_probe import host_fields
 from gemmconv.linear_rewrite import rewrite_fn
 from gemmconv.long_run import Calls, cpu_seconds, long_run_warning
 from gemmconv.measure import (
@@ -410,6 +411,7 @@ def run_suite(
     )
     results = {
         **environment(device),
+        **host_fields(device, quick),
         "quick": quick,
         "timing": timing,
         "rates": dataclasses.asdict(rates),

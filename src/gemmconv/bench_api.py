@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import platform
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,6 +34,7 @@ from gemmconv.bench import (
     select_named,
 )
 from gemmconv.bench_report import default_stem
+from gemmconv.host_probe import cpu_model, host_fields, host_lines
 from gemmconv.measure import operand_sets
 from gemmconv.problem import Direction
 from gemmconv.timing import time_interleaved
@@ -160,6 +160,7 @@ def run(
     started = time.time()
     results = {
         **environment(device),
+        **host_fields(device, quick),
         "machine": machine,
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "quick": quick,
@@ -237,6 +238,7 @@ def markdown(results: dict) -> str:
         f"{results['gemmconv']}"
         + (f", {results['threads']} threads" if results["threads"] else ""),
         "",
+        *host_lines(results),
         f"Wall clock of the public call in ms ({results['timing']}): torch's F.conv*, the "
         "reshape + F.linear rewrite (gradients through autograd) and gemmconv.conv*, "
         "default selection. 'x torch' = torch ms / gemmconv ms and 'x linear' = linear ms / "
@@ -284,15 +286,7 @@ def machine_label(device: torch.device) -> str:
     """'2-core CPU, <model name>' on the CPU, the GPU's name on CUDA."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{os.cpu_count()}-core CPU, {model}"
+    return f"{os.cpu_count()}-core CPU, {cpu_model()}"
 
 
 def _parser() -> Parser:

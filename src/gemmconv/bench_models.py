@@ -46,6 +46,7 @@ from gemmconv.e2e_scenarios import (
     prepare_variant,
     scenarios,
 )
+from gemmconv.host_probe import host_fields, host_lines
 from gemmconv.timing import interleaved_orders
 from gemmconv.usage import Parser, UsageError, reports_usage_errors
 from gemmconv.verify import rms_range
@@ -186,6 +187,7 @@ def _empty_results(device: torch.device, quick: bool, steps: int, warmup: int) -
     lists the scenarios fill."""
     return {
         **environment(device),
+        **host_fields(device, quick),
         **_versions(),
         "quick": quick,
         "steps": steps,
@@ -302,6 +304,7 @@ def markdown(results: dict, checks: list[dict]) -> str:
         f"gemmconv {results['gemmconv']}; gemmconv selection mode {results['find_mode']}, "
         f"cudnn.benchmark {results['cudnn_benchmark']}.",
         "",
+        *host_lines(results),
         f"Milliseconds per step: {results['timing']} ({results['steps']} steps after "
         f"{results['warmup']} warm-up{_more_steps(results['steps'])}). "
         "converted = gemmconv.convert(model); "

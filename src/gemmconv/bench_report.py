@@ -12,6 +12,8 @@ import math
 import re
 from pathlib import Path
 
+from gemmconv.host_probe import host_lines
+
 # Targets on what users pay: every row's public call at least this fast as cuDNN's and
 # as the rewrite's (the run-to-run noise), and the rewrite's time over gemmconv's at
 # least API_LINEAR_GEOMEAN in geometric mean.
@@ -154,6 +156,7 @@ def markdown(results: dict, stats: dict) -> str:
         + (" — QUICK (tiny shapes, not a measurement)" if results.get("quick") else "")
         + (" — TRUNCATED (time budget spent; rows missing)" if results.get("truncated") else ""),
         "",
+        *host_lines(results),
         *_api_table(results),
         "## Device time (a diagnostic: the kernels alone, the host hidden)",
         "",
