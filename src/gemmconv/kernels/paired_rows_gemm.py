@@ -1,0 +1,188 @@
+"""The forward GEMM of point problems whose rows are 8 bytes off 16-byte alignment, with
+the rows loaded by the tensor memory accelerator (TMA) two samples at a time.
+
+Point 2D's rows are 588 bf16 elements, 1176 bytes: every other row starts 8 bytes off
+a 16-byte boundary, so cuBLAS runs its slow kernels on them (88 us on an H200, 31 us
+for the same GEMM padded to 592) and the whole-row implicit GEMM loads them as 8-byte
+vectors (56 us on an H100, bench/results/whole_row_h100.txt). A pair of rows is 2352
+bytes, a multiple of 16, so the input seen as [M/2, 2*K] (one pair a row) has the
+strides TMA needs, and every row of the pair is a box of it at column 0 or K:
+
+- even samples: the descriptor [ceil(M/2), K] with row stride 2*K, boxes at column k0;
+  past column K it reads zeros, so the reduction's tail needs no mask;
+- odd samples: the descriptor [floor(M/2), 2*K] with the same stride, boxes from
+  column K - 4 on (a box starts on a 16-byte boundary: the first one's four columns
+  before the row are the even row's, zeroed before the product); past column 2*K zeros
+  again. Neither descriptor reaches past x's last element.
+
+The grid's second axis is the parity, so each program runs one loop of TMA loads and
+the weight's rows (8-byte vectors, as the whole-row kernel loads them) into the tensor
+cores with fp32 accumulation, and stores its rows of y (every other row of [M, N]) with
+the bias added.
+
+No solver runs it yet (bench/results/paired_rows_h100.txt, an H100): point 2D's forward
+GEMM took 47 us a CUDA-graph replay and 52 with L2 flushed with the tiles below, 43 and
+49-65 with 256x128 tiles, against 53 and 58-59 for the whole-row kernel and 30 and 33
+for cuBLAS on rows padded to 592. The weight's unaligned rows, still loaded as vectors,
+are the likely rest; and one launch through Triton's ordinary route, which builds the
+two descriptors, cost 42-78 us of host time, where the prepared whole-row launch costs
+13: a solver needs the prepared direct launch to take descriptors before this pays.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gemmconv.kernels import compiled
+from gemmconv.kernels.patch_gemm import TileConfig
+from gemmconv.kernels.patch_index import DeviceHelper
+from gemmconv.kernels.program_order import grouped_tile
+
+# TMA's rule for a box's global memory: the base and every stride but the innermost
+# 16-byte aligned.
+TMA_ALIGNMENT = 16
+# Tiles for half precision: the best of scripts/paired_rows_probe.py's sweep on an H100
+# with L2 flushed in both dtypes (bench/results/paired_rows_h100.txt).
+FORWARD_TILES = {
+    torch.float16: TileConfig(128, 128, 64, 4, 3),
+    torch.bfloat16: TileConfig(128, 128, 64, 4, 3),
+}
+
+
+def _accumulate(x_desc, row0, col0, k_start, w_ptr, w_row, n_ok, KRED, acc,
+                ROW_ALIGN: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """acc + x's box rows [row0, +BLOCK_M), columns col0 + k for k from ``k_start`` to
+    the reduction's end, times the weight's rows ``w_row`` at columns k."""
+    for k0 in range(k_start, KRED, BLOCK_K):
+        a = x_desc.load([row0, col0 + k0])
+        kr = k0 + tl.arange(0, BLOCK_K)
+        # Constant over each aligned vector of ROW_ALIGN columns, so the loads stay vectors.
+        k_ok = kr // ROW_ALIGN < KRED // ROW_ALIGN
+        b = tl.load(w_ptr + w_row[None, :] + kr[:, None],
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+accumulate = DeviceHelper(_accumulate)
+
+
+def _forward_kernel(
+    x_even, x_odd, w_ptr, b_ptr, y_ptr,
+    M, KOUT, KRED, WLD, YSN, YSC, BS,
+    HAS_BIAS: tl.constexpr,
+    SHIFT: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    pairs = (M + 1) // 2
+    pid_m, pid_n = grouped_tile(tl.program_id(0), pairs, KOUT, BLOCK_M, BLOCK_N, GROUP_M)
+    parity = tl.program_id(1)
+    kout = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = kout < KOUT
+    w_row = tl.multiple_of(kout.to(tl.int64) * WLD, ROW_ALIGN)
+    row0 = pid_m * BLOCK_M
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    if parity == 0:
+        acc = accumulate(x_even, row0, 0, 0, w_ptr, w_row, n_ok, KRED, acc, ROW_ALIGN, BLOCK_K)
+    else:
+        # The odd row starts SHIFT elements past a 16-byte boundary, where a box may not
+        # start: the first box starts at the boundary, SHIFT columns early, and those
+        # columns (the even row's last) are zeroed before they are multiplied, so even
+        # an infinity there reaches no other sample.
+        kr = tl.arange(0, BLOCK_K) - SHIFT
+        a = x_odd.load([row0, KRED - SHIFT])
+        a = tl.where(kr[None, :] >= 0, a, 0.0)
+        k_ok = (kr >= 0) & (kr < KRED)
+        b = tl.load(w_ptr + w_row[None, :] + kr[:, None],
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
+        acc = tl.dot(a, b, acc)
+        acc = accumulate(x_odd, row0, KRED, BLOCK_K - SHIFT, w_ptr, w_row, n_ok, KRED, acc,
+                         ROW_ALIGN, BLOCK_K)  # fmt: skip
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + kout * BS, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    m = 2 * (row0 + tl.arange(0, BLOCK_M)) + parity
+    tl.store(y_ptr + m[:, None].to(tl.int64) * YSN + kout[None, :].to(tl.int64) * YSC,
+             acc.to(y_ptr.dtype.element_ty), mask=(m < M)[:, None] & n_ok[None, :])  # fmt: skip
+
+
+def applies(x_rows: torch.Tensor) -> bool:
+    """Whether ``x_rows`` ([M, K], dense rows) is what this kernel is for: half
+    precision, at least two rows, a 16-byte aligned start and rows 8 bytes off
+    alignment (so pairs of rows are aligned)."""
+    if x_rows.dim() != 2 or x_rows.dtype not in FORWARD_TILES or x_rows.shape[0] < 2:
+        return False
+    row_bytes = x_rows.stride(0) * x_rows.element_size()
+    return (
+        x_rows.stride(1) == 1
+        and x_rows.stride(0) == x_rows.shape[1]
+        and row_bytes % TMA_ALIGNMENT == TMA_ALIGNMENT // 2
+        and x_rows.data_ptr() % TMA_ALIGNMENT == 0
+    )
+
+
+def _descriptors(x_rows: torch.Tensor, cfg: TileConfig):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = x_rows.shape
+    box = [cfg.block_m, cfg.block_k]
+    even = TensorDescriptor(x_rows, [(m + 1) // 2, k], [2 * k, 1], box)
+    odd = TensorDescriptor(x_rows, [m // 2, 2 * k], [2 * k, 1], box)
+    return even, odd
+
+
+def _vector_elements(k: int, wld: int, element_size: int) -> int:
+    """The weight rows' vector width in elements: the largest power of two up to 16
+    bytes dividing the reduction and the rows' stride."""
+    align = 1
+    while 2 * align * element_size <= 16 and k % (2 * align) == 0 and wld % (2 * align) == 0:
+        align *= 2
+    return align
+
+
+def paired_rows_forward(
+    x_rows: torch.Tensor,
+    weight_rows: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    cfg: TileConfig | None = None,
+) -> torch.Tensor:
+    """out[M, N] = x_rows @ weight_rows^T (+ bias), for ``x_rows`` this kernel applies
+    to (``applies``); ``weight_rows`` [N, K] with unit column stride, ``out`` any
+    strides. ``cfg`` overrides the tile table (the probe's sweep)."""
+    if not applies(x_rows):
+        raise ValueError(
+            f"x_rows {tuple(x_rows.shape)} with strides {x_rows.stride()}, {x_rows.dtype}: "
+            "expected dense half-precision rows 8 bytes off 16-byte alignment, at least two, "
+            "starting 16-byte aligned"
+        )
+    m, k = x_rows.shape
+    n = weight_rows.shape[0]
+    if weight_rows.shape != (n, k) or weight_rows.stride(1) != 1:
+        raise ValueError(f"weight_rows {tuple(weight_rows.shape)}: expected [{n}, {k}], dense rows")
+    if out.shape != (m, n):
+        raise ValueError(f"out {tuple(out.shape)}: expected [{m}, {n}]")
+    cfg = cfg or FORWARD_TILES[x_rows.dtype]
+    even, odd = _descriptors(x_rows, cfg)
+    pairs = (m + 1) // 2
+    grid = (triton.cdiv(pairs, cfg.block_m) * triton.cdiv(n, cfg.block_n), 2)
+    kernel = compiled(_forward_kernel, x_rows.device)
+    kernel[grid](
+        even, odd, weight_rows, weight_rows if bias is None else bias, out,
+        m, n, k, weight_rows.stride(0), out.stride(0), out.stride(1),
+        1 if bias is None else bias.stride(0),
+        HAS_BIAS=bias is not None,
+        SHIFT=(k * x_rows.element_size() % TMA_ALIGNMENT) // x_rows.element_size(),
+        ROW_ALIGN=_vector_elements(k, weight_rows.stride(0), x_rows.element_size()),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8,
+        **cfg.launch_options(),
+    )  # fmt: skip
+    return out
+
+
+__all__ = ["FORWARD_TILES", "applies", "paired_rows_forward"]
