@@ -1,12 +1,11 @@
 """The host a benchmark ran on, and what that host charges a backward before any kernel.
 
-The same code on two H100 machines gave public backward calls 60-340 us apart wherever
-a call was host-bound, the reshape + linear rewrite's and cuDNN's as much as gemmconv's,
-while forwards and device times agreed (bench/results/h100.md against
-h100_slow_host.md). On CUDA every backward call goes through autograd's hand-off to the
-device's worker thread and back; a one-op backward of torch's own measures that
-hand-off on the host at hand, so each report says what kind of host its figures are
-from.
+The same code on two H100 machines gave public backward calls up to 340 us apart
+wherever a call was host-bound, the reshape + linear rewrite's too, while device times
+agreed within 5% (bench/results/h100.md against h100_slow_host.md). On CUDA every
+backward call goes through autograd's hand-off to the device's worker thread and back;
+a one-op backward of torch's own measures that hand-off on the host at hand, so each
+report says what kind of host its figures are from.
 """
 
 from __future__ import annotations
