@@ -24,6 +24,7 @@ from gemmconv.kernels import paired_rows_gemm, patch_gemm
 from gemmconv.kernels.patch_gemm import TileConfig
 
 CONFIGS = [
+    TileConfig(128, 256, 64, 8, 4),
     TileConfig(128, 128, 64, 8, 3),
     TileConfig(128, 128, 64, 4, 3),
     TileConfig(128, 128, 64, 8, 4),
@@ -71,6 +72,22 @@ def _probe(dt: torch.dtype, dev: torch.device) -> None:
     _line("cuBLAS addmm, rows padded to 592", lambda: torch.addmm(bias, padded, w_padded.t()))
     _line("whole-row implicit (patch_gemm)",
           lambda: patch_gemm.patch_gemm_forward(x, w, bias, r, False, out=y4))  # fmt: skip
+    boxed = paired_rows_gemm.boxed_weights(w)
+    _line("boxed_weights (the weight's padded copy)", lambda: paired_rows_gemm.boxed_weights(w))
+    for cfg in CONFIGS:
+        name = f"boxed {cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
+        name += f" w{cfg.num_warps} s{cfg.num_stages}"
+        try:
+            y.fill_(float("nan"))
+            paired_rows_gemm.paired_rows_forward_boxed(rows, boxed, bias, y, cfg)
+            err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+            if not err < 1e-2:
+                print(f"{name}: WRONG, relative error {err:.3g}", flush=True)
+                continue
+            _line(name, lambda cfg=cfg: paired_rows_gemm.paired_rows_forward_boxed(
+                rows, boxed, bias, y, cfg))  # fmt: skip
+        except Exception as exc:  # out of shared memory and the like
+            print(f"{name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
     for cfg in CONFIGS:
         name = f"paired {cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
         name += f" w{cfg.num_warps} s{cfg.num_stages}"

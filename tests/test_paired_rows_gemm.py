@@ -12,7 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemmconv.kernels.paired_rows_gemm import applies, paired_rows_forward
+from gemmconv.kernels.paired_rows_gemm import (
+    applies,
+    boxed_weights,
+    paired_rows_forward,
+    paired_rows_forward_boxed,
+)
 from gemmconv.kernels.patch_gemm import TileConfig
 
 # Small tiles for the interpreter; the GPU runs the table's.
@@ -24,12 +29,18 @@ def _reference(x, w, b):
     return y if b is None else y + b.double()
 
 
-def _check(m, k, n, bias, dtype, device, cfg):
+def _run(x, w, b, out, cfg, boxed):
+    if boxed:
+        return paired_rows_forward_boxed(x, boxed_weights(w), b, out, cfg)
+    return paired_rows_forward(x, w, b, out, cfg)
+
+
+def _check(m, k, n, bias, dtype, device, cfg, boxed):
     x = torch.randn(m, k, dtype=dtype, device=device)
     w = torch.randn(n, k, dtype=dtype, device=device)
     b = torch.randn(n, dtype=dtype, device=device) if bias else None
     out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
-    paired_rows_forward(x, w, b, out, cfg)
+    _run(x, w, b, out, cfg, boxed)
     ref = _reference(x, w, b)
     assert torch.isfinite(out).all()
     err = (out.double() - ref).abs().max().item()
@@ -43,16 +54,18 @@ def _check(m, k, n, bias, dtype, device, cfg):
     [(7, 588, 40, True), (6, 588, 33, False), (2, 12, 16, True), (37, 76, 20, False)],
     ids=["point2d-rows-odd-m", "point2d-rows-even-m", "two-rows", "many-tiles"],
 )
-def test_matches_float64_interpreted(m, k, n, bias):
-    _check(m, k, n, bias, torch.float16, "cpu", _SMALL)
+@pytest.mark.parametrize("boxed", [False, True], ids=["vector-weight", "boxed-weight"])
+def test_matches_float64_interpreted(m, k, n, bias, boxed):
+    _check(m, k, n, bias, torch.float16, "cpu", _SMALL, boxed)
 
 
-def test_an_infinity_stays_in_its_sample():
+@pytest.mark.parametrize("boxed", [False, True], ids=["vector-weight", "boxed-weight"])
+def test_an_infinity_stays_in_its_sample(boxed):
     x = torch.randn(4, 588, dtype=torch.float16)
     x[0, -1] = float("inf")  # the last element of an even row, read by the odd row's box
     w = torch.randn(8, 588, dtype=torch.float16)
     out = torch.full((4, 8), float("nan"), dtype=torch.float16)
-    paired_rows_forward(x, w, None, out, _SMALL)
+    _run(x, w, None, out, _SMALL, boxed)
     assert not torch.isfinite(out[0]).all()
     assert torch.isfinite(out[1:]).all()
 
@@ -78,7 +91,8 @@ def test_refuses_what_it_does_not_apply_to():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(("m", "bias"), [(9500, True), (9501, False), (2, False)])
-def test_matches_float64_on_cuda(dtype, m, bias):
+@pytest.mark.parametrize("boxed", [False, True], ids=["vector-weight", "boxed-weight"])
+def test_matches_float64_on_cuda(dtype, m, bias, boxed):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    _check(m, 588, 1280, bias, dtype, "cuda", None)
+    _check(m, 588, 1280, bias, dtype, "cuda", None, boxed)

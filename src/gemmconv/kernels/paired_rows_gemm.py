@@ -16,17 +16,20 @@ strides TMA needs, and every row of the pair is a box of it at column 0 or K:
   again. Neither descriptor reaches past x's last element.
 
 The grid's second axis is the parity, so each program runs one loop of TMA loads and
-the weight's rows (8-byte vectors, as the whole-row kernel loads them) into the tensor
-cores with fp32 accumulation, and stores its rows of y (every other row of [M, N]) with
-the bias added.
+the weight's rows into the tensor cores with fp32 accumulation, and stores its rows of
+y (every other row of [M, N]) with the bias added. The weight's rows are as unaligned
+as x's: ``paired_rows_forward`` loads them as 8-byte vectors, and
+``paired_rows_forward_boxed`` by TMA boxes from ``boxed_weights``' padded copy.
 
-No solver runs it yet (bench/results/paired_rows_h100.txt, an H100): point 2D's forward
-GEMM took 47 us a CUDA-graph replay and 52 with L2 flushed with the tiles below, 43 and
-49-65 with 256x128 tiles, against 53 and 58-59 for the whole-row kernel and 30 and 33
-for cuBLAS on rows padded to 592. The weight's unaligned rows, still loaded as vectors,
-are the likely rest; and one launch through Triton's ordinary route, which builds the
-two descriptors, cost 42-78 us of host time, where the prepared whole-row launch costs
-13: a solver needs the prepared direct launch to take descriptors before this pays.
+No solver runs either yet (bench/results/paired_rows_h100.txt, an H100, point 2D's
+forward GEMM, device time by CUDA-graph replay / with L2 flushed): the whole-row
+implicit GEMM patch_implicit runs takes 53 / 57 us; the vector-weight kernel 47 / 52
+with the tiles below; the boxed-weight kernel 38 / 42 with 128x256 tiles, plus 6 / 11
+for the weight's copy; cuBLAS on rows padded to 592, 29 / 33. So the copy eats most of
+what the boxes save, and one launch through Triton's ordinary route, which builds the
+descriptors, cost 40-55 us of host time against 11 for the prepared whole-row launch:
+a solver needs a prepared launch that takes descriptors, and a weight copy it pays
+once rather than per call, before either pays.
 """
 
 from __future__ import annotations
@@ -111,6 +114,112 @@ def _forward_kernel(
              acc.to(y_ptr.dtype.element_ty), mask=(m < M)[:, None] & n_ok[None, :])  # fmt: skip
 
 
+def _accumulate_boxes(x_desc, x_col0, w_desc, row0, n0, k_start, k_end, acc,
+                      BLOCK_K: tl.constexpr):  # fmt: skip
+    """acc + x's boxes at columns x_col0 + k times the weight's boxes at columns k, for
+    k from ``k_start`` up to ``k_end`` in steps of BLOCK_K (every start 16-byte aligned)."""
+    for k0 in range(k_start, k_end, BLOCK_K):
+        a = x_desc.load([row0, x_col0 + k0])
+        b = w_desc.load([n0, k0])
+        acc = tl.dot(a, b.T, acc)
+    return acc
+
+
+accumulate_boxes = DeviceHelper(_accumulate_boxes)
+
+
+def _forward_kernel_boxed_weight(
+    x_even, x_odd, w_even, w_odd, b_ptr, y_ptr,
+    M, KOUT, KRED, YSN, YSC, BS,
+    HAS_BIAS: tl.constexpr,
+    SHIFT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """_forward_kernel with the weight's rows from TMA boxes too: ``w_even`` is the
+    weight padded with SHIFT zero columns after each row, ``w_odd`` with SHIFT before,
+    so the odd rows' boxes, which start SHIFT columns early, meet their columns."""
+    pairs = (M + 1) // 2
+    pid_m, pid_n = grouped_tile(tl.program_id(0), pairs, KOUT, BLOCK_M, BLOCK_N, GROUP_M)
+    parity = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    kout = n0 + tl.arange(0, BLOCK_N)
+    n_ok = kout < KOUT
+    row0 = pid_m * BLOCK_M
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    if parity == 0:
+        acc = accumulate_boxes(x_even, 0, w_even, row0, n0, 0, KRED, acc, BLOCK_K)
+    else:
+        # The first box's SHIFT columns before the odd row are the even row's: zeroed,
+        # as in _forward_kernel.
+        kr = tl.arange(0, BLOCK_K) - SHIFT
+        a = x_odd.load([row0, KRED - SHIFT])
+        a = tl.where(kr[None, :] >= 0, a, 0.0)
+        acc = tl.dot(a, w_odd.load([n0, 0]).T, acc)
+        acc = accumulate_boxes(x_odd, KRED - SHIFT, w_odd, row0, n0, BLOCK_K, KRED + SHIFT, acc,
+                               BLOCK_K)  # fmt: skip
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + kout * BS, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    m = 2 * (row0 + tl.arange(0, BLOCK_M)) + parity
+    tl.store(y_ptr + m[:, None].to(tl.int64) * YSN + kout[None, :].to(tl.int64) * YSC,
+             acc.to(y_ptr.dtype.element_ty), mask=(m < M)[:, None] & n_ok[None, :])  # fmt: skip
+
+
+def boxed_weights(weight_rows: torch.Tensor) -> torch.Tensor:
+    """The weight's rows as _forward_kernel_boxed_weight reads them, in one copy:
+    [N, 2 * (K + SHIFT)], the rows padded with SHIFT zeros after (the even half) and
+    before (the odd half), both halves 16-byte aligned."""
+    n, k = weight_rows.shape
+    shift = _shift(k, weight_rows.element_size())
+    zeros = weight_rows.new_zeros(n, shift)
+    return torch.cat([weight_rows, zeros, zeros, weight_rows], dim=1)
+
+
+def _shift(k: int, element_size: int) -> int:
+    """Elements an odd row starts past a 16-byte boundary (rows 8 bytes off: 4 halves)."""
+    return (k * element_size % TMA_ALIGNMENT) // element_size
+
+
+def paired_rows_forward_boxed(
+    x_rows: torch.Tensor,
+    weights: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    cfg: TileConfig | None = None,
+) -> torch.Tensor:
+    """paired_rows_forward with the weight's rows as ``weights`` = boxed_weights(W)."""
+    if not applies(x_rows):
+        raise ValueError(f"x_rows {tuple(x_rows.shape)} with strides {x_rows.stride()}: "
+                         "see applies()")  # fmt: skip
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = x_rows.shape
+    n = weights.shape[0]
+    shift = _shift(k, x_rows.element_size())
+    width = k + shift
+    if weights.shape != (n, 2 * width) or not weights.is_contiguous():
+        raise ValueError(
+            f"weights {tuple(weights.shape)}: expected boxed_weights' [{n}, {2 * width}]"
+        )
+    cfg = cfg or FORWARD_TILES[x_rows.dtype]
+    even, odd = _descriptors(x_rows, cfg)
+    box = [cfg.block_n, cfg.block_k]
+    w_even = TensorDescriptor(weights, [n, width], [2 * width, 1], box)
+    w_odd = TensorDescriptor(weights[:, width:], [n, width], [2 * width, 1], box)
+    grid = (triton.cdiv((m + 1) // 2, cfg.block_m) * triton.cdiv(n, cfg.block_n), 2)
+    kernel = compiled(_forward_kernel_boxed_weight, x_rows.device)
+    kernel[grid](
+        even, odd, w_even, w_odd, weights if bias is None else bias, out,
+        m, n, k, out.stride(0), out.stride(1), 1 if bias is None else bias.stride(0),
+        HAS_BIAS=bias is not None, SHIFT=shift,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8,
+        **cfg.launch_options(),
+    )  # fmt: skip
+    return out
+
+
 def applies(x_rows: torch.Tensor) -> bool:
     """Whether ``x_rows`` ([M, K], dense rows) is what this kernel is for: half
     precision, at least two rows, a 16-byte aligned start and rows 8 bytes off
@@ -177,7 +286,7 @@ def paired_rows_forward(
         m, n, k, weight_rows.stride(0), out.stride(0), out.stride(1),
         1 if bias is None else bias.stride(0),
         HAS_BIAS=bias is not None,
-        SHIFT=(k * x_rows.element_size() % TMA_ALIGNMENT) // x_rows.element_size(),
+        SHIFT=_shift(k, x_rows.element_size()),
         ROW_ALIGN=_vector_elements(k, weight_rows.stride(0), x_rows.element_size()),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8,
         **cfg.launch_options(),
@@ -185,4 +294,10 @@ def paired_rows_forward(
     return out
 
 
-__all__ = ["FORWARD_TILES", "applies", "paired_rows_forward"]
+__all__ = [
+    "FORWARD_TILES",
+    "applies",
+    "boxed_weights",
+    "paired_rows_forward",
+    "paired_rows_forward_boxed",
+]
