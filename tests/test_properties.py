@@ -275,8 +275,16 @@ def test_each_solver_forced_through_the_public_call(solver_id, case: ConvCase, d
             dispatch.clear_cache()
 
 
+# Each example compiles Triton kernels for a shape no other example has: with 150 the
+# test never finished inside one 10-minute device call (cut off after more than two
+# minutes twice on an H200, past 300 s on an H100; bench/NOTES.md), so it never ran.
+# With 40 it passed in 85 s on an H100 (fourth session of 2026-12-06); the solver matrix
+# covers every solver on CUDA on its fixed cases besides.
+GPU_EXAMPLES = 40
+
+
 @pytest.mark.gpu
-@_settings(150)
+@_settings(GPU_EXAMPLES)
 @given(
     conv_cases(integer_padding_only=True),
     st.sampled_from([torch.float32, torch.float32, torch.bfloat16, torch.float16]),
