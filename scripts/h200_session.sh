@@ -28,9 +28,9 @@ tests)
     # The whole log, with a line per failure or error at its end: a log cut to its tail
     # once lost which tests had run (bench/NOTES.md, the run at 316a61b). All of them
     # took about 12 minutes on an H100 at ec300f0, more than one call: give files to
-    # split them (bench/NOTES.md: three calls at ec300f0, four on the H200 at b9cd4c7,
-    # where tests/test_properties.py's one GPU test alone ran past 140 s twice and
-    # wants a call of its own).
+    # split them (bench/NOTES.md: three calls at ec300f0, four on the H200 at b9cd4c7).
+    # tests/test_properties.py's GPU test takes 85 s on an H100 with its 40 examples;
+    # tests/test_cli.py's tunes every suite row and wants a call of its own.
     shift
     python3 -m pytest -q -rfE -p no:cacheprovider -m gpu "${@:-tests}" >"$OUT/gpu_tests.log" 2>&1
     echo "pytest exit $?" >>"$OUT/gpu_tests.log"
