@@ -74,31 +74,27 @@ def _probe(dt: torch.dtype, dev: torch.device) -> None:
           lambda: patch_gemm.patch_gemm_forward(x, w, bias, r, False, out=y4))  # fmt: skip
     boxed = paired_rows_gemm.boxed_weights(w)
     _line("boxed_weights (the weight's padded copy)", lambda: paired_rows_gemm.boxed_weights(w))
+    forward_boxed = paired_rows_gemm.paired_rows_forward_boxed
+    _sweep("boxed", lambda cfg: forward_boxed(rows, boxed, bias, y, cfg), y, ref)
+    _sweep(
+        "paired", lambda cfg: paired_rows_gemm.paired_rows_forward(rows, w, bias, y, cfg), y, ref
+    )
+
+
+def _sweep(label: str, run, y: torch.Tensor, ref: torch.Tensor) -> None:
+    """``run(cfg)`` (writing ``y``) per tile configuration: checked against ``ref``
+    first, then timed."""
     for cfg in CONFIGS:
-        name = f"boxed {cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
+        name = f"{label} {cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
         name += f" w{cfg.num_warps} s{cfg.num_stages}"
         try:
             y.fill_(float("nan"))
-            paired_rows_gemm.paired_rows_forward_boxed(rows, boxed, bias, y, cfg)
+            run(cfg)
             err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
             if not err < 1e-2:
                 print(f"{name}: WRONG, relative error {err:.3g}", flush=True)
                 continue
-            _line(name, lambda cfg=cfg: paired_rows_gemm.paired_rows_forward_boxed(
-                rows, boxed, bias, y, cfg))  # fmt: skip
-        except Exception as exc:  # out of shared memory and the like
-            print(f"{name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-    for cfg in CONFIGS:
-        name = f"paired {cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
-        name += f" w{cfg.num_warps} s{cfg.num_stages}"
-        try:
-            y.fill_(float("nan"))
-            paired_rows_gemm.paired_rows_forward(rows, w, bias, y, cfg)
-            err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-            if not err < 1e-2:
-                print(f"{name}: WRONG, relative error {err:.3g}", flush=True)
-                continue
-            _line(name, lambda cfg=cfg: paired_rows_gemm.paired_rows_forward(rows, w, bias, y, cfg))
+            _line(name, lambda cfg=cfg: run(cfg))
         except Exception as exc:  # out of shared memory and the like
             print(f"{name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
 

@@ -190,9 +190,7 @@ def paired_rows_forward_boxed(
     cfg: TileConfig | None = None,
 ) -> torch.Tensor:
     """paired_rows_forward with the weight's rows as ``weights`` = boxed_weights(W)."""
-    if not applies(x_rows):
-        raise ValueError(f"x_rows {tuple(x_rows.shape)} with strides {x_rows.stride()}: "
-                         "see applies()")  # fmt: skip
+    _check_rows(x_rows)
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = x_rows.shape
@@ -235,6 +233,15 @@ def applies(x_rows: torch.Tensor) -> bool:
     )
 
 
+def _check_rows(x_rows: torch.Tensor) -> None:
+    if not applies(x_rows):
+        raise ValueError(
+            f"x_rows {tuple(x_rows.shape)} with strides {x_rows.stride()}, {x_rows.dtype}: "
+            "expected dense half-precision rows 8 bytes off 16-byte alignment, at least two, "
+            "starting 16-byte aligned"
+        )
+
+
 def _descriptors(x_rows: torch.Tensor, cfg: TileConfig):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -264,12 +271,7 @@ def paired_rows_forward(
     """out[M, N] = x_rows @ weight_rows^T (+ bias), for ``x_rows`` this kernel applies
     to (``applies``); ``weight_rows`` [N, K] with unit column stride, ``out`` any
     strides. ``cfg`` overrides the tile table (the probe's sweep)."""
-    if not applies(x_rows):
-        raise ValueError(
-            f"x_rows {tuple(x_rows.shape)} with strides {x_rows.stride()}, {x_rows.dtype}: "
-            "expected dense half-precision rows 8 bytes off 16-byte alignment, at least two, "
-            "starting 16-byte aligned"
-        )
+    _check_rows(x_rows)
     m, k = x_rows.shape
     n = weight_rows.shape[0]
     if weight_rows.shape != (n, k) or weight_rows.stride(1) != 1:
