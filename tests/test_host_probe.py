@@ -31,6 +31,12 @@ def test_backward_handoff_leaves_the_threading_setting_as_it_was():
     assert torch._C._is_multithreading_enabled()
 
 
+def test_backward_handoff_times_under_no_grad_too():
+    with torch.no_grad():
+        times = backward_handoff_us(torch.device("cpu"), calls=5)
+    assert times["calling_thread"] > 0
+
+
 def test_backward_handoff_refuses_no_calls():
     with pytest.raises(ValueError, match="calls=0"):
         backward_handoff_us(torch.device("cpu"), calls=0)

@@ -81,11 +81,21 @@ def test_applies_only_to_rows_off_alignment_by_eight_bytes():
 
 
 def test_refuses_what_it_does_not_apply_to():
+    half = torch.float16
     with pytest.raises(ValueError, match="x_rows"):
         paired_rows_forward(
-            torch.empty(4, 592, dtype=torch.float16), torch.empty(8, 592, dtype=torch.float16),
-            None, torch.empty(4, 8, dtype=torch.float16),
+            torch.empty(4, 592, dtype=half), torch.empty(8, 592, dtype=half), None,
+            torch.empty(4, 8, dtype=half),
         )  # fmt: skip
+    x, w = torch.empty(4, 588, dtype=half), torch.empty(8, 588, dtype=half)
+    with pytest.raises(ValueError, match="out"):
+        paired_rows_forward(x, w, None, torch.empty(4, 9, dtype=half))
+    with pytest.raises(ValueError, match="bias"):
+        paired_rows_forward(x, w, torch.empty(9, dtype=half), torch.empty(4, 8, dtype=half))
+    with pytest.raises(ValueError, match="weights"):  # the weight's rows, not boxed_weights'
+        paired_rows_forward_boxed(x, w, None, torch.empty(4, 8, dtype=half))
+    with pytest.raises(ValueError, match="out"):
+        paired_rows_forward_boxed(x, boxed_weights(w), None, torch.empty(5, 8, dtype=half))
 
 
 @pytest.mark.gpu

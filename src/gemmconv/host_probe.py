@@ -39,7 +39,8 @@ def backward_handoff_us(device: torch.device, calls: int = 200) -> dict[str, flo
     if calls < 1:
         raise ValueError(f"calls={calls}: expected at least 1")
     x = torch.ones(16, device=device, requires_grad=True)
-    y = x * 2
+    with torch.enable_grad():  # a caller under no_grad still gets a graph to time
+        y = x * 2
     grad = torch.ones_like(y)
     times: dict[str, list[float]] = {"device_thread": [], "calling_thread": []}
     block = max(1, min(20, calls))

@@ -6,7 +6,7 @@ a 16-byte boundary, so cuBLAS runs its slow kernels on them (88 us on an H200, 3
 for the same GEMM padded to 592) and the whole-row implicit GEMM loads them as 8-byte
 vectors (56 us on an H100, bench/results/whole_row_h100.txt). A pair of rows is 2352
 bytes, a multiple of 16, so the input seen as [M/2, 2*K] (one pair a row) has the
-strides TMA needs, and every row of the pair is a box of it at column 0 or K:
+strides TMA needs, and each row of a pair is read by boxes of it from column 0 or about K:
 
 - even samples: the descriptor [ceil(M/2), K] with row stride 2*K, boxes at column k0;
   past column K it reads zeros, so the reduction's tail needs no mask;
@@ -201,6 +201,7 @@ def paired_rows_forward_boxed(
         raise ValueError(
             f"weights {tuple(weights.shape)}: expected boxed_weights' [{n}, {2 * width}]"
         )
+    _check_result(out, bias, m, n)
     cfg = cfg or FORWARD_TILES[x_rows.dtype]
     even, odd = _descriptors(x_rows, cfg)
     box = [cfg.block_n, cfg.block_k]
@@ -242,6 +243,13 @@ def _check_rows(x_rows: torch.Tensor) -> None:
         )
 
 
+def _check_result(out: torch.Tensor, bias: torch.Tensor | None, m: int, n: int) -> None:
+    if out.shape != (m, n):
+        raise ValueError(f"out {tuple(out.shape)}: expected [{m}, {n}]")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias {tuple(bias.shape)}: expected [{n}]")
+
+
 def _descriptors(x_rows: torch.Tensor, cfg: TileConfig):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -276,8 +284,7 @@ def paired_rows_forward(
     n = weight_rows.shape[0]
     if weight_rows.shape != (n, k) or weight_rows.stride(1) != 1:
         raise ValueError(f"weight_rows {tuple(weight_rows.shape)}: expected [{n}, {k}], dense rows")
-    if out.shape != (m, n):
-        raise ValueError(f"out {tuple(out.shape)}: expected [{m}, {n}]")
+    _check_result(out, bias, m, n)
     cfg = cfg or FORWARD_TILES[x_rows.dtype]
     even, odd = _descriptors(x_rows, cfg)
     pairs = (m + 1) // 2
