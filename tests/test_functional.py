@@ -52,6 +52,10 @@ CASES = [
     ("point_s_eq_r", 2, (3, 3, 14, 14), (5, 3, 14, 14), dict(stride=14), "point_output"),
     ("point_s_gt_r", 2, (3, 3, 20, 27), (5, 3, 14, 14), dict(stride=14), "point_output"),
     ("point_3d", 3, (2, 3, 2, 6, 6), (4, 3, 2, 6, 6), dict(stride=(2, 6, 6)), "point_output"),
+    # One window a dimension: the stride changes nothing (a fully-convolutional head's
+    # 7x7 layer on 7x7 maps, torch's default stride 1), so the problem is a point one.
+    ("one_window", 2, (3, 3, 7, 7), (5, 3, 7, 7), {}, "point_output"),
+    ("one_window_3d", 3, (2, 3, 2, 6, 11), (4, 3, 2, 6, 6), dict(stride=(1, 2, 6)), "point_output"),
     ("patch_rem", 2, (2, 3, 17, 19), (6, 3, 4, 4), dict(stride=4), "patch"),
     ("patch_1d", 1, (2, 3, 23), (4, 3, 5), dict(stride=5), "patch"),
     ("patch_3d", 3, (2, 2, 5, 8, 9), (4, 2, 2, 4, 4), dict(stride=(2, 4, 4)), "patch"),

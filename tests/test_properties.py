@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 import gemmconv
 import gemmconv.nn
 from gemmconv import Direction, dispatch, finddb, get_solver, measure, solver_ids
+from gemmconv.problem import one_window_stride
 from random_conv import (
     CF,
     CL,
@@ -86,8 +87,10 @@ def _point_output_dim(draw, cap: int):
 
 @st.composite
 def _pointwise_dim(draw, cap: int, strided: bool):
-    s = draw(st.integers(1, cap))
     u = draw(st.integers(1, 3)) if strided else 1
+    # A stride over one output pixel changes nothing and is stored as 1 (the problem's
+    # one_window_stride): a strided dimension has at least two outputs.
+    s = draw(st.integers(1 if u == 1 else u + 1, cap))
     return s, 1, u, 0, 1
 
 
@@ -120,7 +123,7 @@ def geometries(draw, kind: str, dims: int):
         per_dim = [draw(_pointwise_dim(cap, strided)) for _ in range(dims)]
         if strided and all(u == 1 for _, _, u, _, _ in per_dim):
             s, r, _, p, d = per_dim[0]
-            per_dim[0] = (s, r, 2, p, d)
+            per_dim[0] = (max(s, 3), r, 2, p, d)
     elif kind == "near_miss":
         # An eligible geometry with one thing changed, so exactly one rule rejects it.
         base = draw(st.sampled_from(["patch", "pointwise"]))
@@ -131,13 +134,17 @@ def geometries(draw, kind: str, dims: int):
             st.sampled_from(["padding", "dilation", "stride_up", "stride_down", "groups"])
         )
         s, r, u, p, d = per_dim[i]
+        # A stride that changes nothing (one output pixel) is no near miss: the problem
+        # stores it as the kernel's size (one_window_stride).
+        changes_output = {v: one_window_stride((s,), (r,), (v,), (p,), (d,)) == (v,)
+                          for v in (u + 1, u - 1)}  # fmt: skip
         if change == "padding":
             per_dim[i][3] = 1
         elif change == "dilation" and r > 1 and s >= 2 * (r - 1) + 1:
             per_dim[i][4] = 2
-        elif change == "stride_up":
+        elif change == "stride_up" and changes_output[u + 1]:
             per_dim[i][2] = u + 1
-        elif change == "stride_down" and u > 1:
+        elif change == "stride_down" and u > 1 and changes_output[u - 1]:
             per_dim[i][2] = u - 1
         else:
             groups = 2

@@ -17,7 +17,7 @@ def _p(**kw):
 
 REJECTIONS = [
     ("point_output", _p(), "output spatial (2, 2) is not all ones"),
-    ("point_output", _p(spatial=(4, 4), stride=(2, 2)), "stride (2, 2) != kernel (4, 4)"),
+    ("point_output", _p(spatial=(8, 8), stride=(8, 8)), "stride (8, 8) != kernel (4, 4)"),
     ("patch", _p(stride=(2, 2)), "stride (2, 2) != kernel (4, 4)"),
     ("patch", _p(padding=(1, 1)), "padding (1, 1) != 0"),
     ("patch", _p(dilation=(2, 1), spatial=(12, 8)), "dilation (2, 1) != 1"),
@@ -72,3 +72,32 @@ def test_every_direction_is_declared():
 def test_unknown_solver_id_names_the_choices():
     with pytest.raises(ValueError, match="solver='nope'.*point_output"):
         get_solver("nope")
+
+
+@pytest.mark.parametrize(
+    ("sizes", "stride"),
+    [
+        (dict(spatial=(7, 7), kernel=7, stride=1), (7, 7)),  # one window: the kernel's size
+        (dict(spatial=(7, 13), kernel=7, stride=(1, 9)), (7, 7)),  # 13 < 2 * 7: one window
+        (dict(spatial=(7, 14), kernel=7, stride=(1, 8)), (7, 8)),  # 14: stride 7 gives two
+        (dict(spatial=(8, 8), kernel=7, stride=1), (1, 1)),  # two windows: it matters
+        (dict(spatial=(7, 7), kernel=7, stride=1, padding=1), (1, 1)),  # padded
+        (dict(spatial=(7, 7), kernel=3, stride=1, dilation=3), (1, 1)),  # dilated
+    ],
+)
+def test_a_stride_that_changes_nothing_is_stored_as_the_kernel(sizes, stride):
+    problem = ConvProblem.from_sizes(n=2, c=3, k=4, **sizes)
+    assert problem.stride == stride
+    before = [
+        (s + 2 * p - d * (r - 1) - 1) // u + 1
+        for s, r, u, p, d in zip(
+            problem.spatial, problem.kernel, _as_given(sizes, "stride", problem.dims),
+            problem.padding, problem.dilation,
+        )
+    ]  # fmt: skip
+    assert list(problem.output_spatial) == before
+
+
+def _as_given(sizes: dict, name: str, dims: int) -> tuple[int, ...]:
+    value = sizes[name]
+    return (value,) * dims if isinstance(value, int) else tuple(value)

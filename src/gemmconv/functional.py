@@ -214,11 +214,11 @@ def conv1d(
     ``torch.nn.functional.conv1d``, computed by gemmconv.
 
     ``input`` is [N, C, W] (or [C, W] unbatched), ``weight`` [K, C / groups, R];
-    ``padding`` takes ints or ``'same'``/``'valid'``. A problem that is a matrix
-    product (a patch embedding with stride == kernel and no padding, a 1x1, a strided
-    1x1) runs as one GEMM in each direction; any other goes to torch's convolution.
-    Differentiable in every input; ``gemmconv.explain`` with the same arguments says
-    which solver runs each direction and why.
+    ``padding`` takes ints or ``'same'``/``'valid'``. A problem that is a matrix product (a
+    patch embedding with stride == kernel and no padding, one window of any stride, a 1x1, a
+    strided 1x1) runs as one GEMM in each direction; any other goes to torch's convolution.
+    Differentiable in every input; ``gemmconv.explain`` with the same arguments says which
+    solver runs each direction and why.
     """
     return _conv(1, input, weight, bias, stride, padding, dilation, groups)
 
@@ -238,9 +238,9 @@ def conv2d(
     ``input`` is [N, C, H, W] (or [C, H, W] unbatched), in either memory format;
     ``weight`` is [K, C / groups, R, S]; ``padding`` takes ints or
     ``'same'``/``'valid'``. A problem that is a matrix product (a patch embedding with
-    stride == kernel and no padding, a 1x1, a strided 1x1) runs as one GEMM in each
-    direction; any other goes to torch's convolution. The result has the memory
-    format torch would give. Differentiable in every input; ``gemmconv.explain`` with
+    stride == kernel and no padding, one window of any stride, a 1x1, a strided 1x1) runs as
+    one GEMM in each direction; any other goes to torch's convolution. The result has the
+    memory format torch would give. Differentiable in every input; ``gemmconv.explain`` with
     the same arguments says which solver runs each direction and why.
 
     Example: ``gemmconv.conv2d(images, weight, stride=16)`` for a ViT-B/16 patch
@@ -263,11 +263,11 @@ def conv3d(
 
     ``input`` is [N, C, D, H, W] (or [C, D, H, W] unbatched), in either memory
     format; ``weight`` is [K, C / groups, T, R, S]; ``padding`` takes ints or
-    ``'same'``/``'valid'``. A problem that is a matrix product (a video or Qwen-VL
-    patch embedding with stride == kernel and no padding, a 1x1x1, a strided 1x1x1)
-    runs as one GEMM in each direction; any other goes to torch's convolution.
-    Differentiable in every input; ``gemmconv.explain`` with the same arguments says
-    which solver runs each direction and why.
+    ``'same'``/``'valid'``. A problem that is a matrix product (a video or Qwen-VL patch
+    embedding with stride == kernel and no padding, one window of any stride, a 1x1x1, a
+    strided 1x1x1) runs as one GEMM in each direction; any other goes to torch's
+    convolution. Differentiable in every input; ``gemmconv.explain`` with the same arguments
+    says which solver runs each direction and why.
     """
     return _conv(3, input, weight, bias, stride, padding, dilation, groups)
 

@@ -56,6 +56,25 @@ def _as_tuple(value: int | Sequence[int], dims: int, name: str) -> tuple[int, ..
     return out
 
 
+def one_window_stride(
+    spatial: Sequence[int],
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+) -> tuple[int, ...]:
+    """``stride`` with the kernel's size in every dimension where the stride changes
+    nothing: one window, unpadded and undilated, on an input narrower than twice the
+    kernel, so one output whatever the stride (a 7x7 convolution with stride 1 on 7x7
+    maps, as fully-convolutional heads write their first linear layer). With the
+    kernel's size there the problem is a patch convolution, which the patch solvers
+    (stride == kernel) compute as one GEMM."""
+    return tuple(
+        r if p == 0 and d == 1 and r <= s < 2 * r and s - r < u else u
+        for s, r, u, p, d in zip(spatial, kernel, stride, padding, dilation)
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class ConvProblem:
     """One convolution, groups and layout included, in one direction.
@@ -67,7 +86,8 @@ class ConvProblem:
     weight is); ``input_layout`` is the memory order of x itself, which differs
     from it for a channels-first x with a channels-last weight. Solvers that gather
     x read it in its own order. None means ``layout``; a backward-data problem reads
-    no x, so its input_layout is always its layout.
+    no x, so its input_layout is always its layout. A stride that changes nothing (one
+    window in that dimension) is stored as the kernel's size (one_window_stride).
     """
 
     n: int
@@ -90,6 +110,10 @@ class ConvProblem:
         # One value per meaning, so equal problems compare and hash equal.
         if self.input_layout is None or self.direction is Direction.BACKWARD_DATA:
             object.__setattr__(self, "input_layout", self.layout)
+        stride = one_window_stride(self.spatial, self.kernel, self.stride, self.padding,
+                                   self.dilation)  # fmt: skip
+        if stride != self.stride:
+            object.__setattr__(self, "stride", stride)
 
     # ---- construction -------------------------------------------------------
 
