@@ -91,7 +91,8 @@ def test_unknown_kind_is_refused_by_name():
 def test_api_times_gives_the_suite_columns():
     p = PROBLEMS["patch2d_cf"].with_direction(Direction.BACKWARD_WEIGHTS)
     columns = api_times(p, "cpu", reps=2)
-    assert set(columns) == {"api_ms", "vendor_api_ms", "linear_api_ms"}
+    assert set(columns) == {"api_ms", "vendor_api_ms", "linear_api_ms", "api_kernels"}
+    assert columns.pop("api_kernels") is None  # counted on CUDA only (kernel_count)
     assert all(v > 0 for v in columns.values())
     padded = api_times(PROBLEMS["padded2d"], "cpu", reps=1)
     assert padded["linear_api_ms"] is None and padded["api_ms"] > 0

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import gemmconv
+from gemmconv.kernel_count import kernels_per_call
 from gemmconv.linear_patch_embed import linear_patch_embed, patch_orders
 from gemmconv.measure import operand_sets
 from gemmconv.problem import ConvProblem, Direction
@@ -147,7 +148,8 @@ def api_times(
     ``vendor_api_ms`` (torch) and ``linear_api_ms`` (the rewrite; None where it does
     not apply), each the median ms per call of the public call of ``kind`` (default:
     the problem's direction), measured side by side in one run, in blocks of about
-    ``block_ms`` (default: timing.DEFAULT_BLOCK_MS)."""
+    ``block_ms`` (default: timing.DEFAULT_BLOCK_MS); and ``api_kernels``, the device
+    kernels one gemmconv call launches (kernel_count; None off CUDA)."""
     device = torch.device(device)
     kind = kind or DIRECTION_KINDS[p.direction]
     operands = operand_sets(p, device, seed, every_operand=True)
@@ -161,6 +163,7 @@ def api_times(
         "api_ms": times["gemmconv"].median_ms,
         "vendor_api_ms": times["torch"].median_ms,
         "linear_api_ms": times["linear"].median_ms if "linear" in times else None,
+        "api_kernels": kernels_per_call(calls["gemmconv"][0], device),
     }
 
 

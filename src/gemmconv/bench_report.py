@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from gemmconv.host_probe import host_lines
+from gemmconv.kernel_count import MAX_KERNELS
 
 # Targets on what users pay: every row's public call at least this fast as cuDNN's and
 # as the rewrite's (the run-to-run noise), and the rewrite's time over gemmconv's at
@@ -119,6 +120,8 @@ def summary(results: dict) -> dict:
         _label(r) for r in rows if r["immediate_gap"] is None or r["immediate_gap"] > IMMEDIATE_GAP
     ]
     memory = [_label(r) for r in rows if r["memory_ok"] is False]
+    counted = [r for r in rows if r.get("api_kernels") is not None]
+    launches = [_label(r) for r in counted if r["api_kernels"] > MAX_KERNELS]
     absolute = {}
     for r in rows:
         key = (r["case"], r["layout"], r["direction"], r["dtype"])
@@ -140,8 +143,21 @@ def summary(results: dict) -> dict:
         "below_floor_min": below,
         "immediate_gap_over_10pct": gaps,
         "memory_over_one_operand": memory,
+        "kernels_counted": len(counted),
+        "api_over_max_kernels": launches,
         "absolute": absolute,
     }
+
+
+def _kernels_line(stats: dict) -> str:
+    """The Targets line on launches a public call makes (kernel_count)."""
+    what = f"- what users pay: rows whose public call launches more than {MAX_KERNELS} kernels"
+    if not stats.get("kernels_counted"):
+        return f"{what}: not counted (no device profile: the CPU, or a run before the count)"
+    over = stats["api_over_max_kernels"]
+    return f"{what}: {len(over)} of {stats['kernels_counted']} counted" + (
+        f" ({', '.join(over)})" if over else ""
+    )
 
 
 def _label(r: dict) -> str:
@@ -215,6 +231,7 @@ def markdown(results: dict, stats: dict) -> str:
             f"- what users pay (api_ms): rows under {API_NOT_SLOWER} x vendor or x linear: "
             f"{len(slower)}" + (f" ({', '.join(slower)})" if slower else "")
         )
+        lines.append(_kernels_line(stats))
     if g is not None:
         lines.append(
             f"- device time: geometric mean of floor/gemmconv: {g:.3f} (target >= "
@@ -260,19 +277,23 @@ def _api_table(results: dict) -> list[str]:
         "The public call (gemmconv with its default selection, torch's F.conv*, the "
         "reshape + F.linear rewrite; a gradient through autograd), back-to-back calls with "
         "nothing hiding the host, median ms per call; 'x vendor' and 'x linear' are their "
-        "times over gemmconv's.",
+        "times over gemmconv's; 'kernels' is what one gemmconv call launches on the device "
+        "(torch.profiler; — where not counted).",
         "",
-        "| case | layout | dir | dtype | gemmconv | vendor | linear | x vendor | x linear |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|",
+        "| case | layout | dir | dtype | gemmconv | vendor | linear | x vendor | x linear "
+        "| kernels |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         vendor, linear = api_ratios(r)
         linear_ms = r.get("linear_api_ms")
+        kernels = r.get("api_kernels")
         lines.append(
             f"| {r['case']} | {r['layout']} | {r['direction']} | {r['dtype']} "
             f"| {r['api_ms']:.4f} | {r['vendor_api_ms']:.4f} "
             f"| {'n/a' if linear_ms is None else f'{linear_ms:.4f}'} | {vendor:.2f} "
-            f"| {'n/a' if linear is None else f'{linear:.2f}'} |"
+            f"| {'n/a' if linear is None else f'{linear:.2f}'} "
+            f"| {'—' if kernels is None else kernels} |"
         )
     return [*lines, ""]
 
