@@ -45,7 +45,7 @@ def kernels_per_call(call: Callable[[], object], device: torch.device) -> int | 
             call()
             torch.cuda.synchronize(device)
         return device_kernels(prof.events())
-    except (RuntimeError, AssertionError) as e:
+    except Exception as e:  # the profiler's failures have no one type; a row must not
         log.warning("no kernel count: the profiler failed (%s: %s)", type(e).__name__, e)
         return None
 
