@@ -45,7 +45,7 @@ def kernels_per_call(call: Callable[[], object], device: torch.device) -> int | 
             call()
             torch.cuda.synchronize(device)
         return device_kernels(prof.events())
-    except Exception as e:  # the profiler's failures have no one type; a row must not
+    except Exception as e:  # the profiler fails in many ways; a count never fails a row
         log.warning("no kernel count: the profiler failed (%s: %s)", type(e).__name__, e)
         return None
 
