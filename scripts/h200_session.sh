@@ -57,9 +57,9 @@ compiled)
     ;;
 suite)
     # 110 s of rows left 9 of 66 unrun on a slow host (the run at 316a61b); 140 ran all,
-    # and 99 s did on an H100 at 1e09e80. Each row now also profiles one public call
-    # for its kernel count (kernel_count): a margin for that, unmeasured yet.
-    python3 -m gemmconv bench --out "$OUT/suite" --time-budget 220 >"$OUT/suite.log" 2>&1
+    # and 99 s did on an H100 at 1e09e80. The kernel counts (one profiled call a row)
+    # follow the timed rows, outside the budget; their time is not measured yet.
+    python3 -m gemmconv bench --out "$OUT/suite" --time-budget 160 >"$OUT/suite.log" 2>&1
     ;;
 suite-in-place)
     # The suite with the rows path's in-place GEMMs on in every direction and size in

@@ -86,12 +86,14 @@ def test_every_row_has_what_users_pay_beside_device_time(quick_run):
     assert data["timing"]["api"] == {"reps": 2, "block_ms": 0.5}
     for r in data["rows"]:
         assert min(r["api_ms"], r["vendor_api_ms"], r["linear_api_ms"]) > 0, r
+        assert r["api_kernels"] is None  # a device profile's count: CUDA only
     md = (out / "cpu.md").read_text()
     table = md[md.index("## What users pay per call (api_ms)") : md.index("## Device time")]
     assert table.count("\n| point2d |") == 18
     targets = md[md.index("## Targets") :]
     assert "- what users pay (api_ms): geometric mean of linear/gemmconv " in targets
     assert "- what users pay (api_ms): rows under 0.97 x vendor or x linear: " in targets
+    assert "launches more than 3 kernels: not counted" in targets
 
 
 def test_api_targets_are_counted_on_the_rows():

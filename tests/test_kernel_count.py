@@ -69,3 +69,19 @@ def test_one_matrix_product_is_one_kernel_on_cuda():
     torch.mm(a, a)  # warm: cuBLAS's handle and workspace
     assert kernels_per_call(lambda: torch.mm(a, a), torch.device("cuda")) == 1
     assert kernels_per_call(lambda: a.add_(1.0), torch.device("cuda")) == 1
+
+
+@pytest.mark.gpu
+def test_a_suite_rows_public_call_is_counted_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from gemmconv.api_timing import public_call_kernels
+    from gemmconv.bench import SUITE, make_problem
+    from gemmconv.memory_format import Layout
+    from gemmconv.problem import Direction
+
+    case = next(c for c in SUITE if c.name == "vit_b16")
+    p = make_problem(case.tiny, Layout.CHANNELS_LAST, torch.bfloat16, torch.device("cuda"),
+                     Direction.FORWARD)  # fmt: skip
+    kernels = public_call_kernels(p, "cuda")
+    assert kernels is not None and kernels >= 1

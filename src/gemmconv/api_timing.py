@@ -148,8 +148,7 @@ def api_times(
     ``vendor_api_ms`` (torch) and ``linear_api_ms`` (the rewrite; None where it does
     not apply), each the median ms per call of the public call of ``kind`` (default:
     the problem's direction), measured side by side in one run, in blocks of about
-    ``block_ms`` (default: timing.DEFAULT_BLOCK_MS); and ``api_kernels``, the device
-    kernels one gemmconv call launches (kernel_count; None off CUDA)."""
+    ``block_ms`` (default: timing.DEFAULT_BLOCK_MS)."""
     device = torch.device(device)
     kind = kind or DIRECTION_KINDS[p.direction]
     operands = operand_sets(p, device, seed, every_operand=True)
@@ -163,8 +162,20 @@ def api_times(
         "api_ms": times["gemmconv"].median_ms,
         "vendor_api_ms": times["torch"].median_ms,
         "linear_api_ms": times["linear"].median_ms if "linear" in times else None,
-        "api_kernels": kernels_per_call(calls["gemmconv"][0], device),
     }
+
+
+def public_call_kernels(p: ConvProblem, device: torch.device | str, seed: int = 0) -> int | None:
+    """The device kernels one gemmconv public call of the problem's direction launches
+    (kernel_count.kernels_per_call) on operands made from ``seed``, after one call
+    that builds its plan and compiles its kernels; None off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    operands = operand_sets(p, device, seed, every_operand=True)[:1]
+    call = public_calls(p, DIRECTION_KINDS[p.direction], operands)["gemmconv"][0]
+    call()
+    return kernels_per_call(call, device)
 
 
 __all__ = [
@@ -172,6 +183,7 @@ __all__ = [
     "IMPLEMENTATIONS",
     "api_times",
     "linear_applies",
+    "public_call_kernels",
     "public_calls",
     "solvers_of",
 ]

@@ -276,6 +276,7 @@ def run_row(
         "candidates": {m.solver: _candidate_record(m) for m in measured},
         "gather": gathers,
         **public,
+        "api_kernels": None,  # counted after every row's timings (run_suite)
     }
 
 
@@ -395,6 +396,7 @@ def run_suite(
     run cut short still leaves them), ``advance`` is called once per row run or
     failed, and no new row starts once ``time_budget_s`` has passed (the results then
     say ``truncated``)."""
+    from gemmconv.api_timing import public_call_kernels
     from gemmconv.bench_report import rate_text
 
     started = time.time()
@@ -419,6 +421,7 @@ def run_suite(
         "truncated": False,
         "rows": [],
     }
+    run = []  # (row, problem, seed) of every row run, for the kernel counts after them
     for case, dtype_key, layout, direction in plan:
         if time_budget_s is not None and time.time() - started > time_budget_s:
             results["truncated"] = True
@@ -437,6 +440,7 @@ def run_suite(
                 advance()
             continue
         results["rows"].append(row)
+        run.append((row, make_problem(shape, layout, DTYPES[dtype_key], device, direction), seed))
         results["seconds"] = time.time() - started
         log(_row_line(row))
         if advance is not None:
@@ -445,6 +449,12 @@ def run_suite(
             torch.cuda.empty_cache()
         if on_row is not None:
             on_row(results)
+    # After every timing: a profile can leave the device's instrumentation on and the
+    # host slower for the rest of the process (bench/NOTES.md), which no timing may see.
+    for row, p, row_seed in run:
+        row["api_kernels"] = public_call_kernels(p, device, row_seed)
+    if run and on_row is not None:
+        on_row(results)
     results["seconds"] = time.time() - started
     return results
 
