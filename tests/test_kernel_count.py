@@ -3,6 +3,7 @@ suite reports it against the three-launch target."""
 
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
@@ -85,3 +86,19 @@ def test_a_suite_rows_public_call_is_counted_on_cuda():
                      Direction.FORWARD)  # fmt: skip
     kernels = public_call_kernels(p, "cuda")
     assert kernels is not None and kernels >= 1
+
+
+def test_a_failed_count_costs_the_suite_nothing(monkeypatch, tmp_path):
+    from gemmconv import api_timing
+    from gemmconv.bench import main
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no profiler here")
+
+    monkeypatch.setattr(api_timing, "public_call_kernels", broken)
+    out = tmp_path / "suite"
+    assert main(["--device", "cpu", "--quick", "--cases", "resnet_1x1", "--layouts", "cl",
+                 "--directions", "fwd", "--warmup", "0", "--reps", "1", "--out", str(out),
+                 "--name", "cpu"]) == 0  # fmt: skip
+    (row,) = json.loads((out / "cpu.json").read_text())["rows"]
+    assert row["api_kernels"] is None and row["api_ms"] > 0

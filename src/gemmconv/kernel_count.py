@@ -1,8 +1,8 @@
 """How many device kernels one public call launches (the suite's ``api_kernels``).
 
-Issue 13's third item asks for at most three launches a direction on every suite row
-(gather or scatter, GEMM, layout): each launch costs the host a few microseconds and
-the device a gap, so a call that launches more is slower than its kernels' time says.
+The suite's target is at most three launches a direction on every row (gather or
+scatter, GEMM, layout): each launch costs the host a few microseconds and the device a
+gap, so a call that launches more is slower than its kernels' time says.
 A kernel count needs the device's own record, which torch.profiler's CUDA activity
 gives: every kernel and memset the call queued, whoever issued it (gemmconv's Triton
 launches, cuBLAS, torch's copies, autograd's engine). There is none on the CPU, where
