@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from gemmconv.kernels import compiled
-from gemmconv.kernels.patch_gemm import TileConfig
+from gemmconv.kernels.patch_gemm import TileConfig, vector_elements
 from gemmconv.kernels.patch_index import DeviceHelper
 from gemmconv.kernels.program_order import grouped_tile
 
@@ -260,15 +260,6 @@ def _descriptors(x_rows: torch.Tensor, cfg: TileConfig):
     return even, odd
 
 
-def _vector_elements(k: int, wld: int, element_size: int) -> int:
-    """The weight rows' vector width in elements: the largest power of two up to 16
-    bytes dividing the reduction and the rows' stride."""
-    align = 1
-    while 2 * align * element_size <= 16 and k % (2 * align) == 0 and wld % (2 * align) == 0:
-        align *= 2
-    return align
-
-
 def paired_rows_forward(
     x_rows: torch.Tensor,
     weight_rows: torch.Tensor,
@@ -296,7 +287,7 @@ def paired_rows_forward(
         1 if bias is None else bias.stride(0),
         HAS_BIAS=bias is not None,
         SHIFT=_shift(k, x_rows.element_size()),
-        ROW_ALIGN=_vector_elements(k, weight_rows.stride(0), x_rows.element_size()),
+        ROW_ALIGN=vector_elements(x_rows.element_size(), k, weight_rows.stride(0)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8,
         **cfg.launch_options(),
     )  # fmt: skip

@@ -240,9 +240,14 @@ def whole_row_alignment(g: PatchGeometry, element_size: int, *row_strides: int) 
         nested = ((r3, s3, 1), (r2, s2, r3), (r1, s1, r3 * r2), (g.c, sc, r3 * r2 * r1))
     if any(size > 1 and stride != dense for size, stride, dense in nested):
         return 0
-    shared = (g.reduction, g.strides[0], *row_strides)
+    return vector_elements(element_size, g.reduction, g.strides[0], *row_strides)
+
+
+def vector_elements(element_size: int, *extents: int) -> int:
+    """The largest power of two, up to 16 bytes' worth of elements, dividing every one
+    of ``extents`` (in elements): the widest vector every row they describe loads in."""
     align = 1
-    while 2 * align * element_size <= 16 and all(v % (2 * align) == 0 for v in shared):
+    while 2 * align * element_size <= 16 and all(v % (2 * align) == 0 for v in extents):
         align *= 2
     return align
 
@@ -522,6 +527,7 @@ __all__ = [
     "patch_gemm_forward",
     "patch_gemm_weight_grad",
     "weight_grad_launch",
+    "vector_elements",
     "wgrad_splits",
     "whole_row_alignment",
 ]
