@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import gemmconv
-from gemmconv.kernel_count import kernels_per_call
+from gemmconv.kernel_count import launched_kernels
 from gemmconv.linear_patch_embed import linear_patch_embed, patch_orders
 from gemmconv.measure import operand_sets
 from gemmconv.problem import ConvProblem, Direction
@@ -165,17 +165,19 @@ def api_times(
     }
 
 
-def public_call_kernels(p: ConvProblem, device: torch.device | str, seed: int = 0) -> int | None:
-    """The device kernels one gemmconv public call of the problem's direction launches
-    (kernel_count.kernels_per_call) on operands made from ``seed``, after one call
-    that builds its plan and compiles its kernels; None off CUDA."""
+def public_call_kernels(
+    p: ConvProblem, device: torch.device | str, seed: int = 0
+) -> list[str] | None:
+    """The device kernels, by name, one gemmconv public call of the problem's direction
+    launches (kernel_count.launched_kernels) on operands made from ``seed``, after one
+    call that builds its plan and compiles its kernels; None off CUDA."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
     operands = operand_sets(p, device, seed, every_operand=True)[:1]
     call = public_calls(p, DIRECTION_KINDS[p.direction], operands)["gemmconv"][0]
     call()
-    return kernels_per_call(call, device)
+    return launched_kernels(call, device)
 
 
 __all__ = [

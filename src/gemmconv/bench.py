@@ -276,7 +276,10 @@ def run_row(
         "candidates": {m.solver: _candidate_record(m) for m in measured},
         "gather": gathers,
         **public,
-        "api_kernels": None,  # counted after every row's timings (run_suite)
+        # Counted after every row's timings (run_suite), named so a row over the
+        # target says which launch to remove.
+        "api_kernels": None,
+        "api_kernel_names": None,
     }
 
 
@@ -453,7 +456,9 @@ def run_suite(
     # host slower for the rest of the process (bench/NOTES.md), which no timing may see.
     for row, p, row_seed in run:
         try:
-            row["api_kernels"] = public_call_kernels(p, device, row_seed)
+            names = public_call_kernels(p, device, row_seed)
+            if names is not None:
+                row["api_kernels"], row["api_kernel_names"] = len(names), names
         except Exception as exc:  # a count is a report: it never costs the rows their times
             log(f"{p.key()}: no kernel count: {type(exc).__name__}: {exc}")
         if device.type == "cuda":

@@ -20,19 +20,35 @@ log = logging.getLogger("gemmconv.kernel_count")
 
 # The suite's target: gather or scatter, GEMM, layout.
 MAX_KERNELS = 3
+# Kernels cuBLAS runs inside one GEMM call on some shapes, which the call makes as one
+# launch: a memset before its cooperative kernels and the split-K sum after. An H100
+# ran the rewrite's F.linear with a bias as "Memset (Device)" then the GEMM, and a
+# weight gradient as the GEMM then "splitKreduce_kernel" (bench/NOTES.md).
+GEMM_HELPER_KERNELS = ("Memset", "splitKreduce")
 
 
-def device_kernels(events: Iterable[object]) -> int:
-    """The kernels (memsets included) among torch.profiler ``events``: those the device
-    ran, as opposed to the host-side records of the same call."""
+def device_kernels(events: Iterable[object]) -> list[str]:
+    """The names of the kernels (memsets included) among torch.profiler ``events``, in
+    their order: those the device ran, as opposed to the host-side records of the same
+    call."""
     from torch.autograd import DeviceType
 
-    return sum(1 for e in events if getattr(e, "device_type", None) == DeviceType.CUDA)
+    return [
+        str(getattr(e, "name", "?"))
+        for e in events
+        if getattr(e, "device_type", None) == DeviceType.CUDA
+    ]
 
 
-def kernels_per_call(call: Callable[[], object], device: torch.device) -> int | None:
-    """The device kernels one ``call`` launches (it has run before, so nothing it
-    compiles or allocates on first use is counted); None off CUDA, or where the
+def launches(names: Iterable[str]) -> int:
+    """The launches behind device kernels ``names``: each kernel, except cuBLAS's
+    helpers, which belong to the GEMM they came with (GEMM_HELPER_KERNELS)."""
+    return sum(1 for n in names if not any(h in n for h in GEMM_HELPER_KERNELS))
+
+
+def launched_kernels(call: Callable[[], object], device: torch.device) -> list[str] | None:
+    """The device kernels one ``call`` launches, by name (it has run before, so nothing
+    it compiles or allocates on first use is counted); None off CUDA, or where the
     profiler cannot record the device (it is logged: a count is a report, never a
     reason for a run to fail)."""
     if device.type != "cuda":
@@ -50,4 +66,18 @@ def kernels_per_call(call: Callable[[], object], device: torch.device) -> int | 
         return None
 
 
-__all__ = ["MAX_KERNELS", "device_kernels", "kernels_per_call"]
+def kernels_per_call(call: Callable[[], object], device: torch.device) -> int | None:
+    """How many device kernels one ``call`` launches (launched_kernels); None where
+    they are not known."""
+    names = launched_kernels(call, device)
+    return None if names is None else len(names)
+
+
+__all__ = [
+    "GEMM_HELPER_KERNELS",
+    "MAX_KERNELS",
+    "device_kernels",
+    "kernels_per_call",
+    "launched_kernels",
+    "launches",
+]

@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from gemmconv import cached_zeros
 from gemmconv.memory_format import Layout, output_layout
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.views import weight_rows
@@ -126,4 +127,5 @@ def padded_weight_rows(weight: torch.Tensor, layout: Layout, ld: int) -> torch.T
     wm = weight_rows(weight, layout)
     if wm.shape[1] == ld:
         return wm
-    return torch.nn.functional.pad(wm, (0, ld - wm.shape[1]))  # one pass, zeros included
+    # One kernel: F.pad would launch two (cached_zeros).
+    return torch.cat([wm, cached_zeros.zeros((wm.shape[0], ld - wm.shape[1]), wm)], dim=1)
