@@ -31,7 +31,7 @@ def zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         # method would return a wrapped tensor, which must not outlive the transform.
         with torch.inference_mode(False):
             zero = torch.zeros((), dtype=like.dtype, device=like.device)
-        if key is not None and type(zero) is torch.Tensor:
+        if key is not None and type(zero) is torch.Tensor and not _capturing(like.device):
             if len(_KEPT) >= _MAX_KEPT:
                 _KEPT.clear()
             _KEPT[key] = zero
@@ -42,9 +42,18 @@ def _key(like: torch.Tensor) -> tuple | None:
     device = like.device
     if device.type == "cpu":
         return (device, like.dtype)
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda":
         return None
     return (device, like.dtype, torch.cuda.current_stream(device).cuda_stream)
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a CUDA graph (asked only where
+    a zero is made: one kept from before a capture is read inside it safely)."""
+    if device.type != "cuda":
+        return False
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 __all__ = ["zeros"]
