@@ -49,8 +49,18 @@ def test_fake_and_meta_tensors_keep_nothing():
     with FakeTensorMode():
         fake = torch.empty(4, 12)
         assert cached_zeros.zeros((4, 4), fake).shape == (4, 4)
+    # A fake CUDA tensor, made where no GPU may be: nothing asks for its device's stream.
+    with FakeTensorMode():
+        fake_cuda = torch.empty(4, 12, device="cuda")
+        assert cached_zeros.zeros((4, 4), fake_cuda).device.type == "cuda"
     assert cached_zeros.zeros((2, 2), torch.empty(2, device="meta")).device.type == "meta"
     assert cached_zeros._KEPT == {}
+
+
+def test_a_parameter_keeps_its_zero_as_a_tensor_does():
+    weight = torch.nn.Parameter(torch.randn(4, 3))
+    assert not cached_zeros.zeros((4, 1), weight).any()
+    assert list(cached_zeros._KEPT) == [(torch.device("cpu"), torch.float32)]
 
 
 def test_the_table_starts_again_past_its_limit(monkeypatch):

@@ -1,10 +1,11 @@
-"""Zeros that cost no kernel: a stride-0 view of one zero kept per device, dtype and
+"""Zeros that cost a call no kernel: a stride-0 view of one zero kept per device, dtype and
 stream.
 
 A weight padded to aligned GEMM rows needs zero columns. torch's F.pad launches two
-kernels for it (a fill of the whole result, then the copy), ``new_zeros`` and a
-``torch.cat`` two as well; a ``torch.cat`` against an expanded zero made once is one
-(measured on an H100, bench/NOTES.md). The zero is kept per stream, so that no stream
+kernels for it (a fill of the whole result, then the copy), and so does a
+``torch.cat`` against zeros made for the call (their fill, then the cat); a
+``torch.cat`` against an expanded zero made once is one (measured on an H100,
+bench/NOTES.md). The zero is kept per stream, so that no stream
 reads it before the fill that wrote it has run on the stream that made it; a stream
 capturing a CUDA graph makes none, since its fill would run only when the graph does.
 Nothing ever writes to a kept zero: it is only read, through expanded views.
@@ -38,7 +39,14 @@ def zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     return zero.expand(shape)
 
 
+# The operand types whose zero may be kept: a subclass (a fake tensor, a tensor
+# wrapper) may live on a device it does not occupy, or outlive nothing it can say.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _key(like: torch.Tensor) -> tuple | None:
+    if type(like) not in _PLAIN:
+        return None
     device = like.device
     if device.type == "cpu":
         return (device, like.dtype)
