@@ -5,11 +5,10 @@ device's worker thread, where torch.profiler put the node's own host time at 118
 while the same solver's bare run issued in 101 us in all, its ops included
 (bench/results/backward_gap_h100.txt, section 3). This times a fixed piece of pure
 Python (and the same with one small tensor op in it) three ways: called directly on
-the main thread,
-inside a backward on the engine's worker thread, and inside a backward kept on the
-calling thread (torch.autograd.set_multithreading_enabled(False)). Each backward
-times its own body with time.perf_counter; printed: the median us of the body, and of
-the whole torch.autograd.grad call around it.
+the main thread, inside a backward on the engine's worker thread, and inside a
+backward kept on the calling thread (torch.autograd.set_multithreading_enabled(False)).
+Each backward times its own body with time.perf_counter; printed: the median us of the
+body, and of the whole torch.autograd.grad call around it.
 
     PYTHONPATH=src python scripts/engine_thread_probe.py
 """

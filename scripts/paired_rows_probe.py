@@ -14,10 +14,9 @@ Triton launch of each kernel, back to back.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
+from host_profile import issue_us  # this folder is the script's first import path
 from triton.testing import do_bench, do_bench_cudagraph
 
 from gemmconv.kernels import paired_rows_gemm, patch_gemm
@@ -37,22 +36,12 @@ CONFIGS = [
 ]
 
 
-def _host_us(fn, calls: int = 200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
-
-
 def _line(name: str, fn) -> None:
     graph_us = do_bench_cudagraph(fn) * 1000
     flushed_us = do_bench(fn) * 1000
     print(f"{name:<44} graph {graph_us:7.1f} us  flushed {flushed_us:7.1f} us  "
-          f"host {_host_us(fn):6.1f} us", flush=True)  # fmt: skip
+          f"host {issue_us(fn, 200, torch.cuda.synchronize, passes=1):6.1f} us",
+          flush=True)  # fmt: skip
 
 
 def _probe(dt: torch.dtype, dev: torch.device) -> None:
