@@ -6,11 +6,12 @@ gemmconv's public call as gemmconv.api_timing builds them (back-to-back calls,
 interleaved, median) and prints per call: the wall time, the host's time to issue the
 calls (the loop without a synchronisation inside; a diagnostic, and a lower bound of
 the wall time) and, on CUDA, the kernels' device time from torch.profiler (a
-diagnostic). Beside them, for a call of one direction, the prepared run of the solver
-gemmconv chose (what find's call time times), so the gap between the two shows; with
-``--kernels``, the kernels each launches per call. Then it profiles gemmconv's call
-with cProfile and lists the functions with the most time of their own. Used to find
-host-path work; the benchmarks, not this script, are where speed is reported.
+diagnostic), on one operand set and rotating over them as the wall does. Beside them,
+for a call of one direction, the prepared run of the solver gemmconv chose (what
+find's call time times), so the gap between the two shows; with ``--kernels``, the
+kernels each launches per call. Then it profiles gemmconv's call with cProfile and
+lists the functions with the most time of their own. Used to find host-path work; the
+benchmarks, not this script, are where speed is reported.
 
     PYTHONPATH=src python scripts/host_profile.py point3d --layout cf --kind fwd_wgrad
     PYTHONPATH=src python scripts/host_profile.py point3d --n 4 --k 64 --device cpu --threads 1
@@ -191,6 +192,11 @@ def main() -> None:
         kernels = _kernel_times(fns[0], args.calls) if device.type == "cuda" else None
         if kernels is not None:
             line += f"  device {sum(k[2] for k in kernels):9.1f}"
+            if len(fns) > 1:
+                # Over the rotating operand sets, as the wall is timed: one set's
+                # operands may stay in L2 from call to call, the rotation's do not.
+                rotated = _kernel_times(_rotating(fns), args.calls)
+                line += f"  rotating {sum(k[2] for k in rotated):9.1f}"
         print(line, flush=True)
         for kernel, launches, us in kernels if args.kernels and kernels else ():
             print(f"      {us:8.1f} us  x{launches:4.2f}  {kernel[:110]}")

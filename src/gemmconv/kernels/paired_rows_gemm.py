@@ -72,6 +72,20 @@ def _accumulate(x_desc, row0, col0, k_start, w_ptr, w_row, n_ok, KRED, acc,
 accumulate = DeviceHelper(_accumulate)
 
 
+def _store_rows(acc, b_ptr, y_ptr, kout, n_ok, row0, parity, M, YSN, YSC, BS,
+                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """Stores ``acc`` (+ the bias) as y's rows of one parity: the box's row i is sample
+    2 * (row0 + i) + parity."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + kout * BS, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    m = 2 * (row0 + tl.arange(0, BLOCK_M)) + parity
+    tl.store(y_ptr + m[:, None].to(tl.int64) * YSN + kout[None, :].to(tl.int64) * YSC,
+             acc.to(y_ptr.dtype.element_ty), mask=(m < M)[:, None] & n_ok[None, :])  # fmt: skip
+
+
+store_rows = DeviceHelper(_store_rows)
+
+
 def _forward_kernel(
     x_even, x_odd, w_ptr, b_ptr, y_ptr,
     M, KOUT, KRED, WLD, YSN, YSC, BS,
@@ -107,11 +121,7 @@ def _forward_kernel(
         acc = tl.dot(a, b, acc)
         acc = accumulate(x_odd, row0, KRED, BLOCK_K - SHIFT, w_ptr, w_row, n_ok, KRED, acc,
                          ROW_ALIGN, BLOCK_K)  # fmt: skip
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + kout * BS, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    m = 2 * (row0 + tl.arange(0, BLOCK_M)) + parity
-    tl.store(y_ptr + m[:, None].to(tl.int64) * YSN + kout[None, :].to(tl.int64) * YSC,
-             acc.to(y_ptr.dtype.element_ty), mask=(m < M)[:, None] & n_ok[None, :])  # fmt: skip
+    store_rows(acc, b_ptr, y_ptr, kout, n_ok, row0, parity, M, YSN, YSC, BS, HAS_BIAS, BLOCK_M)
 
 
 def _accumulate_boxes(x_desc, x_col0, w_desc, row0, n0, k_start, k_end, acc,
@@ -160,11 +170,7 @@ def _forward_kernel_boxed_weight(
         acc = tl.dot(a, w_odd.load([n0, 0]).T, acc)
         acc = accumulate_boxes(x_odd, KRED - SHIFT, w_odd, row0, n0, BLOCK_K, KRED + SHIFT, acc,
                                BLOCK_K)  # fmt: skip
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + kout * BS, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    m = 2 * (row0 + tl.arange(0, BLOCK_M)) + parity
-    tl.store(y_ptr + m[:, None].to(tl.int64) * YSN + kout[None, :].to(tl.int64) * YSC,
-             acc.to(y_ptr.dtype.element_ty), mask=(m < M)[:, None] & n_ok[None, :])  # fmt: skip
+    store_rows(acc, b_ptr, y_ptr, kout, n_ok, row0, parity, M, YSN, YSC, BS, HAS_BIAS, BLOCK_M)
 
 
 def boxed_weights(weight_rows: torch.Tensor) -> torch.Tensor:
@@ -207,7 +213,7 @@ def paired_rows_forward_boxed(
     box = [cfg.block_n, cfg.block_k]
     w_even = TensorDescriptor(weights, [n, width], [2 * width, 1], box)
     w_odd = TensorDescriptor(weights[:, width:], [n, width], [2 * width, 1], box)
-    grid = (triton.cdiv((m + 1) // 2, cfg.block_m) * triton.cdiv(n, cfg.block_n), 2)
+    grid = _grid(m, n, cfg)
     kernel = compiled(_forward_kernel_boxed_weight, x_rows.device)
     kernel[grid](
         even, odd, w_even, w_odd, weights if bias is None else bias, out,
@@ -250,6 +256,11 @@ def _check_result(out: torch.Tensor, bias: torch.Tensor | None, m: int, n: int) 
         raise ValueError(f"bias {tuple(bias.shape)}: expected [{n}]")
 
 
+def _grid(m: int, n: int, cfg: TileConfig) -> tuple[int, int]:
+    """One program per tile of pairs of rows and of output columns, per parity."""
+    return (triton.cdiv((m + 1) // 2, cfg.block_m) * triton.cdiv(n, cfg.block_n), 2)
+
+
 def _descriptors(x_rows: torch.Tensor, cfg: TileConfig):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -278,8 +289,7 @@ def paired_rows_forward(
     _check_result(out, bias, m, n)
     cfg = cfg or FORWARD_TILES[x_rows.dtype]
     even, odd = _descriptors(x_rows, cfg)
-    pairs = (m + 1) // 2
-    grid = (triton.cdiv(pairs, cfg.block_m) * triton.cdiv(n, cfg.block_n), 2)
+    grid = _grid(m, n, cfg)
     kernel = compiled(_forward_kernel, x_rows.device)
     kernel[grid](
         even, odd, weight_rows, weight_rows if bias is None else bias, out,
