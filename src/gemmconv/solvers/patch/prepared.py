@@ -101,9 +101,9 @@ def _forward(solver, p: ConvProblem, ld: int, t: ConvTensors, result: ResultBuff
     # place of the allocation, the rows view and the weight's transposed view.
     y_is_rows = y_rows is not None and y_rows.offset == 0 and y_rows.stride == (p.k, 1)
     # Where y's memory is exactly the per-sample blocks [N, K, P] in order (a dense
-    # channels-first y), bmm allocates them and y is their view, as for y_is_rows:
-    # DiT-XL/2's channels-first forward is bound by these host calls (0.93x the rewrite
-    # in bench/results/h200.md, the device times within 6%).
+    # channels-first y), bmm allocates them and y is their view, as for y_is_rows: two
+    # torch calls fewer, and DiT-XL/2's channels-first forward is host-bound on slower
+    # hosts (0.93x the rewrite in bench/results/h200.md, the device times within 6%).
     y_is_blocks = (
         y_rows is None
         and not through_rows
