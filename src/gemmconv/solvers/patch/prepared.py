@@ -103,7 +103,7 @@ def _forward(solver, p: ConvProblem, ld: int, t: ConvTensors, result: ResultBuff
     # Where y's memory is exactly the per-sample blocks [N, K, P] in order (a dense
     # channels-first y), bmm allocates them and y is their view, as for y_is_rows: two
     # torch calls fewer, and DiT-XL/2's channels-first forward is host-bound on slower
-    # hosts (0.93x the rewrite in bench/results/h200.md, the device times within 6%).
+    # hosts (0.96x the rewrite in bench/results/h200.md with the same device time).
     y_is_blocks = (
         y_rows is None
         and not through_rows
