@@ -267,6 +267,24 @@ def test_a_forward_needing_no_copy_runs_the_column_keeping_form_on_its_operands(
     torch.testing.assert_close(y, F.conv2d(strided, w, stride=4))
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_a_channels_first_forward_returns_the_view_of_its_products_blocks(bias, monkeypatch):
+    """A channels-first y's memory is the per-sample product's [N, K, P] blocks in
+    order, so the prepared forward lets bmm allocate them and returns y as their view
+    (no allocation of its own, no out=): y is dense channels-first, its base is the
+    blocks, and the bias is added in place."""
+    monkeypatch.setenv("GEMMCONV_SOLVER", "patch")
+    x, w = torch.randn(3, 4, 8, 8), torch.randn(6, 4, 2, 2)
+    b = torch.randn(6) if bias else None
+    with torch.no_grad():
+        y = gemmconv.conv2d(x, w, b, stride=2)
+    torch.testing.assert_close(y, F.conv2d(x, w, b, stride=2))
+    assert y.is_contiguous()
+    assert y._base is not None and y._base.shape == (3, 6, 16)
+    (plan,) = [call.plan for call in eager._calls.values() if call is not None]
+    assert plan.solver.id == "patch" and plan.keeping_columns is not None
+
+
 @pytest.fixture
 def implicit_on_the_cpu(monkeypatch):
     """patch_implicit let onto the CPU, where its kernels run in Triton's interpreter."""
