@@ -10,7 +10,7 @@ from gemmconv.solvers import SOLVERS, ConvTensors, get_solver, solver_ids
 from gemmconv.verify import Verdict, verify
 
 # The one place the version is written: pyproject.toml reads it from here.
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "SOLVERS",
