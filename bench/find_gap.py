@@ -6,7 +6,7 @@ path is host-heavy) this measures both the way find does (gemmconv.measure), the
 time of one call on its own, and lists the kernels of a call with the profiler, so a
 gap between the two times can be traced to launches or to kernels. It once served to
 find why `gemmconv tune` and the suite timed patch_triton differently
-(bench/results/h200_find_gap_before_run*.json).
+(bench/probes/results/h200_find_gap_before_run*.json).
 
     PYTHONPATH=src python3 bench/find_gap.py --out DIR [--solver ID]
 """

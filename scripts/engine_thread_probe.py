@@ -3,7 +3,7 @@
 gemmconv's eager backward is a Python autograd node. On CUDA the engine runs it on the
 device's worker thread, where torch.profiler put the node's own host time at 118 us
 while the same solver's bare run issued in 101 us in all, its ops included
-(bench/results/backward_gap_h100.txt, section 3). This times a fixed piece of pure
+(bench/probes/results/backward_gap_h100.txt, section 3). This times a fixed piece of pure
 Python (and the same with one small tensor op in it) three ways: called directly on
 the main thread, inside a backward on the engine's worker thread, and inside a
 backward kept on the calling thread (torch.autograd.set_multithreading_enabled(False)).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One GPU session's checks and benchmarks, in stages that each fit the device tool's
-# 10-minute call, every result written under $OUT as it finishes (a timeout keeps the
+# A GPU machine's checks and benchmarks, in stages that each fit in 10 minutes, every
+# result written under $OUT as it finishes (a timeout keeps the
 # rest). Run from the repository root on the GPU machine:
 #   bash scripts/h200_session.sh tests [FILE..]  # the GPU tests, all or those files
 #   bash scripts/h200_session.sh probe     # launch cost, CUDA-graph step, host profiles of rows
@@ -18,11 +18,10 @@ set -u
 export PYTHONPATH=src
 stage=${1:?stage: tests, probe, compiled, suite, suite-in-place, models, gap, rows, precision, node or ab}
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-# The device's copy of the tree reported an older HEAD than the files it held (the
-# tenth session of 2026-12-05): a digest of src/'s Python files says which code ran
-# (the same command in a checkout gives that commit's).
+# A copied tree can report an older HEAD than the files it holds: a digest of src/'s
+# Python files says which code ran (the same command in a checkout gives that commit's).
 code=$(find src -name '*.py' | sort | xargs sha1sum | sha1sum | cut -c1-12)
-echo "$stage at $commit (src digest $code), $(date -u +%FT%TZ)" >>"$OUT/session.log"
+echo "$stage at $commit (src digest $code), $(date -u +%FT%TZ)" >>"$OUT/run.log"
 case $stage in
 tests)
     # The whole log, with a line per failure or error at its end: a log cut to its tail
@@ -42,7 +41,7 @@ probe)
     for row in "point3d cf fwd" "point3d cf fwd_wgrad" "vit_b16 cf fwd" "vit_b16 cf bwd_weights" \
         "resnet_1x1 cf fwd" "convnext_down cl bwd_data"; do
         set -- $row
-        # One file for all rows: the device tool brings back at most eight.
+        # One file for all rows.
         echo "== $row" >>"$OUT/host_profiles.txt"
         timeout 120 python3 scripts/host_profile.py "$1" --layout "$2" --kind "$3" --top 30 \
             >>"$OUT/host_profiles.txt" 2>&1
@@ -85,10 +84,9 @@ models)
     ;;
 gap)
     # Public backward-data calls ran 60-220 us over their solver's call time (what find
-    # ranks by) in the suites at b9cd4c7 and 69f90e9 (bench/NOTES.md, ninth session of
-    # 2026-12-05): wall, host issue and device time of each, with point 2D on both
-    # solvers find weighed there. One file: the device tool brings back at most eight.
-    # The tenth session found the node's own host time 78-118 us where the same run
+    # ranks by) in the suites at b9cd4c7 and 69f90e9 (bench/NOTES.md): wall, host issue
+    # and device time of each, with point 2D on both solvers find weighed there. One file per stage.
+    # On an H100 at 91437bd the node's own host time was 78-118 us where the same run
     # issued from the main thread took 101 in all: the rows run again with the
     # backward on the calling thread and the ops' host times listed.
     for row in "point2d cl bwd_data" "vit_b16 cf bwd_data" "dit_xl2 cl bwd_data" \
@@ -124,15 +122,15 @@ rows)
 precision)
     # The Qwen2-VL patch embed stayed 3-6% behind the rewrite, whose GEMMs are the same
     # but may sum in half precision; on an H100 the flag changed none of the embed's
-    # kernels (bench/results/reduction_flag_h100.txt).
+    # kernels (bench/probes/results/reduction_flag_h100.txt).
     timeout 200 python3 scripts/reduction_flag_probe.py >"$OUT/reduction_flag.txt" 2>&1
     ;;
 node)
     # Point 2D's public backward calls ran 1.5-2.6x their solver's call time on an H200
-    # for every solver but point_output (bench/results/point2d_public_h200.txt, second
-    # session of 2026-12-06): each solver forced, on the engine's thread and on the
+    # for every solver but point_output (bench/probes/results/point2d_public_h200.txt,
+    # 22a735c): each solver forced, on the engine's thread and on the
     # calling thread (--calling-thread times both in one process), with the kernels and
-    # the host's ops listed. One file: the device tool brings back at most eight.
+    # the host's ops listed. One file per stage.
     for solver in point_output patch_padded patch_implicit; do
         for kind in bwd_data bwd_weights; do
             echo "== point2d cf $kind, GEMMCONV_SOLVER=$solver" >>"$OUT/node_gap.txt"
@@ -168,4 +166,4 @@ ab)
     exit 2
     ;;
 esac
-echo "$stage done, $(date -u +%FT%TZ)" >>"$OUT/session.log"
+echo "$stage done, $(date -u +%FT%TZ)" >>"$OUT/run.log"

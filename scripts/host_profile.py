@@ -51,7 +51,7 @@ def _shape(name: str, n: int | None, k: int | None):
 def issue_us(fn, calls: int, sync, passes: int = 3) -> float:
     """Microseconds per call the host takes to issue ``calls`` back-to-back calls, the
     least of ``passes`` passes: one pass read 20% over the wall of the same calls on
-    the H200 (bench/results/point2d_public_h200.txt, patch_padded's forward)."""
+    the H200 (bench/probes/results/point2d_public_h200.txt, patch_padded's forward)."""
     best = float("inf")
     for _ in range(passes):
         sync()
