@@ -534,6 +534,56 @@ def test_no_call_communicates_in_a_distributed_run(mode, monkeypatch):
     torch.testing.assert_close(module(x), reference)
 
 
+def _rank_one_of_two(monkeypatch, rank0_choices: list) -> None:
+    """torch.distributed as rank 1 of two, rank 0 having made ``rank0_choices``."""
+    dist = torch.distributed
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+
+    def all_gather_object(out, obj, group=None):
+        out[:] = [(rank0_choices, {}), obj]
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+
+
+def test_sync_choices_adopts_the_lowest_ranks_choice_for_every_problem(monkeypatch):
+    mine, theirs = _gemm_sized_patch_problem(), _patch_problem()
+    state = dispatch.selection_state()
+    with gemmconv.find_mode("database"):
+        own = dispatch.choose(mine)
+    other = next(sid for sid in sorted(_applicable(mine)) if sid != own.solver)
+    rank0 = [
+        ((mine, state), dataclasses.replace(own, solver=other, source="find", reason="r0")),
+        ((theirs, state), dispatch.Choice("vendor", {}, {}, "r0", "database", "find")),
+    ]
+    memo = dispatch.dependent_cache()
+    memo["plan"] = own.solver
+    _rank_one_of_two(monkeypatch, rank0)
+    assert gemmconv.sync_choices() == 2
+    adopted = dispatch._cache[(mine, state)]
+    assert (adopted.solver, adopted.source, adopted.reason) == (other, "rank 0", "rank 0: r0")
+    assert dispatch._cache[(theirs, state)].solver == "vendor"  # never met here, now known
+    assert memo == {}  # what was derived from the replaced choice is derived again
+    with gemmconv.find_mode("database"):
+        assert dispatch.choose(theirs).source == "rank 0"
+    # A second sync changes nothing.
+    assert gemmconv.sync_choices() == 0
+
+
+def test_sync_choices_keeps_its_own_choice_where_rank_zeros_does_not_apply(monkeypatch, caplog):
+    general = ConvProblem.from_sizes(2, 3, 8, (8, 8), 3, padding=1)
+    assert "patch" not in _applicable(general)
+    state = dispatch.selection_state()
+    with gemmconv.find_mode("database"):
+        own = dispatch.choose(general)
+    _rank_one_of_two(monkeypatch, [((general, state), dataclasses.replace(own, solver="patch"))])
+    with caplog.at_level(logging.WARNING, "gemmconv.dispatch"):
+        assert gemmconv.sync_choices() == 0
+    assert dispatch._cache[(general, state)] == own
+    assert "rank 0 chose patch, which does not apply on rank 1" in caplog.text
+
+
 def test_the_tf32_flag_is_part_of_the_selection_state(monkeypatch):
     fp32 = ConvProblem.from_sizes(4, 3, 8, (8, 8), 4, stride=4, device_type="cuda")
     bf16 = dataclasses.replace(fp32, dtype=torch.bfloat16)
