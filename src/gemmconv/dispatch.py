@@ -500,6 +500,8 @@ def sync_choices(group: torch.distributed.ProcessGroup | None = None) -> int:
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         return 0
+    if group is not None and dist.get_rank(group) < 0:
+        return 0  # not a member: the group's collective is not this process's
     size = dist.get_world_size(group)
     if size == 1:
         return 0
