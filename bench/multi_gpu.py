@@ -24,11 +24,16 @@ AdamW step and a device synchronisation; its time is the slowest rank's, and a r
 time is the median of the last ``--timed`` steps. Selection runs in hybrid mode on an
 empty find database made for the run (the default under cudnn.benchmark, which is on).
 
+No convolution communicates: in hybrid mode each rank finds for itself on its first
+step, and after that step every rank calls ``gemmconv.sync_choices()``, which gives all
+of them the first rank's choices.
+
 Checks, each stored with its numbers and printed (multi_gpu_checks.py says how each
-is judged): every rank ran the same solver per problem; DDP parameters are bitwise
-equal across ranks after ``--hash-after`` steps; the converted models' loss curves
-follow torch's within bf16 noise; with find on and an empty database, only rank 0
-runs the find and no rank's first step waits for more than that one find.
+is judged): every rank ends with the same solver per problem; DDP parameters are
+bitwise equal across ranks after ``--hash-after`` steps; the converted models' loss
+curves follow torch's within bf16 noise; with find on and an empty database, every
+rank runs its own finds, no rank's first step waits for more than one find, and the
+ranks then read the same solvers from the shared find database.
 
 Rank 0 writes ``<out>/<name>.json`` and ``.md`` after every run, so a run cut short
 keeps its rows; ``--out`` defaults to ./gemmconv-bench, and the committed runs in
@@ -322,6 +327,10 @@ def train(model, optimizer, data, steps: int, hash_after: int | None, world: Wor
         took, loss = train_step(model, optimizer, data[step % len(data)], world)
         seconds.append(took)
         losses.append(loss)
+        if step == 0:
+            # Every rank found for itself in the first step; from here on all run the
+            # first rank's choices (a collective, at a point every rank reaches).
+            gemmconv.sync_choices()
         if hash_after is not None and step + 1 == hash_after:
             digest = parameter_digest(model)
     peak = None
@@ -369,9 +378,9 @@ def run_row(args, wrapper: str, variant: str, initial, data, world: World) -> di
 def measure_first_steps(initial, data, decisions: DecisionLog, world: World) -> dict:
     """Time to first step of the converted model under DDP with find on: after a
     warm-up step (DDP's and the optimizer's first-step work done), the choice cache is
-    cleared and $GEMMCONV_DB pointed at a new empty file; then a step that finds, a
-    step re-deciding from what rank 0 just stored, and a steady step, with the
-    decisions each made."""
+    cleared and $GEMMCONV_DB pointed at a new empty file; then a step in which every
+    rank finds, a step re-deciding from what the ranks just stored in that one file,
+    and a steady step, with the decisions each made."""
     model, optimizer, _ = prepare("ddp", "converted", initial, world)
     train_step(model, optimizer, data[0], world)
     db_dir = use_empty_database(world)
@@ -381,11 +390,17 @@ def measure_first_steps(initial, data, decisions: DecisionLog, world: World) -> 
             dispatch.clear_cache()
         start = len(decisions.decisions)
         decisions.during = f"first step check: {phase}"
-        took, _ = train_step(model, optimizer, data[step % len(data)], world)
+        # Find mode in the first step: in hybrid mode a rank could read a row another
+        # rank had just stored instead of finding.
+        with gemmconv.find_mode("find" if phase == "find" else "hybrid"):
+            took, _ = train_step(model, optimizer, data[step % len(data)], world)
+        made = decisions.since(start)
         phases[phase] = {
             "seconds": took,
-            "sources": [d["source"] for d in decisions.since(start)],
+            "sources": [d["source"] for d in made],
+            "solvers": {d["problem"]: d["solver"] for d in made},
         }
+        gemmconv.sync_choices()
     del model, optimizer
     free_memory()
     dist.barrier()

@@ -4,6 +4,7 @@ table does not know, outside selection, with a failing database as a miss."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sqlite3
@@ -105,6 +106,45 @@ def test_a_known_device_and_the_cpu_are_never_calibrated(unknown_gpu, monkeypatc
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
     device_rates.prepare("cuda")
     assert unknown_gpu == [] and device_rates.rates_for("cuda") is H200
+
+
+def _two_ranks(monkeypatch, rank: int, other: tuple | None = None) -> list:
+    """torch.distributed as a process group of two ranks, this one ``rank``, whose
+    all_gather_object sets ``other`` as the other rank's contribution; returns the
+    list the gather puts this rank's contribution in."""
+    dist = torch.distributed
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+    sent: list = []
+
+    def all_gather_object(out, obj, group=None):
+        sent.append(obj)
+        out[rank], out[1 - rank] = obj, other
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    return sent
+
+
+def test_no_rank_calibrates_on_its_own_in_a_distributed_run(unknown_gpu, monkeypatch):
+    # Each rank's measurement differs; the nearest entry is the same on every rank.
+    _two_ranks(monkeypatch, 1)
+    device_rates.prepare("cuda")
+    assert unknown_gpu == [] and device_rates.rates_for("cuda") is NEAREST_GPU
+
+
+def test_sync_choices_calibrates_on_rank_zero_and_shares_the_rates(unknown_gpu, monkeypatch):
+    sent = _two_ranks(monkeypatch, 0, other=([], {}))
+    gemmconv.sync_choices()
+    assert unknown_gpu == [0] and sent[0][1] == {0: MEASURED}
+    assert device_rates.rates_for("cuda") is MEASURED
+
+
+def test_sync_choices_takes_rank_zeros_rates_without_measuring(unknown_gpu, monkeypatch):
+    theirs = dataclasses.replace(MEASURED, bandwidth_gbs=5000.0)
+    _two_ranks(monkeypatch, 1, other=([], {0: theirs}))
+    gemmconv.sync_choices()
+    assert unknown_gpu == [] and device_rates.rates_for("cuda") is theirs
 
 
 class _LockedDb:

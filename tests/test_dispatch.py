@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing
-import os
 
 import pytest
 import torch
@@ -494,60 +492,104 @@ def test_unaligned_reduction_costs_more_on_the_h200_only():
     assert per_flop(unaligned, CPU) == pytest.approx(per_flop(aligned, CPU), rel=0.05)
 
 
-# ---- distributed: rank 0 decides -------------------------------------------------------
+# ---- distributed: no call communicates --------------------------------------------------
+
+# Every collective and point-to-point call of torch.distributed that could carry a choice.
+_COLLECTIVES = (
+    "all_gather", "all_gather_object", "all_reduce", "all_to_all", "barrier", "broadcast",
+    "broadcast_object_list", "gather", "gather_object", "irecv", "isend", "recv", "reduce",
+    "scatter", "scatter_object_list", "send",
+)  # fmt: skip
 
 
-def _rank_main(rank: int, world: int, init_file: str, db_path: str, results) -> None:
-    os.environ["GEMMCONV_DB"] = db_path
-    if rank == 1:
-        # Rank 1 alone would choose differently: only the broadcast makes them agree.
-        os.environ["GEMMCONV_DISABLE"] = "patch"
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
-    )
-    try:
-        problem = _gemm_sized_patch_problem()
-        with gemmconv.find_mode("immediate"):
-            choice = dispatch.choose(problem)
-            local = dispatch._decide_in_mode(
-                problem, FindMode.IMMEDIATE, None, dispatch.disabled_solvers()
-            ).solver
-        results.put((rank, choice.solver, choice.source, local))
-    finally:
-        torch.distributed.destroy_process_group()
-    # gloo's threads can abort the interpreter's teardown (SIGABRT, seen in CI) after the
-    # work is done: flush the queue, then leave without that teardown.
-    results.close()
-    results.join_thread()
-    os._exit(0)
+@pytest.mark.parametrize("mode", [m.value for m in FindMode])
+def test_no_call_communicates_in_a_distributed_run(mode, monkeypatch):
+    # A process group of two ranks as selection sees it, where any collective fails:
+    # a convolution, explain() or module.solvers() on one rank alone must not issue one.
+    dist = torch.distributed
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+
+    def collective(*args, **kwargs):
+        raise AssertionError("a collective was issued")
+
+    for name in _COLLECTIVES:
+        monkeypatch.setattr(dist, name, collective)
+    torch.manual_seed(0)
+    module = torch.nn.Conv2d(3, 8, 2, stride=2)
+    gemmconv.convert(module)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    with gemmconv.find_mode(mode):
+        module(x).sum().backward()
+        assert set(module.solvers()) == {d.value for d in DIRECTIONS}
+        assert set(gemmconv.explain(torch.randn(3, 3, 6, 6), module.weight, stride=3)) == {
+            d.value for d in DIRECTIONS
+        }
+        sources = {choice.source for choice in dispatch._cache.values()}
+    assert not any(s.startswith("rank") for s in sources), sources
+    reference = torch.nn.functional.conv2d(x, module.weight, module.bias, stride=2)
+    torch.testing.assert_close(module(x), reference)
 
 
-def test_rank_zero_decides_for_every_rank(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    args = (2, str(tmp_path / "init"), str(tmp_path / "find.sqlite"), results)
-    procs = [ctx.Process(target=_rank_main, args=(rank, *args)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    got = sorted(results.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    assert [p.exitcode for p in procs] == [0, 0]
-    (r0, s0, src0, local0), (r1, s1, src1, local1) = got
-    assert (r0, r1) == (0, 1)
-    assert s0 == local0 == "patch"
-    assert local1 != "patch"  # what rank 1 would have run on its own
-    assert s1 == s0 and src1 == "rank 0"
+def _rank_one_of_two(monkeypatch, rank0_choices: list) -> None:
+    """torch.distributed as rank 1 of two, rank 0 having made ``rank0_choices``."""
+    dist = torch.distributed
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+
+    def all_gather_object(out, obj, group=None):
+        out[:] = [(rank0_choices, {}), obj]
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+
+
+def test_sync_choices_adopts_the_lowest_ranks_choice_for_every_problem(monkeypatch):
+    mine, theirs = _gemm_sized_patch_problem(), _patch_problem()
+    state = dispatch.selection_state()
+    with gemmconv.find_mode("database"):
+        own = dispatch.choose(mine)
+    other = next(sid for sid in sorted(_applicable(mine)) if sid != own.solver)
+    rank0 = [
+        ((mine, state), dataclasses.replace(own, solver=other, source="find", reason="r0")),
+        ((theirs, state), dispatch.Choice("vendor", {}, {}, "r0", "database", "find")),
+    ]
+    memo = dispatch.dependent_cache()
+    memo["plan"] = own.solver
+    _rank_one_of_two(monkeypatch, rank0)
+    assert gemmconv.sync_choices() == 2
+    adopted = dispatch._cache[(mine, state)]
+    assert (adopted.solver, adopted.source, adopted.reason) == (other, "rank 0", "rank 0: r0")
+    assert dispatch._cache[(theirs, state)].solver == "vendor"  # never met here, now known
+    assert memo == {}  # what was derived from the replaced choice is derived again
+    with gemmconv.find_mode("database"):
+        assert dispatch.choose(theirs).source == "rank 0"
+    # A second sync changes nothing.
+    assert gemmconv.sync_choices() == 0
+
+
+def test_sync_choices_keeps_its_own_choice_where_rank_zeros_does_not_apply(monkeypatch, caplog):
+    general = ConvProblem.from_sizes(2, 3, 8, (8, 8), 3, padding=1)
+    assert "patch" not in _applicable(general)
+    state = dispatch.selection_state()
+    with gemmconv.find_mode("database"):
+        own = dispatch.choose(general)
+    _rank_one_of_two(monkeypatch, [((general, state), dataclasses.replace(own, solver="patch"))])
+    with caplog.at_level(logging.WARNING, "gemmconv.dispatch"):
+        assert gemmconv.sync_choices() == 0
+    assert dispatch._cache[(general, state)] == own
+    assert "rank 0 chose patch, which does not apply on rank 1" in caplog.text
 
 
 def test_the_tf32_flag_is_part_of_the_selection_state(monkeypatch):
     fp32 = ConvProblem.from_sizes(4, 3, 8, (8, 8), 4, stride=4, device_type="cuda")
     bf16 = dataclasses.replace(fp32, dtype=torch.bfloat16)
     decided = []
-    original = dispatch._decide_collectively
-    monkeypatch.setattr(
-        dispatch, "_decide_collectively", lambda *a: decided.append(a) or original(*a)
-    )
+    original = dispatch._decide_in_mode
+    monkeypatch.setattr(dispatch, "_decide_in_mode", lambda *a: decided.append(a) or original(*a))
     saved = torch.backends.cudnn.allow_tf32
     try:
         states, keys = [], []

@@ -2,7 +2,7 @@
 
 from gemmconv import nn
 from gemmconv.convert import ConversionReport, convert, revert
-from gemmconv.dispatch import Choice, FindMode, find_mode, set_find_mode
+from gemmconv.dispatch import Choice, FindMode, find_mode, set_find_mode, sync_choices
 from gemmconv.functional import conv1d, conv2d, conv3d, explain
 from gemmconv.memory_format import Layout
 from gemmconv.problem import ConvProblem, Direction
@@ -34,5 +34,6 @@ __all__ = [
     "nn",
     "revert",
     "solver_ids",
+    "sync_choices",
     "verify",
 ]

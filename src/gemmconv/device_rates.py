@@ -14,7 +14,10 @@ for a CUDA device the table does not know (``calibrate``: the rates stored in th
 database, else measured once and stored there), or, until then, the table's nearest
 entry. ``prepare`` calibrates the device before the first decision made outside a
 CUDA graph capture (gemmconv.dispatch calls it), so no estimate opens the database or
-benchmarks.
+benchmarks. Under a torch.distributed process group of several ranks it does not:
+rates measured per rank differ, and so would the ranks' estimates; the nearest entry
+prices the device there until ``gemmconv.sync_choices()`` measures it on one rank and
+gives every rank those rates.
 """
 
 from __future__ import annotations
@@ -243,11 +246,42 @@ def prepare(device_type: str, index: int = 0) -> None:
         return
     if _device_name(index) in _TABLE:
         return
+    if _several_ranks():
+        # Each rank would measure other rates, and estimates would differ across ranks;
+        # the nearest entry, the same on every rank, prices the device until
+        # gemmconv.sync_choices() shares the first rank's measurement.
+        return
     if torch.cuda.is_current_stream_capturing():
         log.info("%s: not calibrated inside a CUDA graph capture; costed as %s for now",
                  _device_name(index), NEAREST_GPU.name)  # fmt: skip
         return
     _calibrated[index] = calibrate(index)
+
+
+def _several_ranks() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def calibrate_unknown_device(index: int = 0) -> None:
+    """Calibrate CUDA device ``index`` now if the table does not know it, in a
+    distributed run too (gemmconv.sync_choices calls it on one rank, then shares what
+    it measured)."""
+    if not torch.cuda.is_available() or index in _calibrated or _device_name(index) in _TABLE:
+        return
+    if torch.cuda.is_current_stream_capturing():
+        return
+    _calibrated[index] = calibrate(index)
+
+
+def calibrated() -> dict[int, DeviceRates]:
+    """This process's calibrated rates, by CUDA device index."""
+    return dict(_calibrated)
+
+
+def adopt_calibrated(rates: Mapping[int, DeviceRates]) -> None:
+    """Use ``rates`` (another rank's calibration) for these device indices."""
+    _calibrated.update(rates)
 
 
 def calibrate(index: int = 0) -> DeviceRates:
@@ -305,6 +339,9 @@ def measure_rates(index: int = 0) -> DeviceRates:
 
 __all__ = [
     "CPU",
+    "adopt_calibrated",
+    "calibrate_unknown_device",
+    "calibrated",
     "FACTORS",
     "H200",
     "NEAREST_GPU",

@@ -23,10 +23,16 @@ The mode comes from, first to last: ``find_mode(...)`` (a context manager),
 
 Each problem is decided once per process for a given (mode, forced, disabled) and
 cached, so steady-state calls pay no selection cost. Every decision is logged on the
-``gemmconv.dispatch`` logger (DEBUG; a fallback to the vendor path at INFO). When
-torch.distributed is initialised with more than one rank, rank 0 decides and
-broadcasts, so every rank runs the same solver (``$GEMMCONV_DIST_SYNC=0`` turns this
-off, for code that runs convolutions on some ranks only).
+``gemmconv.dispatch`` logger (DEBUG; a fallback to the vendor path at INFO).
+
+Under torch.distributed no convolution, ``explain()`` or ``module.solvers()`` ever
+communicates: each rank decides from what it holds, so a rank may run a convolution,
+or a shape, that the others do not (evaluation on rank 0 only, an uneven last batch).
+Immediate mode decides from the cost table, which is the same on every rank, and
+database mode from the find database, the same where the ranks read the same rows;
+both are rank-consistent without communication. Find and hybrid modes measure, and
+timings differ per rank: ``sync_choices()``, called where every rank gets to, gives
+every rank the choices of the first rank that made each one.
 """
 
 from __future__ import annotations
@@ -72,9 +78,10 @@ class Choice:
     """The outcome of selection for one problem.
 
     ``source`` says where the decision came from: "estimate", "database", "find",
-    "forced" or "rank 0". A find fills ``times_ms`` with each measured candidate's
-    call time, which decided, and ``device_times_ms`` with its device time (a
-    diagnostic; gemmconv.measure says how each is taken)."""
+    "forced", or "rank N" for a choice adopted from rank N by ``sync_choices()``. A
+    find fills ``times_ms`` with each measured candidate's call time, which decided,
+    and ``device_times_ms`` with its device time (a diagnostic; gemmconv.measure says
+    how each is taken)."""
 
     solver: str
     rejected: dict[str, list[str]]
@@ -326,48 +333,6 @@ def _decide_by_find(problem: ConvProblem, estimated: Choice, store: bool) -> Cho
     )
 
 
-# ---- agreeing across ranks ----------------------------------------------------
-
-
-def _distributed_world() -> int:
-    if os.environ.get("GEMMCONV_DIST_SYNC", "1").strip() == "0":
-        return 1
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size()
-
-
-def _decide_collectively(
-    problem: ConvProblem, mode: FindMode, forced: str | None, disabled: frozenset[str]
-) -> Choice:
-    """Decide here, or, in a distributed run, take rank 0's decision."""
-    if _distributed_world() == 1:
-        return _decide_in_mode(problem, mode, forced, disabled)
-    dist = torch.distributed
-    message: list[object] = [None]
-    choice = None
-    if dist.get_rank() == 0:
-        try:
-            choice = _decide_in_mode(problem, mode, forced, disabled)
-            message = [(choice.solver, choice.reason, None)]
-        except Exception as e:
-            message = [(None, None, f"{type(e).__name__}: {e}")]  # every rank must hear of it
-    dist.broadcast_object_list(message, src=0)
-    solver, reason, error = message[0]
-    if error is not None:
-        raise RuntimeError(f"rank 0 could not choose a solver for {problem.key()}: {error}")
-    if choice is not None:
-        return choice
-    reasons = get_solver(solver).not_supported_reasons(problem)
-    if reasons:
-        raise RuntimeError(
-            f"rank 0 chose {solver!r} for {problem.key()}, which does not apply on rank "
-            f"{dist.get_rank()}: {', '.join(reasons)} (do the ranks run different problems?)"
-        )
-    return Choice(solver, {}, {}, f"rank 0: {reason}", mode.value, "rank 0")
-
-
 # ---- the cached entry points ----------------------------------------------------
 
 
@@ -413,7 +378,7 @@ def choose(problem: ConvProblem, solver: str | None = None) -> Choice:
         # A device the cost table does not know is calibrated here, before selection,
         # so that estimating stays pure.
         device_rates.prepare(problem.device_type)
-        choice = _decide_collectively(problem, state.mode, state.forced, state.disabled)
+        choice = _decide_in_mode(problem, state.mode, state.forced, state.disabled)
         with _lock:
             _cache[key] = choice
         level = logging.INFO if choice.solver == "vendor" else logging.DEBUG
@@ -502,6 +467,95 @@ def explain_problem(problem: ConvProblem) -> Explanation:
     return Explanation({d.value: choose(problem.with_direction(d)) for d in DIRECTIONS})
 
 
+# ---- agreeing across ranks ----------------------------------------------------
+
+
+def sync_choices(group: torch.distributed.ProcessGroup | None = None) -> int:
+    """Give every rank of ``group`` (default: the whole world) the same solver choices.
+
+    A collective: call it where every rank of the group gets to, as any collective,
+    e.g. after the first training step, never from code some ranks skip. No
+    convolution calls it, nor anything else in gemmconv. Each rank contributes the
+    choices it has made so far (one ``all_gather_object``; under NCCL the current
+    CUDA device must be set, as torch requires). For each problem and selection
+    state, the choice of the lowest group rank that made it is adopted by every rank,
+    ranks that have not met the problem yet included: a shape only some ranks have
+    seen (an uneven last batch) then runs the same solver when the others meet it.
+    A choice whose solver does not apply on this rank (other hardware) is not
+    adopted; the rank keeps its own, with a warning. The peak rates of a CUDA device
+    the cost table does not know are measured on the group's first rank and shared
+    likewise, so later estimates agree too.
+
+    What holds under torch.distributed: immediate and database modes are
+    rank-consistent with no communication (the database where every rank reads the
+    same rows). Find and hybrid modes measure on each rank, so before this call ranks
+    may run different solvers for one problem, each giving torch's results within the
+    dtype's tolerance; after it, every problem decided before the call runs the same
+    solver on every rank; a problem first met after it is decided on its own until the
+    next call. Changing the selection state (mode, GEMMCONV_SOLVER or GEMMCONV_DISABLE,
+    TF32, determinism) starts new choices, shared only among ranks with the same state.
+
+    Returns how many choices this rank adopted. Without an initialised process group,
+    or in a group of one rank, does nothing and returns 0."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    if group is not None and dist.get_rank(group) < 0:
+        return 0  # not a member: the group's collective is not this process's
+    size = dist.get_world_size(group)
+    if size == 1:
+        return 0
+    if dist.get_rank(group) == 0:
+        # Measured on one rank only, so every rank's later estimates use the same rates.
+        device_rates.calibrate_unknown_device()
+    with _lock:
+        mine = list(_cache.items())
+    gathered: list = [None] * size
+    dist.all_gather_object(gathered, (mine, device_rates.calibrated()), group=group)
+    # Every rank computes the same winners from the same gathered list.
+    winners: dict[tuple[ConvProblem, SelectionState], tuple[int, Choice]] = {}
+    rates: dict[int, DeviceRates] = {}
+    for rank, (choices, calibrated) in enumerate(gathered):
+        for key, choice in choices:
+            winners.setdefault(key, (rank, choice))
+        for index, entry in calibrated.items():
+            rates.setdefault(index, entry)
+    device_rates.adopt_calibrated(rates)
+    me = dist.get_rank(group)
+    adopted, changed = 0, False
+    for key, (rank, theirs) in winners.items():
+        if rank == me:
+            continue
+        with _lock:
+            ours = _cache.get(key)
+        if ours is not None and ours.solver == theirs.solver:
+            continue
+        problem, state = key
+        reasons = get_solver(theirs.solver).not_supported_reasons(problem)
+        if reasons:
+            log.warning(
+                "%s: rank %d chose %s, which does not apply on rank %d (%s); this rank "
+                "keeps deciding on its own",
+                problem.key(), rank, theirs.solver, me, ", ".join(reasons),
+            )  # fmt: skip
+            continue
+        if not theirs.source.startswith("rank "):
+            source = f"rank {rank if group is None else dist.get_global_rank(group, rank)}"
+            theirs = dataclasses.replace(theirs, reason=f"{source}: {theirs.reason}", source=source)
+        with _lock:
+            _cache[key] = theirs
+        adopted += 1
+        changed = changed or ours is not None
+        level = logging.INFO if theirs.solver == "vendor" else logging.DEBUG
+        log.log(level, "%s [%s] -> %s", problem.key(), state.mode.value, theirs)
+    if changed:
+        # Eager calls and op plans memoise what they derived from the replaced choices.
+        with _lock:
+            for memo in _dependent_caches:
+                memo.clear()
+    return adopted
+
+
 __all__ = [
     "Choice",
     "FindMode",
@@ -519,4 +573,5 @@ __all__ = [
     "selection_state",
     "set_find_mode",
     "solver_for",
+    "sync_choices",
 ]
