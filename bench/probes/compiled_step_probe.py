@@ -5,15 +5,15 @@ called from inductor's graph as an opaque kernel, while the reshape + F.linear
 rewrite is a permute and a matmul that inductor fuses with what is around them. In
 the end-to-end table the rewrite led by 0.5-1.2% on the compiled training step and by
 0.3-5.8% on the CUDA-graph inference step, the larger gaps on the slower hosts. This
-times one compiled scenario's steps as scripts/embed_step_probe.py does (interleaved,
+times one compiled scenario's steps as bench/probes/embed_step_probe.py does (interleaved,
 each from an idle device, host issue split by predecessor), then profiles a few steps
 of each variant and counts what separates them: CUDA-graph launches, kernels launched
 from the host (outside any graph), calls of gemmconv's ops and their host time (an op
 called during a replay runs outside the graph: inductor partitioned around it), the
 kernels' device time per step, and inductor's CUDA-graph counters.
 
-    PYTHONPATH=src python scripts/compiled_step_probe.py vit_b16_infer_b8_cudagraphs
-    PYTHONPATH=src python scripts/compiled_step_probe.py vit_b16_infer_b8_cudagraphs --quick
+    PYTHONPATH=src python bench/probes/compiled_step_probe.py vit_b16_infer_b8_cudagraphs
+    PYTHONPATH=src python bench/probes/compiled_step_probe.py vit_b16_infer_b8_cudagraphs --quick
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from embed_step_probe import time_steps  # this folder is the script's first import path
 from torch.autograd import DeviceType
 
-from gemmconv.e2e_scenarios import build_workload, make_step, prepare_variant, scenarios
+from gemmconv.bench.scenarios import build_workload, make_step, prepare_variant, scenarios
 
 VARIANTS = ("torch", "converted", "converted_channels_last", "linear")
 

@@ -1,6 +1,6 @@
 """Where a patch-embed step from an idle device goes (a diagnostic, not a benchmark).
 
-The end-to-end table's Qwen2-VL patch embed step (gemmconv.e2e_scenarios) runs from an
+The end-to-end table's Qwen2-VL patch embed step (gemmconv.bench.scenarios) runs from an
 idle device to a synchronised end, so the host's path to each kernel shows in full.
 This times that step for torch, the converted module and the reshape + F.linear
 rewrite, and beside them hand-written autograd Functions doing the same GEMMs, each a
@@ -13,7 +13,7 @@ layer of the converted module's inference call timed alone, down to the bare F.l
 the median step in us of interleaved steps, then profiles (cProfile, torch.profiler)
 of the steps.
 
-    PYTHONPATH=src python scripts/embed_step_probe.py --patches 8192
+    PYTHONPATH=src python bench/probes/embed_step_probe.py --patches 8192
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import torch.nn.functional as F
 from host_profile import issue_us  # this folder is the script's first import path
 
 import gemmconv
-from gemmconv import eager, ops
-from gemmconv.e2e_scenarios import SCENARIOS, build_workload, make_step, prepare_variant
-from gemmconv.precision import conv_gemm_precision, with_conv_precision
+from gemmconv.bench.scenarios import SCENARIOS, build_workload, make_step, prepare_variant
+from gemmconv.core.precision import conv_gemm_precision, with_conv_precision
+from gemmconv.measuring.timing import interleaved_orders
+from gemmconv.roads import eager, ops
 from gemmconv.solvers.base import ConvTensors
-from gemmconv.timing import interleaved_orders
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ backward kept on the calling thread (torch.autograd.set_multithreading_enabled(F
 Each backward times its own body with time.perf_counter; printed: the median us of the
 body, and of the whole torch.autograd.grad call around it.
 
-    PYTHONPATH=src python scripts/engine_thread_probe.py
+    PYTHONPATH=src python bench/probes/engine_thread_probe.py
 """
 
 from __future__ import annotations

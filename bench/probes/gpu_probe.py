@@ -1,7 +1,7 @@
 """A quick look at three suite problems on the GPU: every applicable solver, per direction.
 
 Used while developing, before the full bench suite: each solver measured as find
-measures it (gemmconv.measure: verified against float64 and the vendor, then its call
+measures it (gemmconv.measuring.measure: verified against float64 and the vendor, then its call
 time back to back and its device time), beside its cost estimate.
 """
 
@@ -11,7 +11,8 @@ import sys
 
 import torch
 
-from gemmconv import ConvProblem, Direction, Layout, measure
+from gemmconv import ConvProblem, Direction, Layout
+from gemmconv.measuring import measure
 from gemmconv.solvers import SOLVERS
 
 

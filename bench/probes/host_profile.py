@@ -2,7 +2,7 @@
 
 For one suite case (or a case of the public-call table, ``gemmconv bench --api``), a
 layout and a kind of call, it times torch's F.conv*, the reshape + F.linear rewrite and
-gemmconv's public call as gemmconv.api_timing builds them (back-to-back calls,
+gemmconv's public call as gemmconv.bench.call_timing builds them (back-to-back calls,
 interleaved, median) and prints per call: the wall time, the host's time to issue the
 calls (the loop without a synchronisation inside; a diagnostic, and a lower bound of
 the wall time) and, on CUDA, the kernels' device time from torch.profiler (a
@@ -13,8 +13,8 @@ kernels each launches per call. Then it profiles gemmconv's call with cProfile a
 lists the functions with the most time of their own. Used to find host-path work; the
 benchmarks, not this script, are where speed is reported.
 
-    PYTHONPATH=src python scripts/host_profile.py point3d --layout cf --kind fwd_wgrad
-    PYTHONPATH=src python scripts/host_profile.py point3d --n 4 --k 64 --device cpu --threads 1
+    PYTHONPATH=src python bench/probes/host_profile.py point3d --layout cf --kind fwd_wgrad
+    PYTHONPATH=src python bench/probes/host_profile.py point3d --n 4 --k 64 --device cpu --threads 1
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ import time
 
 import torch
 
-from gemmconv.api_timing import CALL_KINDS, DIRECTION_KINDS, public_calls, solvers_of
-from gemmconv.bench import DTYPES, LAYOUT_NAMES, SUITE, make_problem
-from gemmconv.bench_api import API_CASES
-from gemmconv.measure import operand_sets
-from gemmconv.problem import Direction
+from gemmconv.bench.call_timing import CALL_KINDS, DIRECTION_KINDS, public_calls, solvers_of
+from gemmconv.bench.public_calls import API_CASES
+from gemmconv.bench.suite import DTYPES, LAYOUT_NAMES, SUITE, make_problem
+from gemmconv.core.problem import Direction
+from gemmconv.measuring.measure import operand_sets
+from gemmconv.measuring.timing import time_interleaved
 from gemmconv.solvers import get_solver
-from gemmconv.timing import time_interleaved
 
 
 def _shape(name: str, n: int | None, k: int | None):

@@ -2,7 +2,7 @@
 the in-place GEMMs off, alternating in one process (what a change of the verdict buys
 a user, measured on the same machine).
 
-    PYTHONPATH=src python3 scripts/in_place_ab.py [--rounds 3]
+    PYTHONPATH=src python3 bench/probes/in_place_ab.py [--rounds 3]
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import argparse
 
 import torch
 
-from gemmconv import device_rates, dispatch
-from gemmconv.api_timing import api_times
-from gemmconv.problem import ConvProblem, Direction
+from gemmconv.bench.call_timing import api_times
+from gemmconv.core.problem import ConvProblem, Direction
+from gemmconv.selection import calibrate, dispatch
 from gemmconv.solvers.patch import rows_path
 
 # (name, n, c, k, size, patch, direction): the suite's rows whose verdict is near or
@@ -33,7 +33,7 @@ def main() -> None:
     decide = rows_path.in_place_is_cheaper
     # The verdicts below read the device's rates: calibrated first, as the first call's
     # dispatch would (before it, a GPU the table does not know takes the nearest entry).
-    device_rates.prepare("cuda")
+    calibrate.prepare("cuda")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     for name, n, c, k, size, patch, direction in CASES:
         p = ConvProblem.from_sizes(

@@ -1,8 +1,8 @@
 """The kernels one public call launches, by name, for suite rows (what the suite's
-``api_kernels`` counts; gemmconv.kernel_count). Used to find the launch a row over the
+``api_kernels`` counts; gemmconv.bench.kernel_count). Used to find the launch a row over the
 three-launch target can drop.
 
-    PYTHONPATH=src python scripts/kernel_names.py clip_l14_336/cf/fwd vit_b16/cf/bwd_data
+    PYTHONPATH=src python bench/probes/kernel_names.py clip_l14_336/cf/fwd vit_b16/cf/bwd_data
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import argparse
 
 import torch
 
-from gemmconv.api_timing import public_call_kernels
-from gemmconv.bench import DIRECTION_NAMES, DTYPES, LAYOUT_NAMES, SUITE, make_problem
+from gemmconv.bench.call_timing import public_call_kernels
+from gemmconv.bench.suite import DIRECTION_NAMES, DTYPES, LAYOUT_NAMES, SUITE, make_problem
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ timed beside them. Prints microseconds per call, the minimum over repetitions of
 calls each with one synchronisation after them (the host's time, since the kernels
 are shorter). This is what DeviceRates.host_triton_launch_us stands for.
 
-    PYTHONPATH=src python scripts/launch_cost.py
+    PYTHONPATH=src python bench/probes/launch_cost.py
 """
 
 from __future__ import annotations

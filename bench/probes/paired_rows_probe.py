@@ -9,7 +9,7 @@ captured stream: no host in it) and do_bench (L2 flushed between calls); each pa
 configuration is checked against float64 first. Also the host time of one ordinary
 Triton launch of each kernel, back to back.
 
-    PYTHONPATH=src python scripts/paired_rows_probe.py
+    PYTHONPATH=src python bench/probes/paired_rows_probe.py
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ kept columns), per tile configuration and slice count; and each GEMM alone (the
 in-place kernel against torch.mm on rows: rows_path.IN_PLACE_GEMM_SLOWDOWN). Times
 are triton.testing.do_bench medians in ms (L2 flushed between repetitions). One line
 per row, flushed as it is written. Run on a GPU machine from the repository root:
-    PYTHONPATH=src python3 scripts/pixel_rows_bench.py [--configs all|default]
+    PYTHONPATH=src python3 bench/probes/pixel_rows_bench.py [--configs all|default]
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import functools
 import torch
 import triton.testing
 
+from gemmconv.core.problem import ConvProblem
 from gemmconv.kernels import pixel_rows_gemm, split_programs
 from gemmconv.kernels.patch_gemm import TileConfig
 from gemmconv.kernels.strided_copy import strided_copy
-from gemmconv.problem import ConvProblem
 from gemmconv.solvers.patch.columns import TRITON_COPY_COLUMNS
 
 # (name, batch, channels in, image side, patch side, channels out): ViT-B/16 and the

@@ -11,7 +11,7 @@ forward+backward as the end-to-end scenario calls it (gemmconv's module, the rew
 with the flag on and off), so that a gap to the rewrite can be told from a
 precision choice. One line per row, flushed as written. On a GPU machine:
 
-    PYTHONPATH=src python3 scripts/reduction_flag_probe.py
+    PYTHONPATH=src python3 bench/probes/reduction_flag_probe.py
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton.testing
 
 import gemmconv.nn
-from gemmconv.linear_patch_embed import LinearPatchEmbed
+from gemmconv.bench.linear_patch_embed import LinearPatchEmbed
 
 # (name, rows M, reduction Kred, channels K): forward y = col [M, Kred] @ W^T, and
 # the weight gradient dW [K, Kred] = dY^T [K, M] @ col.

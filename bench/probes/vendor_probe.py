@@ -5,9 +5,9 @@ to back and interleaved: gemmconv's VendorSolver into a result buffer of the pro
 layout (as the check before find's timing runs it) and returning its own result (what
 find, the suite and an eager call time and run), aten.convolution_backward with the
 real operand, and torch's gradient through autograd as a user calls it
-(gemmconv.api_timing's vendor call). Prints us per call and each result's strides.
+(gemmconv.bench.call_timing's vendor call). Prints us per call and each result's strides.
 
-    PYTHONPATH=src python scripts/vendor_probe.py convnext_down --layout cl --kind bwd_data
+    PYTHONPATH=src python bench/probes/vendor_probe.py convnext_down --layout cl --kind bwd_data
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import argparse
 
 import torch
 
-from gemmconv.api_timing import public_calls
-from gemmconv.bench import DTYPES, LAYOUT_NAMES, SUITE, make_problem
-from gemmconv.measure import operand_sets, result_like
-from gemmconv.problem import Direction
+from gemmconv.bench.call_timing import public_calls
+from gemmconv.bench.suite import DTYPES, LAYOUT_NAMES, SUITE, make_problem
+from gemmconv.core.problem import Direction
+from gemmconv.measuring.measure import operand_sets, result_like
+from gemmconv.measuring.timing import time_interleaved
 from gemmconv.solvers.vendor import VendorSolver
-from gemmconv.timing import time_interleaved
 
 DIRECTIONS = {"bwd_data": Direction.BACKWARD_DATA, "bwd_weights": Direction.BACKWARD_WEIGHTS}
 

@@ -4,7 +4,7 @@ Times gemmconv.kernels.patch_gemm's three kernels on point 2D (9500x3x14x14 -> 1
 bf16, the whole-row path) with each tile configuration below, device time by
 triton.testing.do_bench, so the tables in patch_gemm.py can be chosen by measurement.
 
-    PYTHONPATH=src python scripts/whole_row_tiles.py
+    PYTHONPATH=src python bench/probes/whole_row_tiles.py
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ user would call them:
 - ``torch``:    torch.nn.functional.conv1d/2d/3d (cuDNN on CUDA);
 - ``linear``:   the reshape + F.linear rewrite serving frameworks use (only for problems
                 with stride == kernel, no padding, unit dilation, groups 1), as
-                gemmconv.linear_patch_embed writes it, its gradients through autograd;
+                gemmconv.bench.linear_patch_embed writes it, its gradients through autograd;
 - ``gemmconv``: gemmconv.conv1d/2d/3d, the public functional call.
 
 Kinds of call (``CALL_KINDS``):
@@ -18,10 +18,10 @@ Kinds of call (``CALL_KINDS``):
 - ``fwd_wgrad``:    forward then the gradients of weight (and bias) only: a patch embed
                     being trained, its pixels needing no gradient.
 
-Timing is gemmconv.timing.time_interleaved: each repetition times a block of
+Timing is gemmconv.measuring.timing.time_interleaved: each repetition times a block of
 back-to-back calls of one implementation with nothing ahead of them, so the host's
 launch work is paid as a user pays it; the implementations are interleaved in one
-run; the result is the median over repetitions. The operands are gemmconv.measure's
+run; the result is the median over repetitions. The operands are gemmconv.measuring.measure's
 (every operand of the problem, dY in the output's layout); on CUDA the calls rotate
 over several operand sets, together at least twice the L2 cache where 8 sets reach
 that, so the cache does not flatter them.
@@ -35,12 +35,12 @@ import torch
 import torch.nn.functional as F
 
 import gemmconv
-from gemmconv.kernel_count import launched_kernels
-from gemmconv.linear_patch_embed import linear_patch_embed, patch_orders
-from gemmconv.measure import operand_sets
-from gemmconv.problem import ConvProblem, Direction
+from gemmconv.bench.kernel_count import launched_kernels
+from gemmconv.bench.linear_patch_embed import linear_patch_embed, patch_orders
+from gemmconv.core.problem import ConvProblem, Direction
+from gemmconv.measuring.measure import operand_sets
+from gemmconv.measuring.timing import time_interleaved
 from gemmconv.solvers import ConvTensors
-from gemmconv.timing import time_interleaved
 
 CALL_KINDS = ("fwd", "bwd_data", "bwd_weights", "fwd_bwd", "fwd_wgrad")
 IMPLEMENTATIONS = ("torch", "linear", "gemmconv")

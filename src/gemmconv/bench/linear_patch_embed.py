@@ -13,7 +13,7 @@ is a view.
 
 The forward is kept to the few tensor operations a framework pays for (no problem
 object, no crop unless the input has a remainder) because the benchmarks compare host
-time too: it is also the rewrite whose public call gemmconv.api_timing times.
+time too: it is also the rewrite whose public call gemmconv.bench.call_timing times.
 linear_rewrite.py's helpers are the general form, used for device time and checks.
 """
 

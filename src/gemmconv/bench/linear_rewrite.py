@@ -4,7 +4,7 @@ This is what serving frameworks write instead of the convolution: the patches of
 cut into rows [M, Kred] with reshape/permute (in (c, r..) order for a channels-first x,
 (r.., c) for a channels-last one), then one F.linear; the backward directions are the
 same matmuls. The benchmark suite and the public-call timing compare gemmconv with it
-(gemmconv.linear_patch_embed is the same rewrite as a module for whole models).
+(gemmconv.bench.linear_patch_embed is the same rewrite as a module for whole models).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from gemmconv.memory_format import Layout
-from gemmconv.problem import ConvProblem, Direction
+from gemmconv.core.memory_format import Layout
+from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors
 
 

@@ -1,6 +1,6 @@
 """The end-to-end benchmark (`gemmconv bench --models`): whole model steps, wall clock.
 
-For each scenario of gemmconv.e2e_scenarios, every variant (torch, converted,
+For each scenario of gemmconv.bench.scenarios, every variant (torch, converted,
 converted_channels_last, linear) is built from the same random model in one process;
 each is warmed up (compilation happens there), then the variants take their timed
 steps in turn, interleaved, in a fresh random order each round
@@ -34,10 +34,9 @@ from pathlib import Path
 
 import torch
 
-from gemmconv import dispatch
-from gemmconv.bench import bench_device, environment
-from gemmconv.bench_report import default_stem
-from gemmconv.e2e_scenarios import (
+from gemmconv.bench.host_probe import host_fields, host_lines
+from gemmconv.bench.report import default_stem
+from gemmconv.bench.scenarios import (
     SCENARIOS,
     VARIANTS,
     Scenario,
@@ -46,10 +45,11 @@ from gemmconv.e2e_scenarios import (
     prepare_variant,
     scenarios,
 )
-from gemmconv.host_probe import host_fields, host_lines
-from gemmconv.timing import interleaved_orders
-from gemmconv.usage import Parser, UsageError, reports_usage_errors
-from gemmconv.verify import rms_range
+from gemmconv.bench.suite import bench_device, environment
+from gemmconv.measuring.timing import interleaved_orders
+from gemmconv.measuring.verify import rms_range
+from gemmconv.selection import dispatch
+from gemmconv.terminal.usage import Parser, UsageError, reports_usage_errors
 
 # The end-to-end targets, on the better of the two converted variants.
 NOT_SLOWER_THAN_LINEAR = 1.005  # the noise of a median of 20 steps
@@ -61,7 +61,7 @@ MUST_BEAT_TORCH = frozenset({
 # A variant's first output agrees with torch's when their rms_range is within this:
 # bf16 rounding differences in one layer, carried through the network, stay far below
 # it (about 0.003 on the quick CPU models), while a wrong patch embed moves the output
-# by a large fraction of its range (a doubled one: above 0.05, tests/test_bench_models.py).
+# by a large fraction of its range (a doubled one: above 0.05, tests/bench/test_bench_models.py).
 AGREEMENT = 0.05
 CONVERTED = ("converted", "converted_channels_last")
 

@@ -2,7 +2,7 @@
 
 For each problem and kind of call (forward, forward+backward, weight-gradient only),
 torch's F.conv*, the reshape + F.linear rewrite and gemmconv's public call are timed
-side by side as gemmconv.api_timing describes (back-to-back calls, no head start,
+side by side as gemmconv.bench.call_timing describes (back-to-back calls, no head start,
 interleaved, median), with gemmconv's default selection. Ratios are torch_ms /
 gemmconv_ms and linear_ms / gemmconv_ms: above 1 gemmconv is faster. The default
 selection is the CPU table (ViT-B/16 at batch 8, the point problem at 950,
@@ -23,8 +23,10 @@ from pathlib import Path
 
 import torch
 
-from gemmconv.api_timing import CALL_KINDS, linear_applies, public_calls, solvers_of
-from gemmconv.bench import (
+from gemmconv.bench.call_timing import CALL_KINDS, linear_applies, public_calls, solvers_of
+from gemmconv.bench.host_probe import cpu_model, host_fields, host_lines
+from gemmconv.bench.report import default_stem
+from gemmconv.bench.suite import (
     DTYPES,
     LAYOUT_NAMES,
     Shape,
@@ -33,13 +35,11 @@ from gemmconv.bench import (
     make_problem,
     select_named,
 )
-from gemmconv.bench_report import default_stem
-from gemmconv.host_probe import cpu_model, host_fields, host_lines
-from gemmconv.measure import operand_sets
-from gemmconv.problem import Direction
-from gemmconv.timing import time_interleaved
-from gemmconv.usage import Parser, UsageError, reports_usage_errors
-from gemmconv.verify import rms_range, tolerance
+from gemmconv.core.problem import Direction
+from gemmconv.measuring.measure import operand_sets
+from gemmconv.measuring.timing import time_interleaved
+from gemmconv.measuring.verify import rms_range, tolerance
+from gemmconv.terminal.usage import Parser, UsageError, reports_usage_errors
 
 KIND_TITLES = {
     "fwd": "forward",

@@ -12,8 +12,8 @@ import math
 import re
 from pathlib import Path
 
-from gemmconv.host_probe import host_lines
-from gemmconv.kernel_count import MAX_KERNELS, launches
+from gemmconv.bench.host_probe import host_lines
+from gemmconv.bench.kernel_count import MAX_KERNELS, launches
 
 # Targets on what users pay: every row's public call at least this fast as cuDNN's and
 # as the rewrite's (the run-to-run noise), and the rewrite's time over gemmconv's at

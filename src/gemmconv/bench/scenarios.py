@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 import gemmconv
-from gemmconv.bench import select_named
-from gemmconv.linear_patch_embed import replace_patch_convs
+from gemmconv.bench.linear_patch_embed import replace_patch_convs
+from gemmconv.bench.suite import select_named
 
 VARIANTS = ("torch", "converted", "converted_channels_last", "linear")
 

@@ -5,21 +5,21 @@ For every case x layout x direction, in one process on one device, two kinds of 
 What users pay (``api_ms``, ``vendor_api_ms``, ``linear_api_ms``): the public call of
 gemmconv with its default selection, of torch's F.conv* and of the reshape + F.linear
 rewrite, through autograd for a gradient, timed back to back with nothing hiding the
-host (gemmconv.api_timing.api_times).
+host (gemmconv.bench.call_timing.api_times).
 
 Device time (a diagnostic: a spin kernel queued ahead of each repetition hides the
 host, the L2 is flushed; time.perf_counter on the CPU):
 - vendor:   aten convolution / convolution_backward (cuDNN on CUDA);
 - linear:   what serving frameworks do instead of the convolution: unfold the patches
             with reshape/permute, then one F.linear (backward: the same matmuls);
-- gemmconv: every applicable solver measured by gemmconv.measure, as find measures
+- gemmconv: every applicable solver measured by gemmconv.measuring.measure, as find measures
             it (its result verified against a float64 reference, its device time and
             its call time), the fastest verified one by device time kept; find's own
             pick (by call time) and the cost model's (immediate) are recorded beside;
 - floor:    max(flops / matrix rate, bytes / bandwidth), both rates measured in the
             same run (a large matmul in the row's math mode; a large device copy).
 
-`gemmconv bench` and bench/run_suite.py call main(); --quick runs tiny shapes (the
+`gemmconv bench` and ``python -m gemmconv.bench`` call main(); --quick runs tiny shapes (the
 CPU test suite uses it), --cases/--layouts/--directions/--dtypes filter the rows.
 Results go to ./gemmconv-bench unless --out names a folder (bench/results holds the
 committed runs, written only when named).
@@ -38,11 +38,12 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from gemmconv import device_rates, dispatch
-from gemmconv.host_probe import host_fields
-from gemmconv.linear_rewrite import rewrite_fn
-from gemmconv.long_run import Calls, cpu_seconds, long_run_warning
-from gemmconv.measure import (
+from gemmconv.bench.host_probe import host_fields
+from gemmconv.bench.linear_rewrite import rewrite_fn
+from gemmconv.core.memory_format import Layout
+from gemmconv.core.precision import conv_gemm_precision
+from gemmconv.core.problem import ConvProblem, Direction, dtype_name
+from gemmconv.measuring.measure import (
     Judge,
     Measurement,
     TimingPolicy,
@@ -52,13 +53,12 @@ from gemmconv.measure import (
     peak_rates,
     result_like,
 )
-from gemmconv.memory_format import Layout
-from gemmconv.precision import conv_gemm_precision
-from gemmconv.problem import ConvProblem, Direction, dtype_name
-from gemmconv.progress import progress_bar
+from gemmconv.measuring.timing import time_ms
+from gemmconv.selection import calibrate, dispatch
 from gemmconv.solvers import SOLVERS, ConvTensors, get_solver
-from gemmconv.timing import time_ms
-from gemmconv.usage import Parser, UsageError, reports_usage_errors
+from gemmconv.terminal.long_run import Calls, cpu_seconds, long_run_warning
+from gemmconv.terminal.progress import progress_bar
+from gemmconv.terminal.usage import Parser, UsageError, reports_usage_errors
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAYOUT_NAMES = {"cf": Layout.CHANNELS_FIRST, "cl": Layout.CHANNELS_LAST}
@@ -148,7 +148,7 @@ def select_named(items: Sequence, names: Sequence[str] | None, argument: str) ->
 
 @dataclasses.dataclass(frozen=True)
 class MeasuredRates:
-    """The device's peak rates measured in the run (gemmconv.measure.peak_rates)."""
+    """The device's peak rates measured in the run (gemmconv.measuring.measure.peak_rates)."""
 
     matrix_tflops: dict[str, float]  # "bf16", "fp16", "fp32" (TF32 off)
     bandwidth_gbs: float
@@ -206,10 +206,10 @@ def run_row(
     timing: dict,
     seed: int,
 ) -> dict:
-    """One row: every applicable solver measured by gemmconv.measure (verified, extra
+    """One row: every applicable solver measured by gemmconv.measuring.measure (verified, extra
     memory, call time and device time), the rewrite, the floor, and the public calls of
-    gemmconv (default selection), torch and the rewrite (gemmconv.api_timing)."""
-    from gemmconv.api_timing import api_times
+    gemmconv (default selection), torch and the rewrite (gemmconv.bench.call_timing)."""
+    from gemmconv.bench.call_timing import api_times
 
     dtype = DTYPES[dtype_key]
     p = make_problem(shape, layout, dtype, device, direction)
@@ -399,8 +399,8 @@ def run_suite(
     run cut short still leaves them), ``advance`` is called once per row run or
     failed, and no new row starts once ``time_budget_s`` has passed (the results then
     say ``truncated``)."""
-    from gemmconv.api_timing import public_call_kernels
-    from gemmconv.bench_report import rate_text
+    from gemmconv.bench.call_timing import public_call_kernels
+    from gemmconv.bench.report import rate_text
 
     started = time.time()
     plan = suite_plan(cases, layouts, directions, dtypes)
@@ -571,7 +571,7 @@ def _dtype_notes(cases: Sequence[BenchCase], dtypes: Sequence[str] | None) -> li
 
 
 def _foreseen_cpu_seconds(plan: Plan, quick: bool, timing: dict) -> float:
-    """The run's rows at the CPU rates of gemmconv.long_run: per row the reference,
+    """The run's rows at the CPU rates of gemmconv.terminal.long_run: per row the reference,
     the vendor (checked, then timed), the rewrite, every applicable solver, and the
     public calls (a CPU call is longer than a block: one call per block)."""
     each = 1 + timing["warmup"] + timing["reps"]
@@ -593,14 +593,14 @@ def _foreseen_cpu_seconds(plan: Plan, quick: bool, timing: dict) -> float:
 
 @reports_usage_errors("gemmconv bench")
 def main(argv: list[str] | None = None) -> int:
-    from gemmconv.bench_report import default_stem, write_results
+    from gemmconv.bench.report import default_stem, write_results
 
     args = _parser().parse_args(argv)
     _check_counts(args)
     device = bench_device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device.index or 0)
-    device_rates.prepare(device.type)  # the immediate picks are estimated with its rates
+    calibrate.prepare(device.type)  # the immediate picks are estimated with its rates
     cases = _pick(args.cases, {c.name: c for c in SUITE}, "cases") or list(SUITE)
     layouts = _pick(args.layouts, LAYOUT_NAMES, "layouts")
     directions = _pick(args.directions, DIRECTION_NAMES, "directions")

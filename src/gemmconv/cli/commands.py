@@ -6,14 +6,14 @@
 - ``gemmconv solvers``: every solver's verdict on a problem, workspace and estimate.
 - ``gemmconv tune FILE``: find over many problems (one ``conv`` flag line each), stored.
 - ``gemmconv db show|clear|export FILE|import FILE``: the find database.
-- ``gemmconv bench ...``: the benchmark suite (gemmconv.bench), arguments passed on;
-  ``--api`` the public-call table (gemmconv.bench_api), ``--models`` the end-to-end
-  model benchmark (gemmconv.bench_models).
+- ``gemmconv bench ...``: the benchmark suite (gemmconv.bench.suite), arguments passed on;
+  ``--api`` the public-call table (gemmconv.bench.public_calls), ``--models`` the end-to-end
+  model benchmark (gemmconv.bench.models).
 
 A bad flag or an inconsistent problem is one line on stderr, ``gemmconv <command>:
-error: ...``, and exit status 2 (gemmconv.usage); a failed verification is exit status
+error: ...``, and exit status 2 (gemmconv.terminal.usage); a failed verification is exit status
 1. Progress bars go to stderr when it is a terminal; a run foreseen to be long on the
-CPU is announced with a warning first (gemmconv.long_run).
+CPU is announced with a warning first (gemmconv.terminal.long_run).
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-from gemmconv.long_run import Calls, cpu_seconds, long_run_warning
-from gemmconv.memory_format import Layout
-from gemmconv.problem import DIRECTIONS, ConvProblem, Direction, dtype_name
-from gemmconv.progress import Bar, CallCounter, progress_bar
-from gemmconv.usage import USAGE_EXIT_STATUS, Parser, UsageError, report_usage_error
+from gemmconv.core.memory_format import Layout
+from gemmconv.core.problem import DIRECTIONS, ConvProblem, Direction, dtype_name
+from gemmconv.terminal.long_run import Calls, cpu_seconds, long_run_warning
+from gemmconv.terminal.progress import Bar, CallCounter, progress_bar
+from gemmconv.terminal.usage import USAGE_EXIT_STATUS, Parser, UsageError, report_usage_error
 
 # ---- problem flags -----------------------------------------------------------------
 
@@ -298,7 +298,7 @@ class DirectionReport:
 
 
 def _selection(args, problem: ConvProblem):
-    from gemmconv import dispatch
+    from gemmconv.selection import dispatch
     from gemmconv.solvers import get_solver
 
     if args.solver is not None:
@@ -346,9 +346,9 @@ def run_direction(
     args, problem: ConvProblem, device: torch.device, choice, bar: Bar
 ) -> DirectionReport:
     """Run, verify and time one direction with ``choice``'s solver and the vendor's
-    (gemmconv.measure), advancing ``bar`` by one per convolution (as counted by
+    (gemmconv.measuring.measure), advancing ``bar`` by one per convolution (as counted by
     ``_calls``)."""
-    from gemmconv import measure
+    from gemmconv.measuring import measure
     from gemmconv.solvers import get_solver
 
     solver = get_solver(choice.solver)
@@ -507,12 +507,12 @@ def _check_solver_id(solver_id: str) -> None:
 
 
 def cmd_solvers(args) -> int:
-    from gemmconv import device_rates, dispatch
+    from gemmconv.selection import calibrate, dispatch
     from gemmconv.solvers import SOLVERS
 
     device = _device(args)
     base = problem_from_args(args, device)
-    device_rates.prepare(device.type)
+    calibrate.prepare(device.type)
     rows = []
     for direction in _directions(args.forw):
         problem = base.with_direction(direction)
@@ -562,7 +562,7 @@ def _bytes_text(n: int) -> str:
 def _find_calls(problem: ConvProblem) -> Calls:
     """The convolutions a find on the CPU makes: each applicable solver once to check
     its result is written, then its warm-up and timed repetitions."""
-    from gemmconv.measure import default_policy
+    from gemmconv.measuring.measure import default_policy
     from gemmconv.solvers import SOLVERS
 
     policy = default_policy("cpu")
@@ -573,7 +573,7 @@ def _find_calls(problem: ConvProblem) -> Calls:
 
 
 def cmd_tune(args) -> int:
-    from gemmconv import dispatch
+    from gemmconv.selection import dispatch
 
     jobs = []
     for number, line in _problem_lines(args.file):
@@ -622,7 +622,7 @@ def _tune_result(problem: ConvProblem, choice) -> dict:
     """The find winner beside what immediate mode would have run among the same
     candidates and how much slower that is (the immediate pick's measured call time
     over the winner's)."""
-    from gemmconv import dispatch
+    from gemmconv.selection import dispatch
     from gemmconv.solvers import get_solver
 
     candidates = [get_solver(sid) for sid in choice.estimates_ms]
@@ -668,7 +668,7 @@ def _problem_lines(path: str) -> Iterator[tuple[int, str]]:
 
 
 def _current_identities():
-    from gemmconv import finddb
+    from gemmconv.selection import finddb
 
     ids = {finddb.identity_for("cpu")}
     if torch.cuda.is_available():
@@ -677,7 +677,7 @@ def _current_identities():
 
 
 def cmd_db(args) -> int:
-    from gemmconv import finddb
+    from gemmconv.selection import finddb
 
     if args.action in ("export", "import") and args.file is None:
         raise UsageError(f"db {args.action}: expected a FILE argument")
@@ -755,21 +755,21 @@ def _db_show(db, as_json: bool) -> None:
 
 
 # `gemmconv bench --models` and `--api` run their own benchmarks; the rest is the suite.
-_BENCH_MODULES = {"--models": "gemmconv.bench_models", "--api": "gemmconv.bench_api"}
+# Each is imported when the command runs and by nothing else of the library, so that
+# importing gemmconv or running a convolution loads no benchmark module.
+_BENCH_MODULES = {"--models": "gemmconv.bench.models", "--api": "gemmconv.bench.public_calls"}
+_BENCH_SUITE = "gemmconv.bench.suite"
 
 
 def cmd_bench(argv: list[str]) -> int:
-    routed = next((_BENCH_MODULES[a] for a in argv if a in _BENCH_MODULES), None)
-    if routed is not None:  # part of the package, unlike the optional suite below
-        return int(importlib.import_module(routed).main(argv) or 0)
+    name = next((_BENCH_MODULES[a] for a in argv if a in _BENCH_MODULES), _BENCH_SUITE)
     try:
-        bench = importlib.import_module("gemmconv.bench")
+        bench = importlib.import_module(name)
     except ModuleNotFoundError as e:
-        if e.name != "gemmconv.bench":
+        # Only the benchmark itself missing is a usage error; a module it imports is not.
+        if e.name is None or not name.startswith(e.name):
             raise
-        raise UsageError(
-            "the benchmark suite (gemmconv.bench) is not part of this installation"
-        ) from None
+        raise UsageError(f"the benchmark ({name}) is not part of this installation") from None
     return int(bench.main(argv) or 0)
 
 

@@ -236,3 +236,49 @@ def _refuse_dtype_mismatch(fn: str, name: str, t: torch.Tensor, input: torch.Ten
 
 def _either_is_meta(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device.type == "meta" or b.device.type == "meta"
+
+
+IntOrTuple = int | Sequence[int]
+Padding = IntOrTuple | str
+
+
+class ResolvedArguments(NamedTuple):
+    """F.conv* arguments as per-dimension integers; ``input_padding`` is the F.pad
+    argument the input needs first ('same' with an odd total pads the far side by
+    one, exactly as torch does), empty when it needs none."""
+
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int
+    input_padding: tuple[int, ...]
+
+
+def resolve_arguments(
+    dims: int,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: IntOrTuple,
+    padding: Padding,
+    dilation: IntOrTuple,
+    groups: int,
+) -> ResolvedArguments:
+    """Check a call as F.conv{dims}d would (raising its errors) and resolve its arguments."""
+    args = check_argument_kinds(dims, input, weight, bias, stride, padding, dilation, groups)
+    check_against_tensors(dims, input, weight, bias, args)
+    return _resolved(args, weight)
+
+
+def _resolved(args: ConvArgs, weight: torch.Tensor) -> ResolvedArguments:
+    """``args`` with 'same' padding resolved from the kernel."""
+    if args.padding is not None:
+        return ResolvedArguments(args.stride, args.padding, args.dilation, args.groups, ())
+    totals = [d * (r - 1) for d, r in zip(args.dilation, weight.shape[2:])]
+    extra = []
+    for total in reversed(totals):
+        extra += [0, total % 2]
+    pads = tuple(total // 2 for total in totals)
+    return ResolvedArguments(
+        args.stride, pads, args.dilation, args.groups, tuple(extra) if any(extra) else ()
+    )

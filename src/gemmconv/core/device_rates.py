@@ -13,19 +13,16 @@ Estimates are pure: ``rates_for`` reads the table, or the rates a process calibr
 for a CUDA device the table does not know (``calibrate``: the rates stored in the find
 database, else measured once and stored there), or, until then, the table's nearest
 entry. ``prepare`` calibrates the device before the first decision made outside a
-CUDA graph capture (gemmconv.dispatch calls it), so no estimate opens the database or
+CUDA graph capture (gemmconv.selection.dispatch calls it), so no estimate opens the database or
 benchmarks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping
 
 import torch
-
-log = logging.getLogger("gemmconv.device_rates")
 
 # The fitted factors an entry holds (fractions of the GEMM floor a kernel reaches, or
 # slowdowns), by the problems they price.
@@ -156,13 +153,12 @@ H200 = DeviceRates(
         # as other small patches (0.6), a training call's three directions seemed to
         # save 54 us over torch's, less than the autograd node, so it went to torch's
         # convolution, though they save 210-285 us by the suite's call times: its
-        # backward calls ran 0.69x the rewrite on an H100 (bench/NOTES.md, tenth
-        # session of 2026-12-05).
+        # backward calls ran 0.69x the rewrite on an H100 at 91437bd (bench/NOTES.md).
         "vendor_few_channel_patch": 0.25,
         "vendor_other": 0.5,
     },
     source="tests/data/h200_suite.json (NVIDIA H200, torch 2.11, cuDNN 9.19, the suite at "
-    "commit 22a735c, bench/results/h200.json of the second session of 2026-12-06): the "
+    "commit 22a735c, bench/results/h200.json at that commit): the "
     "unaligned slowdown and host costs fitted to it; the vendor factors fitted to earlier runs "
     "(9acd9a1, 22a7a55, the channels-last small-patch backward-data without a stand-in input) "
     "and kept, with which every pick on this run but point 2D's stays the same",
@@ -213,7 +209,8 @@ NEAREST_GPU = H200
 
 # ---- looking rates up (pure) -------------------------------------------------------
 
-# Rates calibrated in this process for CUDA devices not in the table, by device index.
+# Rates calibrated in this process for CUDA devices not in the table, by device index
+# (gemmconv.selection.calibrate fills it).
 _calibrated: dict[int, DeviceRates] = {}
 
 
@@ -232,85 +229,11 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-# ---- calibrating a device the table does not know ----------------------------------
-
-
-def prepare(device_type: str, index: int = 0) -> None:
-    """Calibrate CUDA device ``index`` once if the table does not know it. Not while a
-    CUDA graph is being captured (measuring synchronises the device): the estimate
-    then uses the nearest entry, and a later decision calibrates."""
-    if device_type != "cuda" or not torch.cuda.is_available() or index in _calibrated:
-        return
-    if _device_name(index) in _TABLE:
-        return
-    if torch.cuda.is_current_stream_capturing():
-        log.info("%s: not calibrated inside a CUDA graph capture; costed as %s for now",
-                 _device_name(index), NEAREST_GPU.name)  # fmt: skip
-        return
-    _calibrated[index] = calibrate(index)
-
-
-def calibrate(index: int = 0) -> DeviceRates:
-    """The rates of CUDA device ``index`` stored in the find database, else measured now
-    and stored there. A database that fails (locked past its timeout, unreadable, a
-    full disk) is a miss, or a result not stored, with a warning: never an error."""
-    from gemmconv import finddb
-
-    identity = finddb.identity_for("cuda", index)
-    try:
-        stored = finddb.get_db().lookup_rates(identity)
-    except finddb.DATABASE_ERRORS as e:
-        log.warning("stored rates for %s unreadable (%s: %s); measuring them",
-                    identity.device, type(e).__name__, e)  # fmt: skip
-        stored = None
-    if stored is not None:
-        try:
-            # Rates stored without factors take the nearest entry's, as measured ones do;
-            # rates stored before a factor was added take that one from the entry too.
-            factors = {**NEAREST_GPU.factors, **stored.get("factors", {})}
-            return DeviceRates(**{**stored, "factors": factors})
-        except TypeError:
-            log.warning("stored rates for %s are unreadable; measuring again", identity.device)
-    rates = measure_rates(index)
-    try:
-        finddb.get_db().store_rates(identity, rates.as_json())
-    except finddb.DATABASE_ERRORS as e:
-        log.warning("measured rates for %s not stored (%s: %s)",
-                    identity.device, type(e).__name__, e)  # fmt: skip
-    return rates
-
-
-def measure_rates(index: int = 0) -> DeviceRates:
-    """Measure the peak rates of CUDA device ``index`` (gemmconv.measure.peak_rates); its
-    fitted factors, which need a suite run, are the nearest entry's."""
-    from gemmconv.measure import MATH_MODES, TimingPolicy, peak_rates
-
-    device = torch.device("cuda", index)
-    tflops, bandwidth = peak_rates(device, list(MATH_MODES), TimingPolicy(warmup=5, reps=10))
-    tflops["fp64"] = tflops["fp32"]
-    rates = DeviceRates(
-        name=torch.cuda.get_device_name(index),
-        matrix_tflops={k: round(v, 1) for k, v in tflops.items()},
-        bandwidth_gbs=round(bandwidth, 1),
-        launch_us=5.0,
-        # The alignment cliff measured on Hopper is assumed here too.
-        unaligned_slowdown=NEAREST_GPU.unaligned_slowdown,
-        multiprocessors=torch.cuda.get_device_properties(index).multi_processor_count,
-        factors=NEAREST_GPU.factors,
-        source=f"peak rates measured at first use; factors: the {NEAREST_GPU.name} entry's",
-    )
-    log.info("measured peak rates of %s: %s", rates.name, rates)
-    return rates
-
-
 __all__ = [
     "CPU",
     "FACTORS",
     "H200",
     "NEAREST_GPU",
     "DeviceRates",
-    "calibrate",
-    "measure_rates",
-    "prepare",
     "rates_for",
 ]

@@ -247,7 +247,7 @@ def _reduction_dtype(
     fp32 GEMMs measured 0.9-1.4 (1.9-2.9) at 4K rows, 1.2-2.0 (2.0-3.3) at 30K, 1.8
     (2.2) at 100K and 3.1 (2.3) at 400K; a skinny result (3 x 5) measured 7.9-18.9
     (4.7-5.1), summed almost sequentially. Within the bounds fp32 is as accurate as
-    the vendor and 1.5-3x faster than fp64 (tests/test_numerics.py checks both
+    the vendor and 1.5-3x faster than fp64 (tests/solvers/test_numerics.py checks both
     sides of the rule); elsewhere the reduction runs in fp64 and rounds once.
     """
     if device_type != "cpu" or dtype != torch.float32:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gemmconv.memory_format import Layout, input_layout_of, layout_of
+from gemmconv.core.memory_format import Layout, input_layout_of, layout_of
 
 
 class Direction(str, enum.Enum):

@@ -1,7 +1,7 @@
 """The measuring engine: operands for a problem, verification of a solver's result, and
-the two times of a call. Find (gemmconv.find, behind the find and hybrid modes and
+the two times of a call. Find (gemmconv.selection.find, behind the find and hybrid modes and
 ``gemmconv tune``), the driver (``gemmconv conv``), the benchmark suite (``gemmconv
-bench``) and the scripts under bench/ and scripts/ all measure solvers here.
+bench``) and the scripts under bench/ and bench/probes/ all measure solvers here.
 
 - Operands: seeded uniform(-1, 1) values, never zeros. x and the weight are dense in the
   problem's layout, the bias is there for a forward problem that has one, and dY is in
@@ -30,13 +30,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from gemmconv.memory_format import empty_in, output_layout
-from gemmconv.problem import ConvProblem, Direction
+from gemmconv.core.memory_format import empty_in, output_layout
+from gemmconv.core.problem import ConvProblem, Direction
+from gemmconv.measuring.timing import Timing, time_interleaved, time_ms
+from gemmconv.measuring.verify import Verdict, reference
+from gemmconv.measuring.verify import judge as judge_result
 from gemmconv.solvers.base import ConvTensors, Solver
 from gemmconv.solvers.views import result_buffer
-from gemmconv.timing import Timing, time_interleaved, time_ms
-from gemmconv.verify import Verdict, reference
-from gemmconv.verify import judge as judge_result
 
 log = logging.getLogger("gemmconv.measure")
 
@@ -335,7 +335,7 @@ def peak_rates(
     convolution's GEMM (fp16/bf16 reduce in fp32), and GB/s of a large device copy,
     counting bytes read plus written. Device time: these are rates of the hardware.
     ``quick`` uses tiny sizes (a check of the plumbing, not a measurement)."""
-    from gemmconv.precision import _fp32_matmul_mode, conv_gemm_precision
+    from gemmconv.core.precision import _fp32_matmul_mode, conv_gemm_precision
 
     generator = torch.Generator(device=device).manual_seed(0)
     tflops = {}

@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from gemmconv.precision import convolutions_allow_tf32
-from gemmconv.problem import ConvProblem, Direction, dtype_name
+from gemmconv.core.precision import convolutions_allow_tf32
+from gemmconv.core.problem import ConvProblem, Direction, dtype_name
 from gemmconv.solvers import ConvTensors
 from gemmconv.solvers.vendor import VendorSolver
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from gemmconv.memory_format import Layout, layout_of
-from gemmconv.ops import conv_backward_data, conv_backward_weights, conv_forward
+from gemmconv.core.memory_format import Layout, layout_of
+from gemmconv.roads.ops import conv_backward_data, conv_backward_weights, conv_forward
 from gemmconv.solvers.views import bias_grad
 
 

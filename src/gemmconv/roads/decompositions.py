@@ -13,14 +13,14 @@ ops' CompositeImplicitAutograd kernels: inductor puts every such kernel in its
 decomposition table and then refuses the op's fallback ("both a fallback and a decomp
 for same op"), which broke torch.compile. A graph that calls the ops themselves is
 made portable with ``ep.run_decompositions({**torch.export.default_decompositions(),
-**gemmconv.decompositions.table()})``.
+**gemmconv.roads.decompositions.table()})``.
 """
 
 from __future__ import annotations
 
 import torch
 
-import gemmconv.ops  # noqa: F401  (defines the ops decomposed here)
+import gemmconv.roads.ops  # noqa: F401  (defines the ops decomposed here)
 from gemmconv.solvers.vendor import transposed_input_gradient, weight_gradient
 
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)

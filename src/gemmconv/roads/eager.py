@@ -1,6 +1,6 @@
 """The eager road: gemmconv.conv* in plain eager code, without the custom-op dispatcher.
 
-The custom ops (gemmconv.ops) are what torch.compile, torch.export, fx, jit tracing,
+The custom ops (gemmconv.roads.ops) are what torch.compile, torch.export, fx, jit tracing,
 torch.func transforms and dispatch modes see. In plain eager code their wrapper, with
 the argument checks, autocast and padding resolution around it, is pure cost: on the
 H200's host it made a tiny convolution 130-290 us slower than torch's
@@ -27,9 +27,12 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 
-from gemmconv import device_rates, dispatch, ops
-from gemmconv.memory_format import Layout
-from gemmconv.problem import ConvProblem, Direction
+from gemmconv.core import device_rates
+from gemmconv.core.arguments import resolve_arguments
+from gemmconv.core.memory_format import Layout
+from gemmconv.core.problem import ConvProblem, Direction
+from gemmconv.roads import ops
+from gemmconv.selection import dispatch
 from gemmconv.solvers.views import BATCH_AND_SPACE, bias_grad
 
 # A forward's input without its data, as a gemmconv.nn module remembers it for
@@ -391,8 +394,6 @@ def _differ_in_type(a: object, b: object) -> bool:
 def _new_call(dims, input, weight, bias, stride, padding, dilation, groups) -> _Call | None:
     """Check the arguments (raising as F.conv* would) and build the call's plan; None
     for a call the road does not cover."""
-    from gemmconv.functional import resolve_arguments
-
     if input.device.type not in _DEVICE_TYPES:
         return None
     resolved = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)

@@ -1,12 +1,12 @@
 """The convolution under torch.func transforms and forward-mode AD.
 
-The custom ops' autograd formulas (gemmconv.autograd) serve plain reverse mode and
+The custom ops' autograd formulas (gemmconv.roads.autograd) serve plain reverse mode and
 torch.compile, but torch.func cannot run them and they carry no tangents. Here the
 three directions run through autograd.Functions (one for the forward, one for both
 backward directions) with every rule torch.func asks for, each computed by the
 custom ops themselves (so by gemmconv's solvers):
 
-- ``backward``: the same formulas as gemmconv.autograd, in terms of these Functions,
+- ``backward``: the same formulas as gemmconv.roads.autograd, in terms of these Functions,
   so grad of grad (hessian, gradient penalties under torch.func) keeps working.
 - ``jvp``: every direction is bilinear in its two tensor operands, so the tangent of
   f(a, b) is f(ta, b) + f(a, tb) (plus the bias tangent for the forward).
@@ -15,7 +15,7 @@ custom ops themselves (so by gemmconv's solvers):
   so it stays one gemmconv call of the same problem class. A batch over both operands
   is one grouped convolution with a group per batch element, as torch's own batching
   rule computes it; no single-GEMM solver takes groups > 1, so im2col's batched GEMM
-  or the vendor path runs it, and this is said at DEBUG on the ``gemmconv.dispatch``
+  or the vendor path runs it, and this is said at DEBUG on the ``gemmconv.selection.dispatch``
   logger.
 
 Channel order when a batch is folded into channels with ``groups`` g: a grouped
@@ -29,9 +29,9 @@ from collections.abc import Callable
 
 import torch
 
-from gemmconv.dispatch import log
-from gemmconv.memory_format import Layout, layout_of
-from gemmconv.problem import Direction
+from gemmconv.core.memory_format import Layout, layout_of
+from gemmconv.core.problem import Direction
+from gemmconv.selection.dispatch import log
 from gemmconv.solvers.views import bias_grad
 
 # ---- folding a vmapped batch into a convolution dimension ---------------------------
@@ -173,7 +173,7 @@ class _Forward(torch.autograd.Function):
         return y.unflatten(1, (batch, -1)), 1
 
 
-# ``torch.ops.gemmconv.conv_forward``, with the same arguments (gemmconv.ops.forward),
+# ``torch.ops.gemmconv.conv_forward``, with the same arguments (gemmconv.roads.ops.forward),
 # plus forward-mode, torch.func and vmap rules.
 conv_forward: Callable[..., torch.Tensor] = _Forward.apply
 

@@ -7,7 +7,7 @@ Registering needs ``torch.onnx``, whose import costs about 40 ms, so it is done 
 first time torch.jit traces the op (the exporter's own trace included), or at import
 when ``torch.onnx`` is already loaded, rather than on every ``import gemmconv``. The
 dynamo-based exporter needs nothing here: it decomposes the op first
-(gemmconv.decompositions).
+(gemmconv.roads.decompositions).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ and asks dispatch for its solver, so solver selection happens when the op runs, 
 any traced graph: a compiled graph holds the op, not a solver, and a new batch size is a
 new dispatch-cache entry, never a recompilation. The fake implementations give the
 shapes and strides the real ones return (the layout F.conv* gives), and the real ones
-guarantee those strides, which compiled code relies on. gemmconv.decompositions gives
+guarantee those strides, which compiled code relies on. gemmconv.roads.decompositions gives
 each op its aten form, which exported programs turn to for portability.
 
 The backward ops take the problem layout as a flag because the forward decides it from
@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from gemmconv import dispatch
-from gemmconv.memory_format import (
+from gemmconv.core.arguments import ConvArgs, check_against_tensors
+from gemmconv.core.memory_format import (
     Layout,
     dense_strides,
     empty_in,
@@ -34,9 +34,9 @@ from gemmconv.memory_format import (
     input_layout_of,
     output_layout,
 )
-from gemmconv.problem import ConvProblem, Direction
+from gemmconv.core.problem import ConvProblem, Direction
+from gemmconv.selection import dispatch
 from gemmconv.solvers import ConvTensors, Solver
-from gemmconv.validate import ConvArgs, check_against_tensors
 
 _FORWARD_SCHEMA = (
     "(Tensor input, Tensor weight, Tensor? bias, int[] stride, int[] padding, "

@@ -2,7 +2,7 @@
 
 The custom ops' autograd formulas are reverse-mode only and cannot run under torch.func
 (grad, vjp, jacrev, jvp, jacfwd, vmap) or carry forward-mode tangents, so while either
-is active a convolution takes gemmconv.func_transforms instead. This runs on every
+is active a convolution takes gemmconv.roads.func_transforms instead. This runs on every
 eager call: two reads of torch's own state, well under a microsecond.
 """
 

@@ -7,7 +7,7 @@ Modes, after MIOpen's find modes:
 - ``database``: a find-database hit if there is one, else ``immediate``; never
   benchmarks. The default when no mode is set and ``torch.backends.cudnn.benchmark``
   is False.
-- ``find``: benchmark every applicable solver (``gemmconv.find``), store the winner.
+- ``find``: benchmark every applicable solver (``gemmconv.selection.find``), store the winner.
 - ``hybrid``: a database hit, else ``find``. The default when no mode is set and
   ``torch.backends.cudnn.benchmark`` is True.
 
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import logging
 import os
 import threading
@@ -42,12 +41,12 @@ from typing import NamedTuple
 
 import torch
 
-from gemmconv import device_rates
-from gemmconv.device_rates import DeviceRates
-from gemmconv.explanation import Explanation, choice_text, slower_than
-from gemmconv.finddb import DATABASE_ERRORS
-from gemmconv.precision import convolutions_allow_tf32
-from gemmconv.problem import DIRECTIONS, ConvProblem
+from gemmconv.core.device_rates import DeviceRates
+from gemmconv.core.precision import convolutions_allow_tf32
+from gemmconv.core.problem import DIRECTIONS, ConvProblem
+from gemmconv.selection import calibrate
+from gemmconv.selection.explanation import Choice, Explanation, FindMode, slower_than
+from gemmconv.selection.finddb import DATABASE_ERRORS
 from gemmconv.solvers import SOLVERS, Solver, get_solver
 from gemmconv.solvers.base import determinism_state
 
@@ -56,40 +55,6 @@ log = logging.getLogger("gemmconv.dispatch")
 
 class SolverNotApplicable(RuntimeError):
     """A forced solver (``$GEMMCONV_SOLVER`` or ``solver=``) does not apply to the problem."""
-
-
-class FindMode(str, enum.Enum):
-    """How a solver is selected: immediate, database, find or hybrid (module docstring)."""
-
-    IMMEDIATE = "immediate"
-    DATABASE = "database"
-    FIND = "find"
-    HYBRID = "hybrid"
-
-
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """The outcome of selection for one problem.
-
-    ``source`` says where the decision came from: "estimate", "database", "find",
-    "forced" or "rank 0". A find fills ``times_ms`` with each measured candidate's
-    call time, which decided, and ``device_times_ms`` with its device time (a
-    diagnostic; gemmconv.measure says how each is taken)."""
-
-    solver: str
-    rejected: dict[str, list[str]]
-    estimates_ms: dict[str, float]
-    reason: str
-    mode: str = FindMode.IMMEDIATE.value
-    source: str = "estimate"
-    times_ms: dict[str, float] = dataclasses.field(default_factory=dict)
-    device_times_ms: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    def __str__(self) -> str:
-        return f"{self.solver} ({self.reason})"
-
-    def __repr__(self) -> str:
-        return choice_text(self)
 
 
 # ---- the mode -----------------------------------------------------------------
@@ -263,7 +228,7 @@ def _capturing(problem: ConvProblem) -> bool:
 
 
 def _database_hit(problem: ConvProblem, estimated: Choice):
-    from gemmconv import finddb
+    from gemmconv.selection import finddb
 
     identity = finddb.identity_for(problem.device_type)
     try:
@@ -286,8 +251,8 @@ def _database_hit(problem: ConvProblem, estimated: Choice):
 
 
 def _decide_by_find(problem: ConvProblem, estimated: Choice, store: bool) -> Choice:
-    from gemmconv import finddb
-    from gemmconv.find import find_best
+    from gemmconv.selection import finddb
+    from gemmconv.selection.find import find_best
 
     applicable = [get_solver(sid) for sid in estimated.estimates_ms]
     result = find_best(problem, applicable, verify=find_verify_enabled())
@@ -412,7 +377,7 @@ def choose(problem: ConvProblem, solver: str | None = None) -> Choice:
     if choice is None:
         # A device the cost table does not know is calibrated here, before selection,
         # so that estimating stays pure.
-        device_rates.prepare(problem.device_type)
+        calibrate.prepare(problem.device_type)
         choice = _decide_collectively(problem, state.mode, state.forced, state.disabled)
         with _lock:
             _cache[key] = choice

@@ -1,4 +1,7 @@
-"""Readable text for solver choices: what ``explain()`` and ``module.solvers()`` print.
+"""Solver choices and their readable text: what ``explain()`` and ``module.solvers()``
+print. ``Choice`` and ``FindMode`` are defined here, beside the text that shows them, so
+that gemmconv.selection.dispatch, which makes choices, imports this module and not the
+other way round.
 
 ``Explanation`` is the dict they return (direction name -> Choice, so
 ``explain(...)["forward"].solver`` works as before) with a table for its repr: per
@@ -10,10 +13,43 @@ broke it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+import enum
 
-if TYPE_CHECKING:
-    from gemmconv.dispatch import Choice
+
+class FindMode(str, enum.Enum):
+    """How a solver is selected: immediate, database, find or hybrid (the docstring of
+    gemmconv.selection.dispatch)."""
+
+    IMMEDIATE = "immediate"
+    DATABASE = "database"
+    FIND = "find"
+    HYBRID = "hybrid"
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The outcome of selection for one problem.
+
+    ``source`` says where the decision came from: "estimate", "database", "find",
+    "forced" or "rank 0". A find fills ``times_ms`` with each measured candidate's
+    call time, which decided, and ``device_times_ms`` with its device time (a
+    diagnostic; gemmconv.measuring.measure says how each is taken)."""
+
+    solver: str
+    rejected: dict[str, list[str]]
+    estimates_ms: dict[str, float]
+    reason: str
+    mode: str = FindMode.IMMEDIATE.value
+    source: str = "estimate"
+    times_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    device_times_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"{self.solver} ({self.reason})"
+
+    def __repr__(self) -> str:
+        return choice_text(self)
 
 
 def slower_than(kind: str, value_ms: float, best_ms: float, best_id: str) -> str:
@@ -92,4 +128,4 @@ class Explanation(dict):
         return "\n".join([text, *self.notes])
 
 
-__all__ = ["Explanation", "choice_text", "slower_than", "table"]
+__all__ = ["Choice", "Explanation", "FindMode", "choice_text", "slower_than", "table"]

@@ -1,6 +1,6 @@
 """Find: measure every candidate solver on a problem and name the fastest.
 
-The candidates are measured by gemmconv.measure on the same fresh seeded random
+The candidates are measured by gemmconv.measuring.measure on the same fresh seeded random
 operands of the problem's shapes, layout, dtype and device. The winner is the fastest
 by what a call costs as a user makes it (back-to-back calls, ``call_ms``); the
 device time of each (``device_ms``) is kept beside it as a diagnostic. A candidate
@@ -14,8 +14,8 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
-from gemmconv.measure import Measurement, TimingPolicy, fastest, measure_solvers
-from gemmconv.problem import ConvProblem
+from gemmconv.core.problem import ConvProblem
+from gemmconv.measuring.measure import Measurement, TimingPolicy, fastest, measure_solvers
 from gemmconv.solvers import Solver
 
 log = logging.getLogger("gemmconv.find")

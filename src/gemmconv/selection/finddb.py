@@ -146,7 +146,7 @@ def identity_for(device_type: str, index: int | None = None) -> Identity:
     when ``index`` is None)."""
     import torch
 
-    from gemmconv import __version__
+    from gemmconv.core.version import __version__
 
     if device_type == "cuda" and torch.cuda.is_available():
         index = torch.cuda.current_device() if index is None else index

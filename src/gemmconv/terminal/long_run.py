@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from gemmconv.problem import ConvProblem
+from gemmconv.core.problem import ConvProblem
 
 # GFLOP/s of torch's convolution (the vendor path) in its slowest direction.
 CPU_VENDOR_GFLOPS = {torch.float32: 4.0, torch.bfloat16: 0.3, torch.float16: 0.2}

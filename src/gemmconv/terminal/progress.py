@@ -54,7 +54,7 @@ def progress_bar(total: int, desc: str, unit: str, enabled: bool = True) -> Iter
 
 
 class CallCounter:
-    """A ``setup`` hook for ``gemmconv.timing.time_ms`` that advances ``bar`` by one
+    """A ``setup`` hook for ``gemmconv.measuring.timing.time_ms`` that advances ``bar`` by one
     call each time the next call is about to start; ``finish()`` counts the last one.
 
     Counting a call when the next begins, rather than when it begins, keeps the bar
