@@ -2,7 +2,7 @@
 
 Find decides on what a call costs back to back; the suite's device time hides the host
 behind a head start. For one solver (default patch_triton, whose channels-first rows
-path is host-heavy) this measures both the way find does (gemmconv.measure), the host
+path is host-heavy) this measures both the way find does (gemmconv.measuring.measure), the host
 time of one call on its own, and lists the kernels of a call with the profiler, so a
 gap between the two times can be traced to launches or to kernels. It once served to
 find why `gemmconv tune` and the suite timed patch_triton differently
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from gemmconv import measure
-from gemmconv.memory_format import Layout
-from gemmconv.problem import ConvProblem, Direction
+from gemmconv.core.memory_format import Layout
+from gemmconv.core.problem import ConvProblem, Direction
+from gemmconv.measuring import measure
 from gemmconv.solvers import get_solver
 
 CASES = {

@@ -1,6 +1,6 @@
 """Lever experiments for the channels-first and unaligned rows (run on the GPU).
 
-Times, with gemmconv.timing.time_ms (device time, L2 flushed), the pieces a solver
+Times, with gemmconv.measuring.timing.time_ms (device time, L2 flushed), the pieces a solver
 would be built from, so that a solver is only written for a variant that pays:
 
 - ViT-B/16 channels-first forward: the Y^T-per-sample bmm (ldc = 196, unaligned)
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from gemmconv.kernels.patch_permute import gather_patches
 from gemmconv.kernels.strided_copy import pad_rows, strided_copy
-from gemmconv.timing import time_ms
+from gemmconv.measuring.timing import time_ms
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16

@@ -16,7 +16,7 @@ Variants, each trained from the same initial weights on the same data:
 - ``converted_channels_last``: ``gemmconv.convert(model, memory_format=torch.channels_last)``
   (token-major output), reported as not available where ``convert`` has no such argument;
 - ``linear``: the patch embed rewritten as reshape + F.linear
-  (gemmconv.linear_patch_embed, the end-to-end benchmark's rewrite).
+  (gemmconv.bench.suite.linear_patch_embed, the end-to-end benchmark's rewrite).
 
 Each runs under DDP and under FSDP2 (``fully_shard`` on every block, then the root).
 A step is zero_grad, forward under bf16 autocast, cross-entropy, backward, a fused
@@ -66,10 +66,10 @@ from multi_gpu_checks import find_not_blocking, loss_curves, params_equal, same_
 from multi_gpu_report import add_ratios, verdict, write_results
 
 import gemmconv
-from gemmconv import dispatch
-from gemmconv.bench import environment
-from gemmconv.bench_report import default_stem
-from gemmconv.linear_patch_embed import replace_patch_convs
+from gemmconv.bench.suite.linear_patch_embed import replace_patch_convs
+from gemmconv.bench.suite.report import default_stem
+from gemmconv.bench.suite.suite import environment
+from gemmconv.selection import dispatch
 
 VARIANTS = ("torch", "linear", "converted", "converted_channels_last")
 CONVERTED = ["converted", "converted_channels_last"]
@@ -155,7 +155,7 @@ def use_empty_database(world: World) -> str:
 
 
 class DecisionLog(logging.Handler):
-    """The solver decisions gemmconv.dispatch logs, one per problem the first time it
+    """The solver decisions gemmconv.selection.dispatch logs, one per problem the first time it
     is seen: the record's arguments are the problem key, the mode and the Choice.
     ``during`` names the part of the run they belong to."""
 
@@ -560,6 +560,6 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     # gloo's threads can abort the interpreter's teardown ("terminate called without an
-    # active exception") after all the work is done (tests/test_distributed.py sees the
+    # active exception") after all the work is done (tests/api/test_distributed.py sees the
     # same); leave without that teardown, the results being written and closed.
     os._exit(code)

@@ -27,7 +27,7 @@ FIND_SLACK_STEADY_STEPS = 2
 def same_solvers(decisions_per_rank: list[list[dict]]) -> dict:
     """Every rank ends with the same solver for every problem any rank decided.
 
-    ``decisions_per_rank[r]`` lists rank r's decisions as logged by gemmconv.dispatch,
+    ``decisions_per_rank[r]`` lists rank r's decisions as logged by gemmconv.selection.dispatch,
     each ``{"problem", "mode", "solver", "source", "during"}``, choices adopted by
     gemmconv.sync_choices() included; a problem's last decision on a rank is the one it
     runs. Before a sync, ranks that found on their own may differ: that is allowed."""

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import gemmconv
 import gemmconv.nn
-from gemmconv.linear_patch_embed import LinearPatchEmbed, is_patch_conv
+from gemmconv.bench.linear_patch_embed import LinearPatchEmbed, is_patch_conv
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gemmconv.memory_format import Layout, empty_in
+from gemmconv.core.memory_format import Layout, empty_in
 
 
 def pytest_collection_modifyitems(config, items):
@@ -36,7 +36,7 @@ def isolated_selection(tmp_path, monkeypatch):
     """Every test selects from a clean slate: a private find database (the test's
     tmp_path/find.sqlite, never the user's), no selection variables, no find mode left
     set, cudnn.benchmark off (so the default mode is database), no cached choices."""
-    from gemmconv import dispatch, finddb
+    from gemmconv.selection import dispatch, finddb
 
     monkeypatch.setenv("GEMMCONV_DB", str(tmp_path / "find.sqlite"))
     for name in SELECTION_ENV:
@@ -59,7 +59,7 @@ def work_costs_only(monkeypatch):
     backward) rightly wins there."""
     import dataclasses
 
-    from gemmconv import device_rates
+    from gemmconv.core import device_rates
 
     monkeypatch.setattr(device_rates, "CPU", dataclasses.replace(device_rates.CPU,
                         launch_us=0.0, host_launch_us=0.0, host_allocation_us=0.0,
@@ -70,7 +70,7 @@ def find_db_warnings(caught) -> int:
     """How many of the warnings a ``pytest.warns`` block caught are the find database's
     own: a ResourceWarning of another test's connection, collected meanwhile, may be
     caught there too."""
-    from gemmconv.finddb import FindDbWarning
+    from gemmconv.selection.finddb import FindDbWarning
 
     return sum(issubclass(w.category, FindDbWarning) for w in caught)
 
@@ -102,7 +102,7 @@ class GemmconvOpLog(TorchDispatchMode):
 
 
 class RecordingBar:
-    """A stand-in for gemmconv.progress.progress_bar's bar that keeps its count, so a
+    """A stand-in for gemmconv.terminal.progress.progress_bar's bar that keeps its count, so a
     test can check that a bar ends exactly at its total (tqdm draws at intervals)."""
 
     def __init__(self, total: int, desc: str):

@@ -2,7 +2,7 @@
 the cost model.
 
 The tests read their own copy of the run (tests/data/h200_suite.json, the source the
-H200 entry of gemmconv.device_rates names), never the benchmark's output folder, so a
+H200 entry of gemmconv.core.device_rates names), never the benchmark's output folder, so a
 new `gemmconv bench` run changes nothing here until the table is refitted with it."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gemmconv.bench import DIRECTION_NAMES, DTYPES, LAYOUT_NAMES
-from gemmconv.problem import ConvProblem
+from gemmconv.bench.suite import DIRECTION_NAMES, DTYPES, LAYOUT_NAMES
+from gemmconv.core.problem import ConvProblem
 
 RESULTS = Path(__file__).resolve().parent / "data" / "h200_suite.json"
 

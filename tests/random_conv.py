@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 import gemmconv
 from gemmconv import ConvProblem, ConvTensors, Direction, Layout
-from gemmconv.memory_format import empty_in
+from gemmconv.core.memory_format import empty_in
+from gemmconv.measuring.verify import reference, rms_range, tolerance
 from gemmconv.solvers import SOLVERS
-from gemmconv.verify import reference, rms_range, tolerance
 
 TORCH_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 GEMMCONV_CONV = {1: gemmconv.conv1d, 2: gemmconv.conv2d, 3: gemmconv.conv3d}

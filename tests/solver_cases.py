@@ -247,8 +247,8 @@ def check_case(case, device_type: str, seed: int) -> None:
 def check_run(solver, problem: ConvProblem, tensors, label: str) -> None:
     """Run ``solver`` on ``tensors`` into a NaN-filled output and judge the result
     against float64 and the vendor path."""
+    from gemmconv.measuring.verify import judge, reference
     from gemmconv.solvers.vendor import VendorSolver
-    from gemmconv.verify import judge, reference
 
     assert solver.not_supported_reasons(problem) == [], solver.not_supported_reasons(problem)
     device = next(t for t in (tensors.input, tensors.grad_output) if t is not None).device

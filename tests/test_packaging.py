@@ -30,7 +30,7 @@ def test_a_plain_install_brings_numpy():
 
 
 def test_the_test_extra_holds_what_the_onnx_export_tests_use():
-    # tests/test_export.py writes ONNX with both of torch's exporters and runs it.
+    # tests/roads/test_export.py writes ONNX with both of torch's exporters and runs it.
     test_extra = _names(PROJECT["optional-dependencies"]["test"])
     assert {"onnx", "onnxscript", "onnxruntime"} <= test_extra
 
@@ -52,7 +52,7 @@ def test_the_version_is_written_once_in_the_package():
 
     assert "version" not in PROJECT and "version" in PROJECT["dynamic"]
     setuptools = PYPROJECT["tool"]["setuptools"]
-    assert setuptools["dynamic"]["version"] == {"attr": "gemmconv.__version__"}
+    assert setuptools["dynamic"]["version"] == {"attr": "gemmconv.core.version.__version__"}
     assert re.fullmatch(r"\d+\.\d+\.\d+", gemmconv.__version__)
 
 

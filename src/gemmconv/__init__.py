@@ -2,15 +2,13 @@
 
 from gemmconv import nn
 from gemmconv.convert import ConversionReport, convert, revert
-from gemmconv.dispatch import Choice, FindMode, find_mode, set_find_mode, sync_choices
+from gemmconv.core.memory_format import Layout
+from gemmconv.core.problem import ConvProblem, Direction
+from gemmconv.core.version import __version__
 from gemmconv.functional import conv1d, conv2d, conv3d, explain
-from gemmconv.memory_format import Layout
-from gemmconv.problem import ConvProblem, Direction
+from gemmconv.measuring.verify import Verdict, verify
+from gemmconv.selection.dispatch import Choice, FindMode, find_mode, set_find_mode, sync_choices
 from gemmconv.solvers import SOLVERS, ConvTensors, get_solver, solver_ids
-from gemmconv.verify import Verdict, verify
-
-# The one place the version is written: pyproject.toml reads it from here.
-__version__ = "0.2.0"
 
 __all__ = [
     "SOLVERS",

@@ -28,7 +28,7 @@ import torch
 from torch.nn.modules.conv import _ConvNd
 from torch.nn.utils import parametrize
 
-from gemmconv.memory_format import (
+from gemmconv.core.memory_format import (
     CHANNELS_LAST_FORMATS,
     check_weight_format,
     is_channels_last_format,

@@ -2,79 +2,34 @@
 
 Argument checks, string padding, unbatched inputs and autocast are handled here, in
 traceable Python. In plain eager code the convolution takes the eager road
-(gemmconv.eager), a cached call of the op implementations; otherwise it is the
-``gemmconv::conv_forward`` custom op, whose autograd formula (gemmconv.autograd) runs
+(gemmconv.roads.eager), a cached call of the op implementations; otherwise it is the
+``gemmconv::conv_forward`` custom op, whose autograd formula (gemmconv.roads.autograd) runs
 the two backward ops, and while a torch.func transform or a forward-AD level is
-active the same op runs through gemmconv.func_transforms, which has the rules those
+active the same op runs through gemmconv.roads.func_transforms, which has the rules those
 need. Operands with a ``__torch_function__`` (fx's symbolic-tracing Proxy among them)
 and torch-function modes see the public function first, as they see F.conv*.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
-import gemmconv.autograd  # noqa: F401  (registers the forward op's backward)
-from gemmconv import decompositions, eager, func_transforms, onnx_symbolic
-from gemmconv.dispatch import Choice, explain_problem
-from gemmconv.problem import ConvProblem
-from gemmconv.transform_state import transforms_active
-from gemmconv.validate import (
-    ConvArgs,
+import gemmconv.roads.autograd  # noqa: F401  (registers the forward op's backward)
+from gemmconv.core.arguments import (
+    IntOrTuple,
+    Padding,
+    ResolvedArguments,
+    _resolved,
     check_against_tensors,
     check_argument_kinds,
+    resolve_arguments,
 )
-
-IntOrTuple = int | Sequence[int]
-Padding = IntOrTuple | str
-
-
-class ResolvedArguments(NamedTuple):
-    """F.conv* arguments as per-dimension integers; ``input_padding`` is the F.pad
-    argument the input needs first ('same' with an odd total pads the far side by
-    one, exactly as torch does), empty when it needs none."""
-
-    stride: tuple[int, ...]
-    padding: tuple[int, ...]
-    dilation: tuple[int, ...]
-    groups: int
-    input_padding: tuple[int, ...]
-
-
-def resolve_arguments(
-    dims: int,
-    input: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    stride: IntOrTuple,
-    padding: Padding,
-    dilation: IntOrTuple,
-    groups: int,
-) -> ResolvedArguments:
-    """Check a call as F.conv{dims}d would (raising its errors) and resolve its arguments."""
-    args = check_argument_kinds(dims, input, weight, bias, stride, padding, dilation, groups)
-    check_against_tensors(dims, input, weight, bias, args)
-    return _resolved(args, weight)
-
-
-def _resolved(args: ConvArgs, weight: torch.Tensor) -> ResolvedArguments:
-    """``args`` with 'same' padding resolved from the kernel."""
-    if args.padding is not None:
-        return ResolvedArguments(args.stride, args.padding, args.dilation, args.groups, ())
-    totals = [d * (r - 1) for d, r in zip(args.dilation, weight.shape[2:])]
-    extra = []
-    for total in reversed(totals):
-        extra += [0, total % 2]
-    pads = tuple(total // 2 for total in totals)
-    return ResolvedArguments(
-        args.stride, pads, args.dilation, args.groups, tuple(extra) if any(extra) else ()
-    )
-
+from gemmconv.core.problem import ConvProblem
+from gemmconv.roads import decompositions, eager, func_transforms, onnx_symbolic
+from gemmconv.roads.transform_state import transforms_active
+from gemmconv.selection.dispatch import Choice, explain_problem
 
 # Devices whose is_autocast_enabled raises. A fixed set rather than asking
 # torch.amp.is_autocast_available, which torch 2.11's dynamo cannot trace (fullgraph

@@ -21,9 +21,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gemmconv import eager, functional
-from gemmconv.dispatch import Choice, explain_problem
-from gemmconv.memory_format import CHANNELS_LAST_FORMATS, check_weight_format, set_weight_format
+from gemmconv import functional
+from gemmconv.core.memory_format import (
+    CHANNELS_LAST_FORMATS,
+    check_weight_format,
+    set_weight_format,
+)
+from gemmconv.roads import eager
+from gemmconv.selection.dispatch import Choice, explain_problem
 
 
 class _GemmConvMixin:

@@ -46,7 +46,7 @@ from gemmconv.kernels.program_order import grouped_tile
 # TMA's rule for a box's global memory: the base and every stride but the innermost
 # 16-byte aligned.
 TMA_ALIGNMENT = 16
-# Tiles for half precision: the best of scripts/paired_rows_probe.py's sweep on an H100
+# Tiles for half precision: the best of bench/probes/paired_rows_probe.py's sweep on an H100
 # with L2 flushed in both dtypes (bench/results/paired_rows_h100.txt).
 FORWARD_TILES = {
     torch.float16: TileConfig(128, 128, 64, 4, 3),

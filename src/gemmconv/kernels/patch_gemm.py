@@ -57,7 +57,7 @@ FORWARD_TILES = {
 }
 DGRAD_TILES = FORWARD_TILES  # the same GEMM shape: [M, K] @ [K, Kred]
 # The whole-row forward (ROW_ALIGN > 0) in half precision: point 2D bf16 ran 56 us with
-# these against 63 with FORWARD_TILES on an H100 (scripts/whole_row_tiles.py,
+# these against 63 with FORWARD_TILES on an H100 (bench/probes/whole_row_tiles.py,
 # bench/results/whole_row_h100.txt; backward-data and the weight gradient gained
 # under 10% from any tile there and keep theirs).
 WHOLE_ROW_FORWARD_TILES = {

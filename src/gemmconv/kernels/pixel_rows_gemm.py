@@ -44,7 +44,7 @@ from gemmconv.kernels.patch_index import DeviceHelper
 from gemmconv.kernels.program_order import grouped_tile
 
 # Tiles per dtype: for half precision the fastest of six on an H100 for ViT-B/16's rows
-# at batch 256 (scripts/pixel_rows_bench.py: forward 1.45x cuBLAS's GEMM, against
+# at batch 256 (bench/probes/pixel_rows_bench.py: forward 1.45x cuBLAS's GEMM, against
 # 1.60-1.79x for the others), fp32's half as deep.
 TILES = {
     torch.float16: TileConfig(128, 256, 64, 8, 3),

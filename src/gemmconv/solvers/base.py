@@ -18,10 +18,10 @@ from typing import ClassVar
 
 import torch
 
-from gemmconv.device_rates import DeviceRates, rates_for
-from gemmconv.memory_format import Layout
-from gemmconv.precision import conv_gemm_precision, convolutions_allow_tf32
-from gemmconv.problem import DIRECTIONS, ConvProblem, Direction, dtype_name
+from gemmconv.core.device_rates import DeviceRates, rates_for
+from gemmconv.core.memory_format import Layout
+from gemmconv.core.precision import conv_gemm_precision, convolutions_allow_tf32
+from gemmconv.core.problem import DIRECTIONS, ConvProblem, Direction, dtype_name
 
 ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 ALL_LAYOUTS = frozenset({Layout.CHANNELS_FIRST, Layout.CHANNELS_LAST})

@@ -15,8 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from gemmconv.precision import reduction_bmm
-from gemmconv.problem import ConvProblem, Direction
+from gemmconv.core.precision import reduction_bmm
+from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors, Solver
 from gemmconv.solvers.patch.cost import torch_permute_slowdown
 from gemmconv.solvers.views import result_buffer

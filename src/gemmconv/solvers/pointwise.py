@@ -15,13 +15,13 @@ import math
 
 import torch
 
-from gemmconv.memory_format import Layout
-from gemmconv.precision import (
+from gemmconv.core.memory_format import Layout
+from gemmconv.core.precision import (
     fp32_workspace_chunk_bytes,
     reduce_batched_products,
     reduction_mm,
 )
-from gemmconv.problem import ConvProblem, Direction
+from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors, Solver
 from gemmconv.solvers.views import (
     result_buffer,

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from gemmconv.memory_format import Layout
-from gemmconv.precision import reduction_mm
-from gemmconv.problem import ConvProblem, Direction
+from gemmconv.core.memory_format import Layout
+from gemmconv.core.precision import reduction_mm
+from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors
 from gemmconv.solvers.prepared_run import (
     ResultBuffer,

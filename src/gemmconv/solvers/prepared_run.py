@@ -14,8 +14,8 @@ from typing import TypeVar
 
 import torch
 
-from gemmconv.precision import with_conv_precision
-from gemmconv.problem import ConvProblem
+from gemmconv.core.precision import with_conv_precision
+from gemmconv.core.problem import ConvProblem
 from gemmconv.solvers.base import ConvTensors
 from gemmconv.solvers.views import meta_like, result_buffer
 

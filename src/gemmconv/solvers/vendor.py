@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 import torch
 
-from gemmconv.device_rates import DeviceRates
-from gemmconv.memory_format import Layout
-from gemmconv.problem import ConvProblem, Direction
+from gemmconv.core.device_rates import DeviceRates
+from gemmconv.core.memory_format import Layout
+from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors, Solver
 
 # Patch embeddings with at least this many kernel taps are "large" in the cost table.

@@ -14,8 +14,8 @@ from operator import methodcaller
 
 import torch
 
-from gemmconv.memory_format import Layout, empty_in, output_layout
-from gemmconv.problem import ConvProblem, Direction
+from gemmconv.core.memory_format import Layout, empty_in, output_layout
+from gemmconv.core.problem import ConvProblem, Direction
 
 
 def try_view(t: torch.Tensor, *shape: int) -> torch.Tensor | None:

@@ -18,8 +18,8 @@ from typing import ClassVar
 
 import torch
 
-from gemmconv.precision import reduction_mm
-from gemmconv.problem import ConvProblem, Direction
+from gemmconv.core.precision import reduction_mm
+from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors
 from gemmconv.solvers.patch import prepared, rows_path
 from gemmconv.solvers.patch.columns import ColumnSource

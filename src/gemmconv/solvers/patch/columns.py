@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from gemmconv.memory_format import Layout
-from gemmconv.problem import ConvProblem, Direction
+from gemmconv.core.memory_format import Layout
+from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.solvers.patch.cost import gathered_run_bytes, torch_permute_slowdown
 from gemmconv.solvers.patch.mapping import (
     VECTOR_BYTES,

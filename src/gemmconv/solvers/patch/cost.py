@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
-from gemmconv.memory_format import Layout
-from gemmconv.problem import ConvProblem
+from gemmconv.core.memory_format import Layout
+from gemmconv.core.problem import ConvProblem
 from gemmconv.solvers.patch.mapping import column_layout, covered_extent
 
 # torch's copy through a permuted patch view ran 1.2 TB/s on an H200 against 3.8 TB/s

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from gemmconv.core.problem import ConvProblem
 from gemmconv.kernels import triton_available
-from gemmconv.problem import ConvProblem
 from gemmconv.solvers.base import Solver
 from gemmconv.solvers.patch.mapping import patch_class_reasons
 

@@ -13,10 +13,10 @@ import math
 
 import torch
 
-from gemmconv.device_rates import DeviceRates, rates_for
+from gemmconv.core.device_rates import DeviceRates, rates_for
+from gemmconv.core.precision import convolutions_allow_tf32
+from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.kernels import SPLIT_PROGRAMS_PER_SM, split_programs
-from gemmconv.precision import convolutions_allow_tf32
-from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors, gemm_flop_ms
 from gemmconv.solvers.patch import implicit_prepared
 from gemmconv.solvers.patch.cost import gathered_run_bytes

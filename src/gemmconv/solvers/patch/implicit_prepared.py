@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import torch
 
+from gemmconv.core.precision import convolutions_allow_tf32
+from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.kernels import split_programs
-from gemmconv.precision import convolutions_allow_tf32
-from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors
 from gemmconv.solvers.patch.mapping import channels_last_columns, column_layout, covered_extent
 from gemmconv.solvers.prepared_run import ResultBuffer, Runner, meta_operands

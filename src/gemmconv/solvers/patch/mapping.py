@@ -25,9 +25,9 @@ import math
 
 import torch
 
-from gemmconv import cached_zeros
-from gemmconv.memory_format import Layout, output_layout
-from gemmconv.problem import ConvProblem, Direction
+from gemmconv.core import cached_zeros
+from gemmconv.core.memory_format import Layout, output_layout
+from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.solvers.views import weight_rows
 
 VECTOR_BYTES = 16  # GEMM operand rows and vector loads want this alignment

@@ -21,9 +21,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from gemmconv.memory_format import empty_in
-from gemmconv.precision import reduction_mm_of
-from gemmconv.problem import ConvProblem, Direction
+from gemmconv.core.memory_format import empty_in
+from gemmconv.core.precision import reduction_mm_of
+from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors
 from gemmconv.solvers.patch import rows_path
 from gemmconv.solvers.patch.mapping import (

@@ -17,8 +17,8 @@ import dataclasses
 
 import torch
 
-from gemmconv.device_rates import DeviceRates, rates_for
-from gemmconv.problem import ConvProblem, Direction
+from gemmconv.core.device_rates import DeviceRates, rates_for
+from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.solvers.base import gemm_flop_ms
 from gemmconv.solvers.patch.columns import ColumnSource
 from gemmconv.solvers.patch.cost import output_rows_bytes
@@ -33,11 +33,11 @@ TRANSPOSE_SLOWDOWN = 1.25
 # The batch (grid axis 1) of one transpose launch is a sample count.
 MAX_CHUNK_SAMPLES = 65535
 # The in-place kernels' GEMM time against cuBLAS's on rows, by direction, where the
-# GEMM is bound by its flops (scripts/pixel_rows_bench.py on an H100, bench/NOTES.md):
+# GEMM is bound by its flops (bench/probes/pixel_rows_bench.py on an H100, bench/NOTES.md):
 # the forward 1.35-1.66x (1.45 on ViT-B/16's rows at batch 256), backward-data
 # 1.25-1.71x (1.66 on ViT-B/16's), the weight gradient 1.71-3.11x with its split
 # count, and CLIP-L/14's at 336 pixels ran 0.95 ms against 0.28 on an H200 (the
-# twelfth session's kept-columns bug) where 2.0 would have sent it in place. Where
+# kept-columns bug that ef75e30 fixed) where 2.0 would have sent it in place. Where
 # the GEMM is bound by bandwidth they run near cuBLAS's time (DiT-XL/2's weight
 # gradient, 16 columns: 1.10x), and the transpose they drop is most of the
 # work: dW in 0.076 ms against 0.172 for the transpose and cuBLAS.

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from gemmconv.device_rates import DeviceRates
-from gemmconv.problem import ConvProblem
+from gemmconv.core.device_rates import DeviceRates
+from gemmconv.core.problem import ConvProblem
 from gemmconv.solvers.patch.column_gemm import ChannelsFirst, ColumnGemmSolver
 from gemmconv.solvers.patch.columns import TORCH_COPY_COLUMNS, TRITON_COPY_COLUMNS, VIEW_COLUMNS
 from gemmconv.solvers.patch.implicit import ImplicitGemmSolver

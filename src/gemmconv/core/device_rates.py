@@ -1,0 +1,254 @@
+"""The cost table: per device, the rates and fitted factors the cost model reads, each
+entry with its fit source.
+
+An entry (``DeviceRates``) holds the device's peak rates — the matrix rate of each math
+mode (a large matmul on random data), the copy bandwidth (bytes read plus written), the
+gap a kernel launch adds — and ``factors``: the numbers fitted to a benchmark run of
+the suite on that device, by name (``FACTORS`` lists them). ``source`` says where
+they come from. The H200 entry is fitted to the suite run kept in
+tests/data/h200_suite.json (the tests read it too), so a new bench run changes
+neither the table nor the tests until someone refits both.
+
+Estimates are pure: ``rates_for`` reads the table, or the rates a process calibrated
+for a CUDA device the table does not know (``calibrate``: the rates stored in the find
+database, else measured once and stored there), or, until then, the table's nearest
+entry. ``prepare`` calibrates the device before the first decision made outside a
+CUDA graph capture (gemmconv.selection.dispatch calls it), so no estimate opens the database or
+benchmarks. Under a torch.distributed process group of several ranks it does not:
+rates measured per rank differ, and so would the ranks' estimates; the nearest entry
+prices the device there until ``gemmconv.sync_choices()`` measures it on one rank and
+gives every rank those rates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+# The fitted factors an entry holds (fractions of the GEMM floor a kernel reaches, or
+# slowdowns), by the problems they price.
+FACTORS = {
+    "vendor_pointwise": "the vendor's convolution on 1x1 kernels, as a fraction of the floor",
+    "vendor_large_patch": "the vendor on patch embeddings of 16 taps or more",
+    "vendor_large_patch_backward_data": "the vendor's backward-data on those",
+    "vendor_point_output": "the vendor on those with one output pixel per sample",
+    "vendor_small_patch": "the vendor on channels-last patches of fewer taps",
+    "vendor_small_patch_channels_first": "the vendor on channels-first patches of fewer taps",
+    "vendor_few_channel_patch": "the vendor on channels-last patches of fewer taps and "
+    "fewer than 8 input channels a group",
+    "vendor_other": "the vendor on every other convolution",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceRates:
+    name: str
+    matrix_tflops: dict[str, float]  # by dtype name; "fp32" is full fp32, "tf32" the TF32 mode
+    bandwidth_gbs: float
+    launch_us: float
+    # Streaming multiprocessors: kernels that size their grid to fill the device are
+    # costed with it. None where not known (the CPU, rates stored without it).
+    multiprocessors: int | None = None
+    # How much slower a GEMM runs when its reduction rows are not 16-byte aligned.
+    unaligned_slowdown: float = 1.0
+    # Host time per kernel launch (torch op or prepared Triton launch, allocation
+    # included) on the eager road, and whether the host runs ahead of the device (a
+    # GPU) or does the work itself (a CPU): a call costs the larger of host and
+    # device time in the first case, their sum in the second.
+    host_launch_us: float = 10.0
+    host_triton_launch_us: float = 10.0
+    # The result's allocation alone (torch.empty_strided), without a kernel.
+    host_allocation_us: float = 10.0
+    host_overlaps_device: bool = True
+    # What gemmconv's own autograd node costs the host beyond torch's fused
+    # convolution backward (the Python node and a call per direction): where the
+    # forward goes to the vendor, the backward leaves torch's fused one only for GEMM
+    # solvers that save more than this; and every backward direction's call pays it
+    # (Solver.call_ms), each running inside that node.
+    autograd_node_us: float = 60.0
+    factors: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    source: str = ""
+
+    def matrix_rate(self, dtype_key: str) -> float:
+        """Flops per millisecond for this dtype/math mode."""
+        return self.matrix_tflops.get(dtype_key, self.matrix_tflops["fp32"]) * 1e9
+
+    def bytes_per_ms(self) -> float:
+        return self.bandwidth_gbs * 1e6
+
+    def factor(self, name: str) -> float:
+        """A fitted factor of FACTORS; KeyError naming the entry when it has none."""
+        try:
+            return self.factors[name]
+        except KeyError:
+            raise KeyError(f"{self.name} ({self.source}): no fitted factor {name!r}") from None
+
+    def as_json(self) -> dict:
+        return {**dataclasses.asdict(self), "factors": dict(self.factors)}
+
+
+# ---- the table ---------------------------------------------------------------------
+
+H200 = DeviceRates(
+    name="NVIDIA H200",
+    # Measured on an H200: an 8192^3 bf16 matmul ran 769-798 TFLOP/s and a device copy
+    # about 4.3 TB/s; fp32 and tf32 are the datasheet's dense rates scaled by the same
+    # measured/datasheet ratio as bf16 (about 0.8).
+    matrix_tflops={"bf16": 780.0, "fp16": 780.0, "tf32": 390.0, "fp32": 50.0, "fp64": 50.0},
+    bandwidth_gbs=4300.0,
+    multiprocessors=132,
+    launch_us=4.0,
+    # bf16 [9500 x 588] x [588 x 1280] ran 88 us a call, 4.6x its flop floor at the
+    # matrix rate above (the same GEMM padded to 592 ran 31 us). The factor was 2.8,
+    # the ratio to the padded GEMM, which priced the unaligned GEMM at 55 us.
+    unaligned_slowdown=4.6,
+    # A torch op cost 20-28 us of Python and dispatch on the H200's host (bench/results/
+    # host_costs_h200.txt: F.pad 25 us, an allocation and addmm 28 us), an allocation
+    # alone 3-5 (torch.profiler's aten::empty_strided in bench/results/
+    # node_gap_h100.txt), a prepared Triton launch on the direct route about 15 with its
+    # Python: patch_implicit's run of point 2D's forward, an allocation and one launch,
+    # issued in 26 us there (36 as the public call; bench/results/
+    # point2d_public_h200.txt). The Triton price was 55 us, the ordinary route's, and
+    # stayed so long after the direct route landed because each refit to the direct
+    # route sent point 2D's backward to a solver whose
+    # public calls ran 1.5-5.6x slower than find's call times said (bench/NOTES.md): a
+    # backward runs in gemmconv's autograd node on the engine's worker thread, whose
+    # cost no call time held. Backward estimates now carry the node (Solver.call_ms,
+    # below) and find times backward candidates from a node (measure.through_autograd).
+    # Fitted to the suite's call times, the 22a735c run here and the H100 run at 462056e
+    # (bench/results/h100.json, backward candidates timed from the node): with these
+    # every row of the H100 run, and every row of this one but the STILL_OFF ones of
+    # tests/h200_measurements.py (two backward rows it timed bare), picks within 10% of
+    # the fastest call.
+    host_launch_us=20.0,
+    host_triton_launch_us=15.0,
+    host_allocation_us=5.0,
+    # What a public backward call cost the host beyond the solver's own run: 60 us on
+    # the H200's host (point_output's backward-data, bench/results/
+    # point2d_public_h200.txt: 80.7 us of host issue against 20.4 for its bare run) and
+    # 58-66 on an H100's (bench/results/node_gap_h100.txt): torch's autograd.grad, the
+    # engine's hand-off to its worker thread and gemmconv's Python node. A backward
+    # direction's call pays it on top of its own host time (Solver.call_ms).
+    autograd_node_us=60.0,
+    # The vendor's fraction of the floor in the suite run: 1x1 at 0.78-0.94 of it
+    # (NHWC backward-data 0.17 there, 0.87 without the stand-in input below); patch
+    # embeddings of 16 taps or more 0.007-0.45, 0.038 at the median of 48 rows;
+    # DiT-XL/2 and ConvNeXt downsample (2x2) channels-first 0.12-0.25; channels-last
+    # forward and weight gradient 0.25-0.72. Channels-last backward-data measured
+    # 0.03-0.11 in that run, through a stand-in input that made cuDNN convert dY to
+    # channels-first; as users call it 0.21 and 0.47, within the small-patch factor,
+    # so it no longer has its own. The estimate only has to rank the vendor behind a
+    # real GEMM where one exists; find measures the truth. With a single small-patch
+    # factor (0.33) the ConvNeXt channels-last forward and weight gradient, where cuDNN
+    # is fastest, went to a GEMM solver running 1.6x and 1.25x its time.
+    factors={
+        "vendor_pointwise": 0.95,
+        "vendor_large_patch": 0.04,
+        "vendor_large_patch_backward_data": 0.04,
+        "vendor_point_output": 0.04,
+        "vendor_small_patch": 0.6,
+        "vendor_small_patch_channels_first": 0.2,
+        # cuDNN pads fewer than 8 channels to 8 in two extra kernels and runs its GEMM
+        # at 0.20-0.30 of the floor on DiT-XL/2's 4-channel 2x2 patches (0.21-0.40 on
+        # an H100: bench/results/h200.json at b9cd4c7, h100.json at 69f90e9). Priced
+        # as other small patches (0.6), a training call's three directions seemed to
+        # save 54 us over torch's, less than the autograd node, so it went to torch's
+        # convolution, though they save 210-285 us by the suite's call times: its
+        # backward calls ran 0.69x the rewrite on an H100 at 91437bd (bench/NOTES.md).
+        "vendor_few_channel_patch": 0.25,
+        "vendor_other": 0.5,
+    },
+    source="tests/data/h200_suite.json (NVIDIA H200, torch 2.11, cuDNN 9.19, the suite at "
+    "commit 22a735c, bench/results/h200.json at that commit): the "
+    "unaligned slowdown and host costs fitted to it; the vendor factors fitted to earlier runs "
+    "(9acd9a1, 22a7a55, the channels-last small-patch backward-data without a stand-in input) "
+    "and kept, with which every pick on this run but point 2D's stays the same",
+)
+
+# The CPU machines of this project (2 cores): orders of magnitude below any GPU; only
+# the ratios between solvers matter here, and those are set by bytes copied versus
+# flops. CPU GEMMs showed no alignment cliff. Nothing is fitted to a CPU run yet: the
+# vendor's factors are the H200's, its 1x1 and small-patch ones as they were before
+# the H200 entry was refitted to cuDNN's channels-last small patches.
+CPU = DeviceRates(
+    name="cpu",
+    matrix_tflops={"bf16": 0.05, "fp16": 0.02, "tf32": 0.1, "fp32": 0.1, "fp64": 0.05},
+    bandwidth_gbs=10.0,
+    launch_us=5.0,
+    host_launch_us=4.0,
+    host_triton_launch_us=4.0,  # never a contender on the CPU: Triton runs interpreted
+    host_allocation_us=4.0,
+    host_overlaps_device=False,
+    # A channels-last 4x4 patch's forward+backward cost 196.5 us through gemmconv's
+    # node (a vendor dW and a patch dX) against torch's 125.2, its forward 3.4 of that
+    # (bench/results/overhead_cpu.md, the run before this rule).
+    autograd_node_us=60.0,
+    # torch's CPU convolution ran a ViT-B/16 patch embed at batch 8 forward in 9.6 ms
+    # and its weight gradient in 10.4, ahead of the rewrite's GEMM with its copy (10.5,
+    # 11.0), as fast as a GEMM can: 1.0. Its backward-data (about 60 ms) and its point
+    # patches (950x3x14x14: 27.7 ms against the GEMM's 7.9) are far behind: 0.1
+    # (bench/results/cpu.md, the run before this fit, is in its git history).
+    factors={
+        **H200.factors,
+        # The refit's evidence is cuDNN's, which says nothing of the CPU's kernels.
+        "vendor_pointwise": 0.8,
+        "vendor_small_patch": 0.33,
+        "vendor_few_channel_patch": 0.33,  # no CPU evidence: as other small patches
+        "vendor_large_patch": 1.0,
+        "vendor_large_patch_backward_data": 0.1,
+        "vendor_point_output": 0.1,
+    },
+    source="rates: conservative figures for a 2-core CPU; factors: the H200 entry's before "
+    "its small-patch refit, large patches excepted (bench/results/cpu.md)",
+)
+
+_TABLE: dict[str, DeviceRates] = {"NVIDIA H200": H200, "NVIDIA H100 80GB HBM3": H200}
+# The entry a CUDA device the table does not know is costed with until it is calibrated
+# (the table's only GPU).
+NEAREST_GPU = H200
+
+
+# ---- looking rates up (pure) -------------------------------------------------------
+
+# Rates calibrated in this process for CUDA devices not in the table, by device index
+# (gemmconv.selection.calibrate fills it).
+_calibrated: dict[int, DeviceRates] = {}
+
+
+def rates_for(device_type: str, index: int = 0) -> DeviceRates:
+    """The rates of a problem's device, from the table or this process's calibration;
+    never opens the find database and never measures."""
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return CPU
+    calibrated = _calibrated.get(index)
+    if calibrated is not None:
+        return calibrated
+    return _TABLE.get(_device_name(index), NEAREST_GPU)
+
+
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def calibrated() -> dict[int, DeviceRates]:
+    """This process's calibrated rates, by CUDA device index."""
+    return dict(_calibrated)
+
+
+def adopt_calibrated(rates: Mapping[int, DeviceRates]) -> None:
+    """Use ``rates`` (another rank's calibration) for these device indices."""
+    _calibrated.update(rates)
+
+
+__all__ = [
+    "CPU",
+    "adopt_calibrated",
+    "calibrated",
+    "FACTORS",
+    "H200",
+    "NEAREST_GPU",
+    "DeviceRates",
+    "rates_for",
+]

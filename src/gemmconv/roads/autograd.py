@@ -1,0 +1,100 @@
+"""The autograd formulas of the three ops, registered on the ops themselves (rather
+than wrapping them in autograd.Functions) so torch.compile traces forward and backward
+as a whole.
+
+The forward's backward runs backward-data and backward-weights, each only when its
+gradient is needed, and sums dy for the bias gradient. The two backward ops are linear
+in each of their operands, so their own gradients are the other two directions of the
+same convolution, which makes double backward (``create_graph=True``, e.g. gradient
+penalties) run on gemmconv too. With y = conv(x, w):
+
+- dx = backward_data(dy, w): a gradient g of dx gives dy the gradient conv(g, w) and
+  w the gradient backward_weights(dy, g), since <g, dx> = <conv(g, w), dy>.
+- dw = backward_weights(dy, x): a gradient G of dw gives dy the gradient conv(x, G)
+  and x the gradient backward_data(dy, G), since <G, dw> = <conv(x, G), dy>.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gemmconv.core.memory_format import Layout, layout_of
+from gemmconv.roads.ops import conv_backward_data, conv_backward_weights, conv_forward
+from gemmconv.solvers.views import bias_grad
+
+
+def _forward_setup_context(ctx, inputs, output) -> None:
+    input, weight, bias, stride, padding, dilation, groups = inputs
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    # Keep only what the backward pass will read: the input for dW, the weight for dx.
+    ctx.save_for_backward(input if need_dw else None, weight if need_dx else None)
+    ctx.input_size = list(input.shape)
+    ctx.weight_size = list(weight.shape)
+    ctx.conv_args = (list(stride), list(padding), list(dilation), groups)
+    ctx.channels_last = layout_of(input, weight) is Layout.CHANNELS_LAST
+
+
+def _forward_backward(ctx, grad_output: torch.Tensor):
+    input, weight = ctx.saved_tensors
+    dx = dw = db = None
+    if ctx.needs_input_grad[0]:
+        dx = torch.ops.gemmconv.conv_backward_data(
+            grad_output, weight, ctx.input_size, *ctx.conv_args, ctx.channels_last
+        )
+    if ctx.needs_input_grad[1]:
+        dw = torch.ops.gemmconv.conv_backward_weights(
+            grad_output, input, ctx.weight_size, *ctx.conv_args, ctx.channels_last
+        )
+    if ctx.needs_input_grad[2]:
+        db = bias_grad(grad_output, out_channels=ctx.weight_size[0])
+    return dx, dw, db, None, None, None, None
+
+
+def _backward_setup_context(ctx, inputs, output) -> None:
+    """Shared by both backward ops: inputs are (dy, the other operand, the size of the
+    result, stride, padding, dilation, groups, channels_last)."""
+    grad_output, operand, _result_size, stride, padding, dilation, groups, channels_last = inputs
+    need_ddy, need_doperand = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    # The operand's gradient reads dy; dy's gradient reads the operand.
+    ctx.save_for_backward(grad_output if need_doperand else None, operand if need_ddy else None)
+    ctx.operand_size = list(operand.shape)
+    ctx.conv_args = (list(stride), list(padding), list(dilation), groups)
+    ctx.channels_last = channels_last
+
+
+_NO_GRAD_FOR_ARGUMENTS = (None,) * 6
+
+
+def _backward_data_backward(ctx, grad_dx: torch.Tensor):
+    return _bilinear_backward(ctx, grad_dx, operand_is_weight=True)
+
+
+def _backward_weights_backward(ctx, grad_dw: torch.Tensor):
+    return _bilinear_backward(ctx, grad_dw, operand_is_weight=False)
+
+
+def _bilinear_backward(ctx, grad_result: torch.Tensor, operand_is_weight: bool):
+    """The gradients of a backward op f(dy, operand), from the gradient of its result:
+    dy's is a forward convolution and the operand's the other backward op (the module
+    docstring has both identities)."""
+    grad_output, operand = ctx.saved_tensors
+    ddy = d_operand = None
+    if ctx.needs_input_grad[0]:
+        x, w = (grad_result, operand) if operand_is_weight else (operand, grad_result)
+        ddy = torch.ops.gemmconv.conv_forward(x, w, None, *ctx.conv_args)
+    if ctx.needs_input_grad[1]:
+        if operand_is_weight:
+            other_backward = torch.ops.gemmconv.conv_backward_weights
+        else:
+            other_backward = torch.ops.gemmconv.conv_backward_data
+        d_operand = other_backward(
+            grad_output, grad_result, ctx.operand_size, *ctx.conv_args, ctx.channels_last
+        )
+    return ddy, d_operand, *_NO_GRAD_FOR_ARGUMENTS
+
+
+conv_forward.register_autograd(_forward_backward, setup_context=_forward_setup_context)
+conv_backward_data.register_autograd(_backward_data_backward, setup_context=_backward_setup_context)
+conv_backward_weights.register_autograd(
+    _backward_weights_backward, setup_context=_backward_setup_context
+)

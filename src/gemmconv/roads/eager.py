@@ -1,0 +1,502 @@
+"""The eager road: gemmconv.conv* in plain eager code, without the custom-op dispatcher.
+
+The custom ops (gemmconv.roads.ops) are what torch.compile, torch.export, fx, jit tracing,
+torch.func transforms and dispatch modes see. In plain eager code their wrapper, with
+the argument checks, autocast and padding resolution around it, is pure cost: on the
+H200's host it made a tiny convolution 130-290 us slower than torch's
+(bench/results/overhead_h200.md, whose earlier version is in the git history), far
+more than the kernels of most convolutions. Here a call is one dictionary lookup on
+everything those steps depend on (operand metadata, convolution arguments, autocast
+and selection state), then the very implementation the ops run: the forward plan
+directly under no_grad, and inside a torch.autograd.Function when a gradient is
+needed, whose backward calls the backward ops' implementations (or the custom ops
+themselves when the backward is being differentiated, so double backward keeps their
+autograd formulas).
+
+Anything this road does not cover (an argument that cannot be hashed, 'same' padding
+that pads the input first, a tensor subclass, a device other than cpu/cuda, arguments
+equal to a checked call's but of other types) takes the custom-op road, which checks
+and computes everything afresh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.autograd.forward_ad as forward_ad
+import torch.nn.functional as F
+
+from gemmconv.core import device_rates
+from gemmconv.core.arguments import resolve_arguments
+from gemmconv.core.memory_format import Layout
+from gemmconv.core.problem import ConvProblem, Direction
+from gemmconv.roads import ops
+from gemmconv.selection import dispatch
+from gemmconv.solvers.views import BATCH_AND_SPACE, bias_grad
+
+# A forward's input without its data, as a gemmconv.nn module remembers it for
+# ``solvers()``: (shape, strides, dtype, device), the dtype the convolution ran in
+# (autocast resolved), as the eager road reads them for its key. A plain tuple: one is
+# built on every eager forward of a module, and a NamedTuple costs 0.2 us more.
+SeenInput = tuple[torch.Size, tuple[int, ...], torch.dtype, torch.device]
+
+
+# The attribute under which a gemmconv.nn module keeps the SeenInput of its last
+# eager forward.
+LAST_INPUT = "_gemmconv_last_input"
+
+
+def remember_input(module: torch.nn.Module, input: torch.Tensor) -> None:
+    """Keep ``input``'s SeenInput on ``module`` (a gemmconv.nn module)."""
+    # Past nn.Module.__setattr__, whose checks for parameters, buffers and submodules
+    # cost a microsecond a forward.
+    module.__dict__[LAST_INPUT] = (input.shape, input.stride(), input.dtype, input.device)
+
+
+# torch's C questions, bound once: every eager call asks them, and the lookups through
+# the torch module cost a fifth of the answers.
+_is_tracing = torch._C._is_tracing
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_functorch_transforms = torch._C._are_functorch_transforms_active
+_is_grad_enabled = torch.is_grad_enabled
+_any_autocast_enabled = torch._C._is_any_autocast_enabled
+# The devices the road covers; a call on any other takes the op road.
+_DEVICE_TYPES = frozenset({"cpu", "cuda"})
+
+
+class _Call:
+    """What one distinct eager call needs besides its tensors."""
+
+    __slots__ = ("plan", "unbatched", "accepted", "conv_args", "vendor_function",
+                 "vendor_arguments", "input_size", "weight_size", "channels_last",
+                 "vendor_forward", "bias_dims", "keeps_columns", "_vendor_serves",
+                 "_backward_plans")  # fmt: skip
+
+    def __init__(self, dims: int, plan: ops.Plan, unbatched: bool, arguments: tuple,
+                 conv_args: tuple, input: torch.Tensor, weight: torch.Tensor) -> None:  # fmt: skip
+        self.plan = plan
+        self.unbatched = unbatched
+        # The stride, padding, dilation and groups objects calls have passed, the checked
+        # call's first: a call passing these very objects needs no check of their types.
+        # Modules of one configuration share an entry, each with its own tuples.
+        self.accepted = [arguments]
+        self.conv_args = conv_args  # the same resolved: stride, padding, dilation (lists), groups
+        self.vendor_function = _TORCH_CONVOLUTIONS[dims]
+        self.vendor_arguments = _shortest_arguments(*conv_args)
+        self.input_size = list(input.shape)
+        self.weight_size = list(weight.shape)
+        self.channels_last = plan.problem.layout is Layout.CHANNELS_LAST
+        self.vendor_forward = plan.solver.id == "vendor"
+        # The dimensions dY is summed over for the bias's gradient (batch and space);
+        # None for a zero-channel input, whose dY has no channels though the bias has
+        # some (bias_grad gives zeros).
+        self.bias_dims = None if plan.problem.c == 0 else BATCH_AND_SPACE[dims + 2]
+        # Per (dx needed, dW needed): whether torch's convolution serves the call.
+        self._vendor_serves: dict[tuple[bool, bool], bool] = {}
+        # Backward plans of backward-data, then of backward-weights.
+        self._backward_plans: tuple[dict[tuple, ops.Plan], ...] = ({}, {})
+        # columns_serve_weight_gradient's verdict, None until a forward needing dW asks.
+        self.keeps_columns: bool | None = None
+
+    def accepts(self, arguments: tuple) -> bool:
+        """Whether ``arguments``, equal to the checked call's, are of the same types all
+        through; if so they are remembered (a bounded few), so their next call finds
+        them by identity."""
+        if not _same_kinds(arguments, self.accepted[0]):
+            return False
+        if len(self.accepted) >= _ACCEPTED_MAX:
+            del self.accepted[1:]
+        self.accepted.append(arguments)
+        return True
+
+    def vendor_serves(self, need_dx: bool, need_dw: bool) -> bool:
+        """Whether torch's convolution, with its fused backward, serves a call that
+        needs these gradients (training_road). Asked only when a call needs
+        gradients, so inference never decides (or benchmarks) them."""
+        needed = (need_dx, need_dw)
+        verdict = self._vendor_serves.get(needed)
+        if verdict is None:
+            road = training_road(self.plan.problem, need_dx, need_dw)
+            verdict = self._vendor_serves[needed] = road.on_torch
+            if road.on_torch and road.gemm_solvers:
+                dispatch.log.info("%s: %s", self.plan.problem.key(), road.describe())
+        return verdict
+
+    def columns_serve_weight_gradient(self) -> bool:
+        """Whether dW multiplies the forward's columns: where the weight gradient's
+        solver, decided (found, logged) as for any call, is a column GEMM. Decided once,
+        in the first forward that needs dW: the entry's key holds the selection state,
+        and the weight gradient's problem is the forward's in another direction."""
+        verdict = self.keeps_columns
+        if verdict is None:
+            weights = backward_problem(self.plan.problem, Direction.BACKWARD_WEIGHTS)
+            solver = dispatch.solver_for(weights)
+            verdict = self.keeps_columns = solver.weight_gradient_multiplies_columns
+        return verdict
+
+    def gradients(
+        self,
+        grad_output: torch.Tensor,
+        input: torch.Tensor | None,
+        weight: torch.Tensor | None,
+        columns: torch.Tensor | None,
+        need_dx: bool,
+        need_dw: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """dx and dW of this call, each where needed: dW from the forward's ``columns``
+        where it kept them (columns_serve_weight_gradient), else each by its backward
+        plan."""
+        dw = None
+        if need_dw and columns is not None:
+            dw = ops.weight_gradient_from_columns(self.plan, grad_output, columns)
+            need_dw = False
+        if not (need_dx or need_dw):
+            return None, dw
+        # Everything else a backward plan's key holds is fixed by the call (its operand
+        # is the forward's own weight or input).
+        key = (grad_output.stride(), grad_output.dtype, dispatch.selection_key())
+        dx = None
+        if need_dx:
+            plan = self._backward_plan(Direction.BACKWARD_DATA, key, grad_output, weight)
+            dx = ops.run_backward(plan, grad_output, weight)
+        if need_dw:
+            plan = self._backward_plan(Direction.BACKWARD_WEIGHTS, key, grad_output, input)
+            dw = ops.run_backward(plan, grad_output, input)
+        return dx, dw
+
+    def _backward_plan(
+        self, direction: Direction, key: tuple, grad_output: torch.Tensor, operand: torch.Tensor
+    ) -> ops.Plan:
+        """The plan of a backward direction under ``key`` (dY's strides and dtype, the
+        selection state), kept per direction."""
+        plans = self._backward_plans[direction is Direction.BACKWARD_WEIGHTS]
+        plan = plans.get(key)
+        if plan is None:
+            size = self.input_size if direction is Direction.BACKWARD_DATA else self.weight_size
+            plan = ops.backward_plan(
+                direction, grad_output, operand, size, *self.conv_args, self.channels_last
+            )
+            if len(plans) >= _BACKWARD_PLANS_MAX:
+                plans.clear()
+            plans[key] = plan
+        return plan
+
+
+def backward_problem(problem: ConvProblem, direction: Direction) -> ConvProblem:
+    """The problem of a backward direction of a forward ``problem``, as its backward
+    plan builds it: the forward's, without the bias, in ``direction``."""
+    return dataclasses.replace(problem, has_bias=False).with_direction(direction)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingRoad:
+    """Where eager calls of a forward problem that need some gradients run."""
+
+    on_torch: bool  # torch's convolution with its fused backward, not gemmconv's node
+    needed: str  # "dx and dW", "dx", "dW" or "only the bias's gradient"
+    gemm_solvers: dict[Direction, str]  # the directions that chose a GEMM solver
+    saving_ms: float | None  # what those save over the vendor; None where unknown
+    node_ms: float  # what gemmconv's autograd node costs the host
+
+    def describe(self) -> str:
+        """The sentence the dispatch log and explain() say where torch's convolution
+        serves calls in place of GEMM solvers (``on_torch`` with ``gemm_solvers``)."""
+        chosen = ", ".join(f"{d.value} {s}" for d, s in self.gemm_solvers.items())
+        return (
+            f"eager calls that need {self.needed} run torch's convolution and its fused "
+            f"backward in place of {chosen}: they would save {self.saving_ms * 1000:.1f} us, "
+            f"less than gemmconv's autograd node costs the host ({self.node_ms * 1000:.0f} us)"
+        )
+
+
+def training_road(problem: ConvProblem, need_dx: bool, need_dw: bool) -> TrainingRoad:
+    """Where an eager call of the forward ``problem`` that needs these gradients runs:
+    torch's convolution, with its fused backward, where the forward and the needed
+    backward directions chose the vendor, and where what the GEMM solvers among them
+    save over it is less than gemmconv's autograd node costs the host
+    (DeviceRates.autograd_node_us); never against a forced solver or a saving nobody
+    estimated. Decides (or, in find modes, benchmarks) the directions it counts."""
+    choices = {Direction.FORWARD: dispatch.choose(problem)}
+    for direction, needed_here in (
+        (Direction.BACKWARD_DATA, need_dx),
+        (Direction.BACKWARD_WEIGHTS, need_dw),
+    ):
+        if needed_here:
+            choices[direction] = dispatch.choose(backward_problem(problem, direction))
+    savings = [_saving_over_vendor(choice) for choice in choices.values()]
+    node_ms = device_rates.rates_for(problem.device_type).autograd_node_us / 1000
+    saving_ms = None if None in savings else sum(savings)
+    on_torch = saving_ms is not None and (not any(savings) or saving_ms < node_ms)
+    needed = " and ".join(name for name, n in (("dx", need_dx), ("dW", need_dw)) if n)
+    return TrainingRoad(
+        on_torch=on_torch,
+        needed=needed or "only the bias's gradient",
+        gemm_solvers={d: c.solver for d, c in choices.items() if c.solver != "vendor"},
+        saving_ms=saving_ms,
+        node_ms=node_ms,
+    )
+
+
+def training_notes(problem: ConvProblem, needs: list[tuple[bool, bool]]) -> list[str]:
+    """For explain(): per (dx needed, dW needed) in ``needs``, a sentence where such
+    eager calls run torch's convolution though some direction chose a GEMM solver."""
+    notes = []
+    for need_dx, need_dw in needs:
+        road = training_road(problem, need_dx, need_dw)
+        if road.on_torch and road.gemm_solvers:
+            notes.append(road.describe())
+    return notes
+
+
+def _saving_over_vendor(choice: dispatch.Choice) -> float | None:
+    """How many ms ``choice`` saves over the vendor on its direction, by the times it
+    was decided on (measured by find, else estimated); None where it was forced or
+    no time says."""
+    if choice.solver == "vendor":
+        return 0.0
+    times = choice.times_ms or choice.estimates_ms
+    if choice.source == "forced" or choice.solver not in times or "vendor" not in times:
+        return None
+    return times["vendor"] - times[choice.solver]
+
+
+# torch's public convolution per spatial rank, for the calls that go to the vendor.
+_TORCH_CONVOLUTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+# Argument objects an entry remembers: a model's modules of one configuration each pass
+# their own; past this many, the entry starts again from the checked call's.
+_ACCEPTED_MAX = 64
+# dY of one call comes in few layouts (usually one); a bound all the same.
+_BACKWARD_PLANS_MAX = 8
+# Bounded like the ops' plans; emptied by dispatch.clear_cache() with the choices.
+_CALLS_MAX = 4096
+_calls: dict[tuple, _Call | None] = dispatch.dependent_cache()
+
+
+def convolve(
+    dims: int,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: object,
+    padding: object,
+    dilation: object,
+    groups: object,
+    module: torch.nn.Module | None = None,
+) -> torch.Tensor | None:
+    """The convolution on the eager road, or None where the road does not cover the
+    call (the caller then takes the custom-op road). Operands are already cast as
+    autocast would (the cast is autograd's business, outside this road). ``module``,
+    a gemmconv.nn module making the call, remembers the input (remember_input).
+
+    The road is closed (None) while anything traces, transforms or intercepts the
+    call. The caller has already ruled out ``__torch_function__`` on every operand
+    and dynamo's trace; torch.compile's other stages and non-strict export trace
+    under dispatch modes, so ``torch.compiler.is_compiling()`` adds nothing here.
+    The questions of transform_state.transforms_active are asked inline: a function
+    call is a tenth of a microsecond on a path where each tenth shows against
+    torch's own 5 us call (bench/results/overhead_cpu.md)."""
+    if (
+        _is_tracing() or _dispatch_modes() or _functorch_transforms()
+        or forward_ad._current_level >= 0
+    ):  # fmt: skip
+        return None
+    shape, strides, dtype, device = input.shape, input.stride(), input.dtype, input.device
+    # One flat tuple: each level of nesting is another tuple built and hashed per call.
+    # A bias's strides decide nothing the entry holds (a Triton launch keys on them).
+    key = (
+        dims, shape, strides, dtype, device,
+        weight.shape, weight.stride(), weight.dtype, weight.device,
+        None if bias is None else (bias.shape, bias.dtype, bias.device),
+        stride, padding, dilation, groups, dispatch.selection_key(),
+    )  # fmt: skip
+    try:
+        call = _calls[key]
+    except TypeError:  # an argument that cannot be hashed (a list): the op road
+        return None
+    except KeyError:
+        call = _new_call(dims, input, weight, bias, stride, padding, dilation, groups)
+        if len(_calls) >= _CALLS_MAX:
+            _calls.clear()
+        _calls[key] = call
+    if call is None:
+        return None
+    if module is not None:
+        module.__dict__[LAST_INPUT] = (shape, strides, dtype, device)
+    for known_stride, known_padding, known_dilation, known_groups in call.accepted:
+        if (
+            stride is known_stride and padding is known_padding
+            and dilation is known_dilation and groups is known_groups
+        ):  # fmt: skip
+            break
+    else:
+        if not call.accepts((stride, padding, dilation, groups)):
+            # Equal keys hold equal values, but 1.0 and True equal 1: arguments of other
+            # types than the checked ones take the op road, which refuses them as
+            # F.conv* would.
+            return None
+    needs_grad = _is_grad_enabled() and (
+        input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if (
+        call.vendor_serves(input.requires_grad, weight.requires_grad)
+        if needs_grad
+        else call.vendor_forward
+    ):
+        # Where every direction needed goes to the vendor, or the GEMM solvers save less
+        # than gemmconv's autograd node costs (tiny problems, a 1x1 where cuBLAS and
+        # cuDNN tie), torch's own convolution with its own fused backward is the
+        # cheapest road: its public function, given as few arguments as say the same
+        # (each parsed costs).
+        if call.vendor_arguments:
+            return call.vendor_function(input, weight, bias, *call.vendor_arguments)
+        return call.vendor_function(input, weight, bias)
+    if call.unbatched:
+        input = input.unsqueeze(0)
+    if needs_grad:
+        if bias is not None:
+            bias = _unwrap_if_dead(bias)
+        y = _apply_convolution(_unwrap_if_dead(input), _unwrap_if_dead(weight), bias, call)
+    else:
+        y = ops.run_forward(call.plan, input, weight, bias)
+    return y.squeeze(0) if call.unbatched else y
+
+
+def _shortest_arguments(stride: list, padding: list, dilation: list, groups: int) -> tuple:
+    """torch's convolution arguments after the operands, as few as say the same: a
+    value equal in every dimension as one int, trailing defaults left out. Passing
+    (1, 1), (0, 0), (1, 1), 1 costs torch's parser half a microsecond more than
+    passing nothing (the CPU machine)."""
+    given = [s[0] if len(set(s)) == 1 else tuple(s) for s in (stride, padding, dilation)]
+    given.append(groups)
+    while given and given[-1] == _DEFAULT_ARGUMENTS[len(given) - 1]:
+        given.pop()
+    return tuple(given)
+
+
+_DEFAULT_ARGUMENTS = (1, 0, 1, 1)  # stride, padding, dilation, groups
+
+
+def _same_kinds(arguments: tuple, checked: tuple) -> bool:
+    """Whether ``arguments``, equal to ``checked``, are of the same types all through."""
+    for value, known in zip(arguments, checked):
+        if type(value) is not type(known):
+            return False
+        if isinstance(value, tuple) and any(map(_differ_in_type, value, known)):
+            return False
+    return True
+
+
+def _differ_in_type(a: object, b: object) -> bool:
+    return type(a) is not type(b)
+
+
+def _new_call(dims, input, weight, bias, stride, padding, dilation, groups) -> _Call | None:
+    """Check the arguments (raising as F.conv* would) and build the call's plan; None
+    for a call the road does not cover."""
+    if input.device.type not in _DEVICE_TYPES:
+        return None
+    resolved = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)
+    if resolved.input_padding:
+        return None  # 'same' with an odd total pads the input first: the op road does it
+    unbatched = input.dim() == dims + 1
+    if unbatched:
+        input = input.unsqueeze(0)
+    conv_args = (
+        list(resolved.stride),
+        list(resolved.padding),
+        list(resolved.dilation),
+        resolved.groups,
+    )
+    plan = ops.forward_plan(input, weight, bias, *conv_args)
+    return _Call(
+        dims, plan, unbatched, (stride, padding, dilation, groups), conv_args, input, weight
+    )
+
+
+class _EagerConvolution(torch.autograd.Function):
+    """The forward plan, with the backward directions as its gradient."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, call: _Call):  # type: ignore[override]
+        need_dx, need_dw, _, _ = ctx.needs_input_grad
+        columns = None
+        # The verdict read as an attribute once made: a method call per forward shows.
+        if need_dw and (call.keeps_columns or call.columns_serve_weight_gradient()):
+            # A forward that gathers columns keeps them for dW, as the reshape + linear
+            # rewrite does: a column-GEMM weight gradient then runs its GEMM alone.
+            y, columns = ops.run_forward_keeping_columns(call.plan, input, weight, bias)
+        else:
+            y = ops.run_forward(call.plan, input, weight, bias)
+        # Keep only what the backward reads: the input (and columns) for dW, the weight
+        # for dx. The input stays for a backward that is itself differentiated.
+        ctx.save_for_backward(input if need_dw else None, weight if need_dx else None, columns)
+        ctx.call = call
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        input, weight, columns = ctx.saved_tensors
+        call: _Call = ctx.call
+        need_dx, need_dw, need_db, _ = ctx.needs_input_grad
+        if _is_grad_enabled():
+            dx, dw = _differentiable_gradients(call, grad_output, input, weight, need_dx, need_dw)
+        elif columns is not None and not need_dx:
+            # dW alone, from the kept columns (a patch embed's usual backward): the
+            # shortest way, past call.gradients' and ops' frames where no autocast
+            # would recast the GEMM's operands (ops.weight_gradient_from_columns).
+            if _any_autocast_enabled():
+                dw = ops.weight_gradient_from_columns(call.plan, grad_output, columns)
+            else:
+                dw = call.plan.runner.weight_gradient(grad_output, columns)
+            dx = None
+        else:
+            dx, dw = call.gradients(grad_output, input, weight, columns, need_dx, need_dw)
+        db = None
+        if need_db:
+            dims = call.bias_dims
+            if dims is None:
+                db = bias_grad(grad_output, out_channels=call.weight_size[0])
+            else:  # bias_grad's sum, without its frame and checks
+                db = grad_output.sum(dims)
+        return dx, dw, db, None
+
+
+# torch's Function.apply was a Python wrapper around the C apply up to torch 2.13 (2.11
+# on the GPU machine): it routes calls made under torch.func transforms, which never
+# take this road, and unwraps operands that are functorch wrappers of finished
+# transforms (dead ones), about a dozen Python calls a convolution. The road calls the
+# C apply itself and unwraps as the wrapper does.
+_apply_convolution = torch._C._FunctionBase.__dict__["apply"].__get__(None, _EagerConvolution)
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def _differentiable_gradients(call, grad_output, input, weight, need_dx, need_dw):
+    """dx and dW through the custom ops, whose own autograd formulas make double
+    backward work: the backward of a backward that is itself differentiated
+    (create_graph=True)."""
+    args = (*call.conv_args, call.channels_last)
+    dx = dw = None
+    if need_dx:
+        dx = torch.ops.gemmconv.conv_backward_data(grad_output, weight, call.input_size, *args)
+    if need_dw:
+        dw = torch.ops.gemmconv.conv_backward_weights(grad_output, input, call.weight_size, *args)
+    return dx, dw
+
+
+def clear() -> None:
+    """Forget every eager call (dispatch.clear_cache() does this too)."""
+    _calls.clear()
+
+
+__all__ = [
+    "LAST_INPUT",
+    "SeenInput",
+    "TrainingRoad",
+    "backward_problem",
+    "clear",
+    "convolve",
+    "remember_input",
+    "training_notes",
+    "training_road",
+]

@@ -1,0 +1,542 @@
+"""Which solver runs a problem: the selection modes, forced and disabled solvers.
+
+Modes, after MIOpen's find modes:
+
+- ``immediate``: the applicable solver with the lowest cost estimate; no benchmark,
+  no database.
+- ``database``: a find-database hit if there is one, else ``immediate``; never
+  benchmarks. The default when no mode is set and ``torch.backends.cudnn.benchmark``
+  is False.
+- ``find``: benchmark every applicable solver (``gemmconv.selection.find``), store the winner.
+- ``hybrid``: a database hit, else ``find``. The default when no mode is set and
+  ``torch.backends.cudnn.benchmark`` is True.
+
+Under ``torch.use_deterministic_algorithms(True)`` nothing is chosen by timing, which
+differs from run to run: ``find`` and ``hybrid`` behave as ``database`` (a hit, else
+the estimate), measure nothing and store nothing, and the choice's reason says so.
+
+The mode comes from, first to last: ``find_mode(...)`` (a context manager),
+``set_find_mode(...)``, ``$GEMMCONV_FIND_MODE``, the cudnn flag.
+``$GEMMCONV_SOLVER=<id>`` (or ``solver=`` in ``choose``) forces one solver;
+``$GEMMCONV_DISABLE=<id,...>`` removes solvers from consideration;
+``$GEMMCONV_FIND_VERIFY=1`` verifies each find candidate and drops failing ones.
+
+Each problem is decided once per process for a given (mode, forced, disabled) and
+cached, so steady-state calls pay no selection cost. Every decision is logged on the
+``gemmconv.dispatch`` logger (DEBUG; a fallback to the vendor path at INFO).
+
+Under torch.distributed no convolution, ``explain()`` or ``module.solvers()`` ever
+communicates: each rank decides from what it holds, so a rank may run a convolution,
+or a shape, that the others do not (evaluation on rank 0 only, an uneven last batch).
+Immediate mode decides from the cost table, which is the same on every rank, and
+database mode from the find database, the same where the ranks read the same rows;
+both are rank-consistent without communication. Find and hybrid modes measure, and
+timings differ per rank: ``sync_choices()``, called where every rank gets to, gives
+every rank the choices of the first rank that made each one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+import torch
+
+from gemmconv.core import device_rates
+from gemmconv.core.device_rates import DeviceRates
+from gemmconv.core.precision import convolutions_allow_tf32
+from gemmconv.core.problem import DIRECTIONS, ConvProblem
+from gemmconv.selection import calibrate
+from gemmconv.selection.explanation import Choice, Explanation, FindMode, slower_than
+from gemmconv.selection.finddb import DATABASE_ERRORS
+from gemmconv.solvers import SOLVERS, Solver, get_solver
+from gemmconv.solvers.base import determinism_state
+
+log = logging.getLogger("gemmconv.dispatch")
+
+
+class SolverNotApplicable(RuntimeError):
+    """A forced solver (``$GEMMCONV_SOLVER`` or ``solver=``) does not apply to the problem."""
+
+
+# ---- the mode -----------------------------------------------------------------
+
+# Process-wide, like torch.backends flags: the autograd engine runs CUDA backward
+# passes on its own threads, which a per-thread (contextvar) setting would not reach.
+_block_mode: FindMode | None = None
+_process_mode: FindMode | None = None
+
+
+# Other spellings of the database mode, as the design notes call it.
+_MODE_ALIASES = {"immediate-with-database": "database", "immediate_with_database": "database"}
+
+
+def _parse_mode(mode: FindMode | str, source: str) -> FindMode:
+    try:
+        if isinstance(mode, str):
+            key = mode.strip().lower()
+            return FindMode(_MODE_ALIASES.get(key, key))
+        return FindMode(mode)
+    except ValueError:
+        names = ", ".join(m.value for m in FindMode)
+        raise ValueError(f"{source}={mode!r}: unknown find mode; expected one of {names}") from None
+
+
+def set_find_mode(mode: FindMode | str | None) -> None:
+    """Set the process's find mode: "immediate", "database", "find", "hybrid" (or a
+    FindMode); None returns to $GEMMCONV_FIND_MODE, else the cudnn.benchmark default.
+    ValueError for any other name."""
+    global _process_mode
+    _process_mode = None if mode is None else _parse_mode(mode, "mode")
+
+
+@contextlib.contextmanager
+def find_mode(mode: FindMode | str) -> Iterator[FindMode]:
+    """Use ``mode`` ("immediate", "database", "find", "hybrid") inside the block,
+    process-wide (as ``torch.backends.cudnn.flags`` does), backward passes run by the
+    autograd engine's threads included: ``with gemmconv.find_mode("find"): ...``."""
+    global _block_mode
+    saved, _block_mode = _block_mode, _parse_mode(mode, "mode")
+    try:
+        yield _block_mode
+    finally:
+        _block_mode = saved
+
+
+def current_find_mode() -> FindMode:
+    mode = _block_mode or _process_mode
+    if mode is not None:
+        return mode
+    env = os.environ.get("GEMMCONV_FIND_MODE")
+    if env:
+        return _parse_mode(env, "GEMMCONV_FIND_MODE")
+    return FindMode.HYBRID if torch.backends.cudnn.benchmark else FindMode.DATABASE
+
+
+def forced_solver(solver: str | None = None) -> str | None:
+    """The solver id forced by the argument, else by ``$GEMMCONV_SOLVER``."""
+    forced = solver or os.environ.get("GEMMCONV_SOLVER") or None
+    if forced is not None:
+        get_solver(forced)  # an unknown id is an error naming every known one
+    return forced
+
+
+def disabled_solvers() -> frozenset[str]:
+    raw = os.environ.get("GEMMCONV_DISABLE", "")
+    ids = frozenset(s.strip() for s in raw.split(",") if s.strip())
+    known = {s.id for s in SOLVERS}
+    unknown = sorted(ids - known)
+    if unknown:
+        raise ValueError(
+            f"GEMMCONV_DISABLE={raw!r}: unknown solver id(s) {', '.join(unknown)}; "
+            f"expected ids from {', '.join(sorted(known))}"
+        )
+    return ids
+
+
+def find_verify_enabled() -> bool:
+    return os.environ.get("GEMMCONV_FIND_VERIFY", "0").strip().lower() in ("1", "true", "yes")
+
+
+# ---- deciding -----------------------------------------------------------------
+
+
+def decide(
+    problem: ConvProblem,
+    solvers: Sequence[Solver] = SOLVERS,
+    rates: DeviceRates | None = None,
+    rejected: dict[str, list[str]] | None = None,
+) -> Choice:
+    """Immediate selection: the applicable solver with the lowest estimate of what a
+    call costs (``Solver.call_ms``: device time, and host time where it shows)."""
+    rejected = dict(rejected or {})
+    estimates: dict[str, float] = {}
+    for solver in solvers:
+        reasons = solver.not_supported_reasons(problem)
+        if reasons:
+            rejected[solver.id] = reasons
+        else:
+            estimates[solver.id] = solver.call_ms(problem, rates)
+    if not estimates:
+        raise RuntimeError(f"no solver applies to {problem.key()}: {_listing(rejected)}")
+    best = min(estimates, key=estimates.__getitem__)  # min keeps the first of equals
+    for sid, est in estimates.items():
+        if sid != best:
+            rejected[sid] = [slower_than("estimate", est, estimates[best], best)]
+    return Choice(
+        solver=best,
+        rejected=rejected,
+        estimates_ms=estimates,
+        reason=f"lowest estimate, {estimates[best]:.4g} ms",
+    )
+
+
+def _listing(rejected: dict[str, list[str]]) -> str:
+    return "; ".join(f"{sid}: {', '.join(r)}" for sid, r in rejected.items())
+
+
+def _decide_forced(problem: ConvProblem, forced: str, mode: FindMode) -> Choice:
+    reasons = get_solver(forced).not_supported_reasons(problem)
+    if reasons:
+        raise SolverNotApplicable(
+            f"solver {forced!r} was forced (GEMMCONV_SOLVER or solver=) but does not apply "
+            f"to {problem.key()}: {', '.join(reasons)}"
+        )
+    return Choice(forced, {}, {}, "forced", mode.value, "forced")
+
+
+def _decide_in_mode(
+    problem: ConvProblem, mode: FindMode, forced: str | None, disabled: frozenset[str]
+) -> Choice:
+    if forced is not None:
+        return _decide_forced(problem, forced, mode)
+    candidates = [s for s in SOLVERS if s.id not in disabled]
+    off = {sid: ["disabled by GEMMCONV_DISABLE"] for sid in sorted(disabled)}
+    estimated = decide(problem, candidates, rejected=off)
+    estimated = dataclasses.replace(estimated, mode=mode.value)
+    if mode is FindMode.IMMEDIATE:
+        return estimated
+    # Under torch.use_deterministic_algorithms timing noise must not pick the solver
+    # (two processes would compute different bits): find and hybrid read the database
+    # and otherwise keep the estimate, measuring and storing nothing.
+    untimed = mode is not FindMode.DATABASE and torch.are_deterministic_algorithms_enabled()
+    note = "; not timed: torch.use_deterministic_algorithms is on" if untimed else ""
+    if mode is not FindMode.FIND or untimed:
+        hit = _database_hit(problem, estimated)
+        if hit is not None:
+            return dataclasses.replace(
+                estimated,
+                solver=hit.solver,
+                reason=f"find database, {hit.time_ms:.4g} ms measured{note}",
+                source="database",
+            )
+        if mode is FindMode.DATABASE or untimed:
+            return dataclasses.replace(estimated, reason=estimated.reason + note)
+    if _capturing(problem):
+        # Timing synchronises the device, which a CUDA graph capture forbids; the
+        # estimate decides, and the graph replays what it captured.
+        log.info("%s: inside a CUDA graph capture, no find; the estimate decides", problem.key())
+        return dataclasses.replace(estimated, reason=f"{estimated.reason}; no find while capturing")
+    # A find restricted by GEMMCONV_DISABLE is not the true best: it is not stored.
+    return _decide_by_find(problem, estimated, store=not disabled)
+
+
+def _capturing(problem: ConvProblem) -> bool:
+    return (
+        problem.device_type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.is_current_stream_capturing()
+    )
+
+
+def _database_hit(problem: ConvProblem, estimated: Choice):
+    from gemmconv.selection import finddb
+
+    identity = finddb.identity_for(problem.device_type)
+    try:
+        hit = finddb.get_db().lookup(database_key(problem), identity)
+    except DATABASE_ERRORS as e:
+        # The database must never be why a convolution fails: a file locked past its
+        # timeout, a full disk or a malformed row is a miss.
+        log.warning(
+            "%s: find database lookup failed (%s: %s); treated as a miss",
+            problem.key(),
+            type(e).__name__,
+            e,
+        )
+        return None
+    if hit is not None and hit.solver not in estimated.estimates_ms:
+        # Stored by a run where it applied, but now disabled or no longer applicable.
+        log.debug("%s: database names %s, which is not a candidate now", problem.key(), hit.solver)
+        return None
+    return hit
+
+
+def _decide_by_find(problem: ConvProblem, estimated: Choice, store: bool) -> Choice:
+    from gemmconv.selection import finddb
+    from gemmconv.selection.find import find_best
+
+    applicable = [get_solver(sid) for sid in estimated.estimates_ms]
+    result = find_best(problem, applicable, verify=find_verify_enabled())
+    rejected = {k: v for k, v in estimated.rejected.items() if k not in estimated.estimates_ms}
+    for cand in result.candidates:
+        if cand.solver == result.best:
+            continue
+        if not cand.ok:
+            rejected[cand.solver] = [f"skipped in find: {cand.skipped}"]
+        else:
+            rejected[cand.solver] = [
+                slower_than("measured", cand.call_ms, result.best_ms, result.best)
+            ]
+    if store:
+        record = finddb.Record(
+            database_key(problem),
+            finddb.identity_for(problem.device_type),
+            result.best,
+            {},
+            result.best_ms,
+            result.workspace_bytes,
+        )
+        try:
+            finddb.get_db().store(record)
+        except DATABASE_ERRORS as e:
+            log.warning("%s: find result not stored (%s: %s)", problem.key(), type(e).__name__, e)
+    return dataclasses.replace(
+        estimated,
+        solver=result.best,
+        rejected=rejected,
+        reason=f"fastest in find, {result.best_ms:.4g} ms a call "
+        f"({result.best_device_ms:.4g} ms device time)",
+        source="find",
+        times_ms=result.times_ms(),
+        device_times_ms=result.device_times_ms(),
+    )
+
+
+# ---- the cached entry points ----------------------------------------------------
+
+
+class SelectionState(NamedTuple):
+    """Everything besides the problem that a choice depends on, parsed: the mode,
+    forced and disabled solvers, the TF32 flag convolutions follow (it changes fp32
+    estimates and fp32 winners) and the determinism state (it changes which solvers
+    may run). Choices are cached per (problem, state); ``selection_key()`` is its
+    cheap raw form for caches on the per-call path."""
+
+    mode: FindMode
+    forced: str | None
+    disabled: frozenset[str]
+    allow_tf32: bool
+    determinism: tuple[bool, bool]
+
+
+def selection_state(solver: str | None = None) -> SelectionState:
+    """The current selection state; ``solver`` forces one solver. Raises for a bad
+    setting (an unknown mode or solver id) on every call that sees it."""
+    mode = current_find_mode()
+    forced = forced_solver(solver)
+    disabled = disabled_solvers()
+    if forced is not None and forced in disabled:
+        raise ValueError(
+            f"solver {forced!r} is forced and also listed in GEMMCONV_DISABLE; "
+            "expected one or the other"
+        )
+    return SelectionState(mode, forced, disabled, convolutions_allow_tf32(), determinism_state())
+
+
+_cache: dict[tuple[ConvProblem, SelectionState], Choice] = {}
+_lock = threading.Lock()
+
+
+def choose(problem: ConvProblem, solver: str | None = None) -> Choice:
+    """The cached choice for ``problem`` in the current selection state; ``solver``
+    forces one."""
+    state = selection_state(solver)
+    key = (problem, state)
+    choice = _cache.get(key)
+    if choice is None:
+        # A device the cost table does not know is calibrated here, before selection,
+        # so that estimating stays pure.
+        calibrate.prepare(problem.device_type)
+        choice = _decide_in_mode(problem, state.mode, state.forced, state.disabled)
+        with _lock:
+            _cache[key] = choice
+        level = logging.INFO if choice.solver == "vendor" else logging.DEBUG
+        log.log(level, "%s [%s] -> %s", problem.key(), state.mode.value, choice)
+    return choice
+
+
+def database_key(problem: ConvProblem) -> str:
+    """The find-database key of ``problem``: its own key, and for an fp32 problem on
+    CUDA the math mode its convolutions run in (TF32 or full fp32), which changes the
+    winner and so must not share a row."""
+    if problem.dtype == torch.float32 and problem.device_type == "cuda":
+        return f"{problem.key()}-{'tf32' if convolutions_allow_tf32() else 'ieee'}"
+    return problem.key()
+
+
+def solver_for(problem: ConvProblem, solver: str | None = None) -> Solver:
+    return get_solver(choose(problem, solver).solver)
+
+
+# CPython keeps the environment as a dict of encoded names; reading it directly costs
+# a tenth of os.environ.get, which matters on a path taken by every eager call.
+_ENVIRON = getattr(os.environ, "_data", None)
+_ENCODE = getattr(os.environ, "encodekey", None)
+_SETTINGS = ("GEMMCONV_FIND_MODE", "GEMMCONV_SOLVER", "GEMMCONV_DISABLE", "CUBLAS_WORKSPACE_CONFIG")
+if _ENVIRON is None or _ENCODE is None:
+    _read_setting, _RAW_SETTINGS = os.environ.get, _SETTINGS
+else:
+    _read_setting, _RAW_SETTINGS = _ENVIRON.get, tuple(map(_ENCODE, _SETTINGS))
+_FIND_MODE_RAW, _SOLVER_RAW, _DISABLE_RAW, _WORKSPACE_RAW = _RAW_SETTINGS
+_cudnn_benchmark = torch._C._get_cudnn_benchmark
+_cudnn_allow_tf32 = torch._C._get_cudnn_allow_tf32
+_deterministic = torch._C._get_deterministic_algorithms
+
+
+def selection_key() -> tuple:
+    """Everything besides the problem that ``choose(problem)`` and the solvers decide
+    from, read raw: the block and process modes, the cudnn benchmark and TF32 flags,
+    the determinism flag and the environment settings (``$GEMMCONV_FIND_MODE``,
+    ``$GEMMCONV_SOLVER``, ``$GEMMCONV_DISABLE``, ``$CUBLAS_WORKSPACE_CONFIG``).
+
+    Equal keys give equal choices for a problem until ``clear_cache()``, so a caller
+    may memoise per (problem metadata, key) what it derives from a choice (see
+    ``dependent_cache``). Nothing is parsed or validated here, which keeps it cheap:
+    a bad setting is reported by ``choose`` on the first call that sees it, and a
+    key that made ``choose`` raise is never memoised. One flat tuple of reads bound
+    at import: every eager call builds it, and nesting and mapping cost 0.4 us of its
+    0.6 on the CPU machine."""
+    return (
+        _block_mode,
+        _process_mode,
+        _cudnn_benchmark(),
+        _cudnn_allow_tf32(),
+        _deterministic(),
+        _read_setting(_FIND_MODE_RAW),
+        _read_setting(_SOLVER_RAW),
+        _read_setting(_DISABLE_RAW),
+        _read_setting(_WORKSPACE_RAW),
+    )
+
+
+# Memos of other modules built from choices; emptied with the choice cache.
+_dependent_caches: list[dict] = []
+
+
+def dependent_cache() -> dict:
+    """A new dict that ``clear_cache()`` empties along with the choices themselves."""
+    memo: dict = {}
+    _dependent_caches.append(memo)
+    return memo
+
+
+def clear_cache() -> None:
+    with _lock:
+        _cache.clear()
+        for memo in _dependent_caches:
+            memo.clear()
+
+
+def explain_problem(problem: ConvProblem) -> Explanation:
+    """The choice in every direction, keyed by direction name (a dict whose repr is a
+    table).
+
+    Runs nothing in immediate and database modes; in find and hybrid modes a problem
+    not yet decided is benchmarked, as the convolution itself would be."""
+    return Explanation({d.value: choose(problem.with_direction(d)) for d in DIRECTIONS})
+
+
+# ---- agreeing across ranks ----------------------------------------------------
+
+
+def sync_choices(group: torch.distributed.ProcessGroup | None = None) -> int:
+    """Give every rank of ``group`` (default: the whole world) the same solver choices.
+
+    A collective: call it where every rank of the group gets to, as any collective,
+    e.g. after the first training step, never from code some ranks skip. No
+    convolution calls it, nor anything else in gemmconv. Each rank contributes the
+    choices it has made so far (one ``all_gather_object``; under NCCL the current
+    CUDA device must be set, as torch requires). For each problem and selection
+    state, the choice of the lowest group rank that made it is adopted by every rank,
+    ranks that have not met the problem yet included: a shape only some ranks have
+    seen (an uneven last batch) then runs the same solver when the others meet it.
+    A choice whose solver does not apply on this rank (other hardware) is not
+    adopted; the rank keeps its own, with a warning. The peak rates of a CUDA device
+    the cost table does not know are measured on the group's first rank and shared
+    likewise, so later estimates agree too.
+
+    What holds under torch.distributed: immediate and database modes are
+    rank-consistent with no communication (the database where every rank reads the
+    same rows). Find and hybrid modes measure on each rank, so before this call ranks
+    may run different solvers for one problem, each giving torch's results within the
+    dtype's tolerance; after it, every problem decided before the call runs the same
+    solver on every rank; a problem first met after it is decided on its own until the
+    next call. Changing the selection state (mode, GEMMCONV_SOLVER or GEMMCONV_DISABLE,
+    TF32, determinism) starts new choices, shared only among ranks with the same state.
+
+    Returns how many choices this rank adopted. Without an initialised process group,
+    or in a group of one rank, does nothing and returns 0."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    if group is not None and dist.get_rank(group) < 0:
+        return 0  # not a member: the group's collective is not this process's
+    size = dist.get_world_size(group)
+    if size == 1:
+        return 0
+    if dist.get_rank(group) == 0:
+        # Measured on one rank only, so every rank's later estimates use the same rates.
+        calibrate.calibrate_unknown_device()
+    with _lock:
+        mine = list(_cache.items())
+    gathered: list = [None] * size
+    dist.all_gather_object(gathered, (mine, device_rates.calibrated()), group=group)
+    # Every rank computes the same winners from the same gathered list.
+    winners: dict[tuple[ConvProblem, SelectionState], tuple[int, Choice]] = {}
+    rates: dict[int, DeviceRates] = {}
+    for rank, (choices, calibrated) in enumerate(gathered):
+        for key, choice in choices:
+            winners.setdefault(key, (rank, choice))
+        for index, entry in calibrated.items():
+            rates.setdefault(index, entry)
+    device_rates.adopt_calibrated(rates)
+    me = dist.get_rank(group)
+    adopted, changed = 0, False
+    for key, (rank, theirs) in winners.items():
+        if rank == me:
+            continue
+        with _lock:
+            ours = _cache.get(key)
+        if ours is not None and ours.solver == theirs.solver:
+            continue
+        problem, state = key
+        reasons = get_solver(theirs.solver).not_supported_reasons(problem)
+        if reasons:
+            log.warning(
+                "%s: rank %d chose %s, which does not apply on rank %d (%s); this rank "
+                "keeps deciding on its own",
+                problem.key(), rank, theirs.solver, me, ", ".join(reasons),
+            )  # fmt: skip
+            continue
+        if not theirs.source.startswith("rank "):
+            source = f"rank {rank if group is None else dist.get_global_rank(group, rank)}"
+            theirs = dataclasses.replace(theirs, reason=f"{source}: {theirs.reason}", source=source)
+        with _lock:
+            _cache[key] = theirs
+        adopted += 1
+        changed = changed or ours is not None
+        level = logging.INFO if theirs.solver == "vendor" else logging.DEBUG
+        log.log(level, "%s [%s] -> %s", problem.key(), state.mode.value, theirs)
+    if changed:
+        # Eager calls and op plans memoise what they derived from the replaced choices.
+        with _lock:
+            for memo in _dependent_caches:
+                memo.clear()
+    return adopted
+
+
+__all__ = [
+    "Choice",
+    "FindMode",
+    "SelectionState",
+    "SolverNotApplicable",
+    "choose",
+    "clear_cache",
+    "current_find_mode",
+    "database_key",
+    "decide",
+    "dependent_cache",
+    "explain_problem",
+    "find_mode",
+    "selection_key",
+    "selection_state",
+    "set_find_mode",
+    "solver_for",
+    "sync_choices",
+]

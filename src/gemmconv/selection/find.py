@@ -1,0 +1,73 @@
+"""Find: measure every candidate solver on a problem and name the fastest.
+
+The candidates are measured by gemmconv.measuring.measure on the same fresh seeded random
+operands of the problem's shapes, layout, dtype and device. The winner is the fastest
+by what a call costs as a user makes it (back-to-back calls, ``call_ms``); the
+device time of each (``device_ms``) is kept beside it as a diagnostic. A candidate
+that raises, runs out of memory, leaves an element unwritten or — when verification is
+asked for — fails it, is logged and skipped; it can never win.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+from gemmconv.core.problem import ConvProblem
+from gemmconv.measuring.measure import Measurement, TimingPolicy, fastest, measure_solvers
+from gemmconv.solvers import Solver
+
+log = logging.getLogger("gemmconv.find")
+
+
+@dataclasses.dataclass(frozen=True)
+class FindResult:
+    problem: ConvProblem
+    best: str
+    best_ms: float  # the winner's call time
+    best_device_ms: float
+    workspace_bytes: int
+    candidates: tuple[Measurement, ...]
+
+    def times_ms(self) -> dict[str, float]:
+        """Call time per measured candidate."""
+        return {c.solver: c.call_ms for c in self.candidates if c.ok}
+
+    def device_times_ms(self) -> dict[str, float]:
+        """Device time per measured candidate (a diagnostic)."""
+        return {c.solver: c.device_ms for c in self.candidates if c.ok}
+
+
+def find_best(
+    problem: ConvProblem,
+    solvers: Sequence[Solver],
+    *,
+    verify: bool = False,
+    policy: TimingPolicy | None = None,
+    progress: object | None = None,
+) -> FindResult:
+    """Measure every solver of ``solvers`` (all must apply to ``problem``) and return
+    the fastest by call time. ``policy`` defaults to measure.default_policy of the
+    problem's device; ``progress`` is an object with ``update(n)`` (a tqdm bar),
+    advanced once per candidate."""
+    if not solvers:
+        raise ValueError(f"solvers=[]: find on {problem.key()} needs at least one candidate")
+    measured = measure_solvers(problem, solvers, policy=policy, verify=verify, progress=progress)
+    for m in measured:
+        if not m.ok:
+            failed_check = m.verdict is not None and not m.verdict.ok
+            what = "dropped" if failed_check else "skipped"
+            log.warning("find %s: %s %s, %s", problem.key(), m.solver, what, m.skipped)
+        else:
+            log.debug("find %s: %s call %s, device %s", problem.key(), m.solver, m.call, m.device)
+    best = fastest(measured)
+    if best is None:
+        listing = "; ".join(f"{m.solver}: {m.skipped}" for m in measured)
+        raise RuntimeError(f"find on {problem.key()}: every candidate failed: {listing}")
+    return FindResult(
+        problem, best.solver, best.call_ms, best.device_ms, best.workspace_bytes, tuple(measured)
+    )
+
+
+__all__ = ["FindResult", "find_best"]
