@@ -5,12 +5,22 @@ that records its count."""
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gemmconv.core.memory_format import Layout, empty_in
+
+# The CPU suite's tensors are tiny: one intra-op thread each for this process and the
+# ones it starts. More threads gain nothing there and cost much: every parallel region
+# wakes the pool, and where other processes hold the cores (pytest-xdist's workers, a
+# busy CI host) a tiny convolution waited milliseconds on the pool instead of taking
+# microseconds.
+if not torch.cuda.is_available() or os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):

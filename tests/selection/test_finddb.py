@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing
 import os
 import shutil
 import sqlite3
@@ -184,30 +183,6 @@ def test_default_path_follows_environment(tmp_path, monkeypatch):
     finddb.reset_db()
     assert finddb.get_db().requested_path == str(tmp_path / "mine.sqlite")
     finddb.reset_db()
-
-
-def _write_many(path: str, worker: int, count: int) -> None:
-    db = FindDb(path)
-    for i in range(count):
-        db.store(_record(f"2d-w{worker}-p{i}", ms=float(i)))
-        # Interleave reads with the writes, as a real process would.
-        assert db.lookup(f"2d-w{worker}-p{i}", HERE) is not None
-
-
-def test_four_processes_writing_at_once_lose_nothing(tmp_path):
-    path = str(tmp_path / "find.sqlite")
-    ctx = multiprocessing.get_context("spawn")
-    count = 40
-    procs = [ctx.Process(target=_write_many, args=(path, w, count)) for w in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the shared file must still be healthy
-        stored = {r.problem for r in FindDb(path).records()}
-    assert stored == {f"2d-w{w}-p{i}" for w in range(4) for i in range(count)}
 
 
 def test_reading_a_database_that_does_not_exist_creates_nothing(tmp_path):
@@ -470,6 +445,52 @@ def _run_finddb_child(code: str, not_root: bool = False) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+_WRITING_CHILD = """
+import time
+path, signals, worker, count = sys.argv[1:]
+open(os.path.join(signals, f"ready-{worker}"), "w").close()
+deadline = time.monotonic() + 60
+while not os.path.exists(os.path.join(signals, "go")) and time.monotonic() < deadline:
+    time.sleep(0.001)
+db = finddb.FindDb(path)
+for i in range(count):
+    db.store(finddb.Record(f"2d-w{worker}-p{i}", HERE, "patch", {"pad_to": 16}, float(i), 4096))
+    # Interleave reads with the writes, as a real process would.
+    assert db.lookup(f"2d-w{worker}-p{i}", HERE) is not None
+"""
+
+
+def test_four_processes_writing_at_once_lose_nothing(tmp_path):
+    path = str(tmp_path / "find.sqlite")
+    count = 40
+    # Each child loads finddb alone (no torch: it starts in a fraction of a second) and
+    # waits for the others to be ready, so that the four write at once.
+    children = [
+        _run_finddb_child(
+            _WRITING_CHILD.replace("sys.argv[1:]", repr((path, str(tmp_path), w, count)))
+        )
+        for w in range(4)
+    ]
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready-{w}").exists() for w in range(4)):
+            for child in children:
+                assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, "a child never started"
+            time.sleep(0.01)
+        (tmp_path / "go").touch()
+        results = [child.communicate(timeout=120) for child in children]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+    assert [child.returncode for child in children] == [0, 0, 0, 0], results
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the shared file must still be healthy
+        stored = {r.problem for r in FindDb(path).records()}
+    assert stored == {f"2d-w{w}-p{i}" for w in range(4) for i in range(count)}
 
 
 @pytest.fixture
