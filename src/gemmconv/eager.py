@@ -31,6 +31,7 @@ from gemmconv import device_rates, dispatch, ops
 from gemmconv.memory_format import Layout
 from gemmconv.problem import ConvProblem, Direction
 from gemmconv.solvers.views import BATCH_AND_SPACE, bias_grad
+from gemmconv.validate import handed_to_torch
 
 # A forward's input without its data, as a gemmconv.nn module remembers it for
 # ``solvers()``: (shape, strides, dtype, device), the dtype the convolution ran in
@@ -388,12 +389,24 @@ def _differ_in_type(a: object, b: object) -> bool:
     return type(a) is not type(b)
 
 
+def _holds_a_tensor(argument: object) -> bool:
+    """Whether a stride, padding, dilation or groups argument is, or holds, a tensor."""
+    if isinstance(argument, torch.Tensor):
+        return True
+    return isinstance(argument, tuple) and any(isinstance(a, torch.Tensor) for a in argument)
+
+
 def _new_call(dims, input, weight, bias, stride, padding, dilation, groups) -> _Call | None:
     """Check the arguments (raising as F.conv* would) and build the call's plan; None
     for a call the road does not cover."""
     from gemmconv.functional import resolve_arguments
 
-    if input.device.type not in _DEVICE_TYPES:
+    if input.device.type not in _DEVICE_TYPES or handed_to_torch(input, weight, bias):
+        return None
+    if any(map(_holds_a_tensor, (stride, padding, dilation, groups))):
+        # A 0-d tensor's value can change while the object stays (s.fill_(4)), and the
+        # key holds the object: the op road reads the value on every call. The entry
+        # stays None, so the key's next calls go there at once.
         return None
     resolved = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)
     if resolved.input_padding:

@@ -28,6 +28,8 @@ from gemmconv.validate import (
     ConvArgs,
     check_against_tensors,
     check_argument_kinds,
+    handed_to_torch,
+    handed_to_torch_reason,
 )
 
 IntOrTuple = int | Sequence[int]
@@ -150,6 +152,8 @@ def _conv(
         # The op road. The eager road remembered a module's input only where it found
         # the call's entry; remembering it again is harmless.
         _remember_off_the_road(module, input)
+        if handed_to_torch(input, weight, bias):
+            return _torch_convolution(dims, input, weight, bias, stride, padding, dilation, groups)
     args = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)
     onnx_symbolic.register_if_tracing()
     if decompositions.exporting():
@@ -171,6 +175,8 @@ def _traced_convolution(dims, input, weight, bias, stride, padding, dilation, gr
     2 us off each call of a compiled function (bench/NOTES.md)."""
     if torch._C._is_any_autocast_enabled():
         input, weight, bias = _autocast(input, weight, bias)
+    if handed_to_torch(input, weight, bias):
+        return _torch_convolution(dims, input, weight, bias, stride, padding, dilation, groups)
     kinds = check_argument_kinds(dims, input, weight, bias, stride, padding, dilation, groups)
     transformed = transforms_active()
     if transformed or input.dtype == torch.bool:
@@ -180,6 +186,28 @@ def _traced_convolution(dims, input, weight, bias, stride, padding, dilation, gr
         check_against_tensors(dims, input, weight, bias, kinds)
     convolve = func_transforms.conv_forward if transformed else torch.ops.gemmconv.conv_forward
     return _convolve_resolved(convolve, dims, input, weight, bias, _resolved(kinds, weight))
+
+
+def _torch_convolution(dims, input, weight, bias, stride, padding, dilation, groups):
+    """A call gemmconv does not compute (validate.handed_to_torch: an integer, complex,
+    float8 or quantized dtype, a sparse or mkldnn operand), given to torch's
+    convolution whole: its result, or its refusal with its exception type and a
+    message that names the operand (the arguments' kinds are checked first, as torch's
+    parser checks them before anything else)."""
+    check_argument_kinds(dims, input, weight, bias, stride, padding, dilation, groups)
+    try:
+        return _TORCH_CONVOLUTIONS[dims](input, weight, bias, stride, padding, dilation, groups)
+    except Exception as e:
+        reason = handed_to_torch_reason(input, weight, bias)
+        message = f"conv{dims}d: {reason}; torch's convolution refuses the call: {e}"
+        try:
+            refusal = type(e)(message)
+        except Exception:  # an exception type that takes other arguments: torch's own
+            raise e from None
+        raise refusal from e
+
+
+_TORCH_CONVOLUTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
 def _convolve_resolved(convolve, dims, input, weight, bias, args: ResolvedArguments):
