@@ -196,7 +196,10 @@ def _torch_convolution(dims, input, weight, bias, stride, padding, dilation, gro
     parser checks them before anything else)."""
     check_argument_kinds(dims, input, weight, bias, stride, padding, dilation, groups)
     try:
-        return _TORCH_CONVOLUTIONS[dims](input, weight, bias, stride, padding, dilation, groups)
+        # Looked up on every call, not bound: a wrapper of torch's function (a
+        # profiler's, a test's) sees these calls as it sees the user's own.
+        convolution = getattr(F, _TORCH_CONVOLUTIONS[dims])
+        return convolution(input, weight, bias, stride, padding, dilation, groups)
     except Exception as e:
         reason = handed_to_torch_reason(input, weight, bias)
         message = f"conv{dims}d: {reason}; torch's convolution refuses the call: {e}"
@@ -207,7 +210,7 @@ def _torch_convolution(dims, input, weight, bias, stride, padding, dilation, gro
         raise refusal from e
 
 
-_TORCH_CONVOLUTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_TORCH_CONVOLUTIONS = {1: "conv1d", 2: "conv2d", 3: "conv3d"}
 
 
 def _convolve_resolved(convolve, dims, input, weight, bias, args: ResolvedArguments):

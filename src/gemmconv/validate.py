@@ -283,8 +283,9 @@ def torch_refusal_type(
     """The exception type torch's convolution raises for these operands, asked of
     torch by making the call (only for operands handed_to_torch, which torch refuses
     before computing anything or computes as the caller would have it do): the type
-    changes between torch versions (a sparse input: RuntimeError up to torch 2.13,
-    NotImplementedError from 2.14). RuntimeError where torch computes the call."""
+    differs between torch versions and builds (a sparse operand: RuntimeError from
+    torch 2.13's CPU wheel, NotImplementedError from some 2.14 builds). RuntimeError
+    where torch computes the call."""
     import torch.nn.functional as F
 
     convolution = getattr(F, _TORCH_CONVOLUTIONS.get(dims, "conv2d"))
