@@ -229,6 +229,10 @@ def _decide_in_mode(
     estimated = dataclasses.replace(estimated, mode=mode.value)
     if mode is FindMode.IMMEDIATE:
         return estimated
+    if 0 in (problem.n, problem.c, problem.k):
+        # An empty problem multiplies nothing: only the vendor path applies (it gives
+        # torch's zeros), and there is nothing to time or to store.
+        return dataclasses.replace(estimated, reason=f"{estimated.reason}; empty problem, no find")
     # Under torch.use_deterministic_algorithms timing noise must not pick the solver
     # (two processes would compute different bits): find and hybrid read the database
     # and otherwise keep the estimate, measuring and storing nothing.
