@@ -24,6 +24,8 @@ from gemmconv.core.arguments import (
     _resolved,
     check_against_tensors,
     check_argument_kinds,
+    handed_to_torch,
+    handed_to_torch_reason,
     resolve_arguments,
 )
 from gemmconv.core.problem import ConvProblem
@@ -105,6 +107,8 @@ def _conv(
         # The op road. The eager road remembered a module's input only where it found
         # the call's entry; remembering it again is harmless.
         _remember_off_the_road(module, input)
+        if handed_to_torch(input, weight, bias):
+            return _torch_convolution(dims, input, weight, bias, stride, padding, dilation, groups)
     args = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)
     onnx_symbolic.register_if_tracing()
     if decompositions.exporting():
@@ -126,6 +130,8 @@ def _traced_convolution(dims, input, weight, bias, stride, padding, dilation, gr
     2 us off each call of a compiled function (bench/NOTES.md)."""
     if torch._C._is_any_autocast_enabled():
         input, weight, bias = _autocast(input, weight, bias)
+    if handed_to_torch(input, weight, bias):
+        return _torch_convolution(dims, input, weight, bias, stride, padding, dilation, groups)
     kinds = check_argument_kinds(dims, input, weight, bias, stride, padding, dilation, groups)
     transformed = transforms_active()
     if transformed or input.dtype == torch.bool:
@@ -135,6 +141,31 @@ def _traced_convolution(dims, input, weight, bias, stride, padding, dilation, gr
         check_against_tensors(dims, input, weight, bias, kinds)
     convolve = func_transforms.conv_forward if transformed else torch.ops.gemmconv.conv_forward
     return _convolve_resolved(convolve, dims, input, weight, bias, _resolved(kinds, weight))
+
+
+def _torch_convolution(dims, input, weight, bias, stride, padding, dilation, groups):
+    """A call gemmconv does not compute (validate.handed_to_torch: an integer, complex,
+    float8 or quantized dtype, a sparse or mkldnn operand), given to torch's
+    convolution whole: its result, or its refusal with its exception type and a
+    message that names the operand (the arguments' kinds are checked first, as torch's
+    parser checks them before anything else)."""
+    check_argument_kinds(dims, input, weight, bias, stride, padding, dilation, groups)
+    try:
+        # Looked up on every call, not bound: a wrapper of torch's function (a
+        # profiler's, a test's) sees these calls as it sees the user's own.
+        convolution = getattr(F, _TORCH_CONVOLUTIONS[dims])
+        return convolution(input, weight, bias, stride, padding, dilation, groups)
+    except Exception as e:
+        reason = handed_to_torch_reason(input, weight, bias)
+        message = f"conv{dims}d: {reason}; torch's convolution refuses the call: {e}"
+        try:
+            refusal = type(e)(message)
+        except Exception:  # an exception type that takes other arguments: torch's own
+            raise e from None
+        raise refusal from e
+
+
+_TORCH_CONVOLUTIONS = {1: "conv1d", 2: "conv2d", 3: "conv3d"}
 
 
 def _convolve_resolved(convolve, dims, input, weight, bias, args: ResolvedArguments):

@@ -382,12 +382,13 @@ def test_zero_size_kernel_is_refused_by_name(d: int, n: int, no_kernel_runs):
 
 @pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize("dtype", [torch.int64, torch.complex64])
-def test_unsupported_dtype_is_refused_by_name(d: int, dtype: torch.dtype, no_kernel_runs):
-    """torch's CPU convolution computes integer and complex tensors; gemmconv does not,
-    and says so up front rather than failing inside a solver."""
+def test_a_dtype_gemmconv_does_not_compute_goes_to_torch(
+    d: int, dtype: torch.dtype, no_kernel_runs
+):
+    """torch's CPU convolution computes integer and complex tensors; gemmconv hands
+    such a call to it whole (no solver of its own runs) and returns torch's result."""
     x, w = x_of(d).to(dtype), w_of(d).to(dtype)
-    with pytest.raises(RuntimeError, match=rf"input dtype {dtype}.*expected one of"):
-        GEMMCONV_CONV[d](x, w)
+    torch.testing.assert_close(GEMMCONV_CONV[d](x, w), TORCH_CONV[d](x, w), rtol=0, atol=0)
 
 
 # ---- calls torch accepts are accepted, and give torch's result ------------------
@@ -433,3 +434,30 @@ def test_valid_edge_calls_match_torch(d: int, label: str):
     got = GEMMCONV_CONV[d](**kwargs)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("which", ["input", "weight", "bias"])
+@pytest.mark.parametrize("torch_raises", [NotImplementedError, RuntimeError, TypeError])
+def test_a_sparse_operand_is_refused_with_whatever_type_torch_raises(
+    d: int, which: str, torch_raises: type, monkeypatch, no_kernel_runs
+):
+    """torch's exception type for a sparse operand differs between versions and builds
+    (RuntimeError from torch 2.13's CPU wheel, NotImplementedError from some 2.14
+    builds): gemmconv asks torch at run time, so a torch raising any type is followed,
+    by the convolution and by explain()."""
+    real = getattr(F, f"conv{d}d")
+
+    def torch_conv(input, weight, bias=None, *args, **kwargs):
+        if any(t is not None and t.layout != torch.strided for t in (input, weight, bias)):
+            raise torch_raises("sparse operands are not supported")
+        return real(input, weight, bias, *args, **kwargs)
+
+    monkeypatch.setattr(F, f"conv{d}d", torch_conv)
+    tensors = {"input": x_of(d), "weight": w_of(d), "bias": torch.randn(6)}
+    tensors[which] = tensors[which].to_sparse()
+    for stride in (1, [1] * d):  # the eager road and the op road
+        with pytest.raises(torch_raises, match=rf"conv{d}d: {which} has layout torch.sparse_coo"):
+            GEMMCONV_CONV[d](**tensors, stride=stride)
+    with pytest.raises(torch_raises, match=f"{which} has layout torch.sparse_coo"):
+        gemmconv.explain(**tensors)

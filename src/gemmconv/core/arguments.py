@@ -19,8 +19,9 @@ import torch
 
 PADDING_STRINGS = ("valid", "same")
 
-# The dtypes gemmconv computes in. torch's CPU convolution also takes integer and
-# complex tensors; gemmconv refuses them by name instead of failing in a solver.
+# The dtypes gemmconv computes in. A call in any other dtype (torch's CPU convolution
+# also takes integer and complex tensors), or with an operand that is not a dense
+# tensor (mkldnn), is handed to torch's convolution whole (handed_to_torch).
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _DTYPE_NAMES = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
 
@@ -132,7 +133,8 @@ def check_against_tensors(
     strides, pads, dilations, groups = args
     for name, t in (("input", input), ("weight", weight), ("bias", bias)):
         if t is not None and t.layout != torch.strided:
-            raise RuntimeError(
+            kind = torch_refusal_type(dims, input, weight, bias, args)
+            raise kind(
                 f"{fn}: {name} has layout {t.layout}; expected a dense tensor (torch.strided)"
             )
 
@@ -153,7 +155,7 @@ def check_against_tensors(
     if any(d <= 0 for d in dilations):
         raise RuntimeError(f"{fn}: dilation={dilations}; expected every value > 0")
 
-    _check_dtypes_and_devices(fn, input, weight, bias)
+    _check_dtypes_and_devices(dims, input, weight, bias, args)
 
     batched = input.dim() == dims + 2
     n = input.shape[0] if batched else 1
@@ -201,9 +203,11 @@ def check_against_tensors(
             )
 
 
-def _check_dtypes_and_devices(fn: str, input, weight, bias) -> None:
+def _check_dtypes_and_devices(dims: int, input, weight, bias, args: ConvArgs) -> None:
     """In torch's order: the bias's dtype, a bool input (which no convolution kernel
-    takes), the weight's dtype, then the dtypes gemmconv does not compute in."""
+    takes), the weight's dtype, then the dtypes gemmconv does not compute in (with
+    the exception type torch raises for them)."""
+    fn = f"conv{dims}d"
     if bias is not None and bias.dtype != input.dtype:
         _refuse_dtype_mismatch(fn, "bias", bias, input)
     if input.dtype == torch.bool:
@@ -213,7 +217,8 @@ def _check_dtypes_and_devices(fn: str, input, weight, bias) -> None:
     if weight.dtype != input.dtype:
         _refuse_dtype_mismatch(fn, "weight", weight, input)
     if input.dtype not in SUPPORTED_DTYPES:
-        raise RuntimeError(
+        kind = torch_refusal_type(dims, input, weight, bias, args)
+        raise kind(
             f"{fn}: input dtype {input.dtype} is not supported; expected one of {_DTYPE_NAMES}"
         )
     for name, t in (("weight", weight), ("bias", bias)):
@@ -236,6 +241,60 @@ def _refuse_dtype_mismatch(fn: str, name: str, t: torch.Tensor, input: torch.Ten
 
 def _either_is_meta(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device.type == "meta" or b.device.type == "meta"
+
+
+def handed_to_torch(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether gemmconv leaves the call to torch's convolution: an operand that is not
+    a dense tensor (sparse, mkldnn), or operands of one dtype gemmconv does not compute
+    in (integers, complex, float8, quantized). torch then computes it or refuses it, and
+    whichever it does is the answer. Operands of differing dtypes and bool ones stay
+    with gemmconv's checks, which name the mistake."""
+    tensors = (input, weight) if bias is None else (input, weight, bias)
+    if any(t.layout != torch.strided for t in tensors):
+        return True
+    dtype = input.dtype
+    return (
+        dtype not in SUPPORTED_DTYPES
+        and dtype != torch.bool
+        and all(t.dtype == dtype for t in tensors)
+    )
+
+
+def handed_to_torch_reason(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> str:
+    """What makes handed_to_torch true, as an error message names it."""
+    for name, t in (("input", input), ("weight", weight), ("bias", bias)):
+        if t is not None and t.layout != torch.strided:
+            return f"{name} has layout {t.layout}; expected a dense tensor (torch.strided)"
+    return f"input dtype {input.dtype} is not supported; expected one of {_DTYPE_NAMES}"
+
+
+_TORCH_CONVOLUTIONS = {1: "conv1d", 2: "conv2d", 3: "conv3d"}
+
+
+def torch_refusal_type(
+    dims: int,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    args: ConvArgs | None,
+) -> type[Exception]:
+    """The exception type torch's convolution raises for these operands, asked of
+    torch by making the call (only for operands handed_to_torch, which torch refuses
+    before computing anything or computes as the caller would have it do): the type
+    differs between torch versions and builds (a sparse operand: RuntimeError from
+    torch 2.13's CPU wheel, NotImplementedError from some 2.14 builds). RuntimeError
+    where torch computes the call."""
+    import torch.nn.functional as F
+
+    convolution = getattr(F, _TORCH_CONVOLUTIONS.get(dims, "conv2d"))
+    arguments = () if args is None or args.padding is None else args
+    try:
+        convolution(input, weight, bias, *arguments)
+    except Exception as e:  # torch's own refusal: its type is the answer
+        return type(e)
+    return RuntimeError
 
 
 IntOrTuple = int | Sequence[int]

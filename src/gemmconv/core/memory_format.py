@@ -101,11 +101,16 @@ def _layout_of(input: torch.Tensor, weight: torch.Tensor) -> Layout:
 
 
 def output_layout(layout: Layout, dims: int, dtype: torch.dtype, device_type: str) -> Layout:
-    """The layout F.conv* gives its output (and autograd its gradients) for a problem layout.
+    """The layout F.conv* gives its output (and autograd its gradients) for a problem
+    layout, by rule of thumb: the layout solvers write their results in, and the
+    gradients' layout. A forward's result is given the layout forward_output_layout
+    asks torch for, which differs in a few cases (a 1-D convolution with a
+    channels-last strided weight, a small fp32 3-D convolution on the CPU's slow
+    kernel); there the result is copied once into it.
 
-    torch's backends differ: 1-D outputs are always contiguous; cuDNN and the CPU's
-    oneDNN path keep channels-last, but cuDNN never computes fp64 channels-last and
-    the CPU's 3-D fp16/fp64 kernels only produce contiguous outputs.
+    torch's backends differ: 1-D outputs are contiguous (but for that weight); cuDNN
+    and the CPU's oneDNN path keep channels-last, but cuDNN never computes fp64
+    channels-last and the CPU's 3-D fp16/fp64 kernels only produce contiguous outputs.
     """
     if dims == 1:
         return Layout.CHANNELS_FIRST
@@ -117,13 +122,68 @@ def output_layout(layout: Layout, dims: int, dtype: torch.dtype, device_type: st
 
 
 def forward_output_layout(
-    input: torch.Tensor, weight: torch.Tensor, output_shape: Sequence[int]
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    output_shape: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
 ) -> Layout:
-    """The layout F.conv* gives the forward output of these operands."""
+    """The layout F.conv* gives the forward output of these operands and arguments.
+
+    Where the sizes are known, torch is asked: the backend its convolution would
+    select for these very tensors and the memory format that backend computes in
+    (what torch's own fake tensors ask). That decides cases no rule of thumb here
+    caught: a 1-D convolution whose weight is channels-last strided gives a
+    channels-last output; a small fp32 3-D convolution that the CPU runs on its slow
+    kernel gives a contiguous one. Elsewhere (symbolic sizes, other devices, a torch
+    without the question) the rule of layout_of and output_layout stands."""
     if input.shape[0] == 0:
         return _empty_batch_output_layout(input, output_shape)
+    asked = _torch_output_layout(input, weight, bias, stride, padding, dilation, groups)
+    if asked is not None:
+        return asked
     layout = layout_of(input, weight)
     return output_layout(layout, input.dim() - 2, input.dtype, input.device.type)
+
+
+_select_conv_backend = getattr(torch._C, "_select_conv_backend", None)
+_backend_memory_format = getattr(torch._C, "_conv_determine_backend_memory_format", None)
+_ASKED_DEVICES = frozenset({"cpu", "cuda"})
+
+
+def _torch_output_layout(input, weight, bias, stride, padding, dilation, groups) -> Layout | None:
+    """The output layout torch's convolution gives, from its own backend selection;
+    None where it cannot be asked."""
+    if (
+        _select_conv_backend is None
+        or _backend_memory_format is None
+        or input.device.type not in _ASKED_DEVICES
+        or weight.device != input.device
+        or (bias is not None and bias.device != input.device)
+    ):
+        return None
+    if input.dim() == 3:
+        # torch runs a 1-D convolution as a 2-D one of height 1, on a contiguous copy
+        # of the input (so that a permuted input never selects channels-last): only
+        # the weight's strides can make the output channels-last.
+        if not input.is_contiguous():  # torch copies it on every call; here once
+            input = torch.empty(input.shape, dtype=input.dtype, device=input.device)
+        input, weight = input.unsqueeze(2), weight.unsqueeze(2)
+        stride, padding, dilation = [1, *stride], [0, *padding], [1, *dilation]
+    try:
+        backend = _select_conv_backend(
+            input, weight, bias, list(stride), list(padding), list(dilation), False,
+            [0] * len(stride), groups, None,
+        )  # fmt: skip
+        memory_format = _backend_memory_format(input, weight, backend)
+    except (RuntimeError, TypeError):  # a signature or a check torch has changed
+        return None
+    if memory_format in (torch.channels_last, torch.channels_last_3d):
+        return Layout.CHANNELS_LAST
+    return Layout.CHANNELS_FIRST
 
 
 def _empty_batch_output_layout(input: torch.Tensor, output_shape: Sequence[int]) -> Layout:

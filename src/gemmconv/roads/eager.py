@@ -28,7 +28,7 @@ import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 
 from gemmconv.core import device_rates
-from gemmconv.core.arguments import resolve_arguments
+from gemmconv.core.arguments import handed_to_torch, resolve_arguments
 from gemmconv.core.memory_format import Layout
 from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.roads import ops
@@ -391,10 +391,22 @@ def _differ_in_type(a: object, b: object) -> bool:
     return type(a) is not type(b)
 
 
+def _holds_a_tensor(argument: object) -> bool:
+    """Whether a stride, padding, dilation or groups argument is, or holds, a tensor."""
+    if isinstance(argument, torch.Tensor):
+        return True
+    return isinstance(argument, tuple) and any(isinstance(a, torch.Tensor) for a in argument)
+
+
 def _new_call(dims, input, weight, bias, stride, padding, dilation, groups) -> _Call | None:
     """Check the arguments (raising as F.conv* would) and build the call's plan; None
     for a call the road does not cover."""
-    if input.device.type not in _DEVICE_TYPES:
+    if input.device.type not in _DEVICE_TYPES or handed_to_torch(input, weight, bias):
+        return None
+    if any(map(_holds_a_tensor, (stride, padding, dilation, groups))):
+        # A 0-d tensor's value can change while the object stays (s.fill_(4)), and the
+        # key holds the object: the op road reads the value on every call. The entry
+        # stays None, so the key's next calls go there at once.
         return None
     resolved = resolve_arguments(dims, input, weight, bias, stride, padding, dilation, groups)
     if resolved.input_padding:

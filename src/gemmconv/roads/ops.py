@@ -257,8 +257,12 @@ def forward_plan(
 
     def build() -> tuple[ConvProblem, Layout, Sequence[int]]:
         problem = ConvProblem.from_tensors(input, weight, bias, stride, padding, dilation, groups)
-        layout = forward_output_layout(input, weight, problem.output_shape)
-        return problem, layout, problem.output_shape
+        shape = problem.output_shape
+        if problem.c == 0:
+            shape = (shape[0], 0, *shape[2:])  # as the fake implementation says
+        arguments = (stride, padding, dilation, groups)
+        layout = forward_output_layout(input, weight, bias, shape, *arguments)
+        return problem, layout, shape
 
     return _plan(key, input, weight, build)
 
@@ -330,8 +334,12 @@ def _(input, weight, bias, stride, padding, dilation, groups):
     args = ConvArgs(tuple(stride), tuple(padding), tuple(dilation), groups)
     check_against_tensors(len(stride), input, weight, bias, args)
     spatial = _output_spatial(input.shape[2:], weight.shape[2:], stride, padding, dilation)
-    shape = (input.shape[0], weight.shape[0], *spatial)
-    return empty_in(shape, forward_output_layout(input, weight, shape), input.dtype, input.device)
+    # torch gives a zero-channel input a zero-channel output, whatever the weight's
+    # output channels (its meta kernel says so too).
+    channels = 0 if input.shape[1] == 0 else weight.shape[0]
+    shape = (input.shape[0], channels, *spatial)
+    layout = forward_output_layout(input, weight, bias, shape, stride, padding, dilation, groups)
+    return empty_in(shape, layout, input.dtype, input.device)
 
 
 # ---- the backward directions --------------------------------------------------

@@ -23,7 +23,7 @@ The mode comes from, first to last: ``find_mode(...)`` (a context manager),
 
 Each problem is decided once per process for a given (mode, forced, disabled) and
 cached, so steady-state calls pay no selection cost. Every decision is logged on the
-``gemmconv.dispatch`` logger (DEBUG; a fallback to the vendor path at INFO).
+``gemmconv.selection.dispatch`` logger (DEBUG; a fallback to the vendor path at INFO).
 
 Under torch.distributed no convolution, ``explain()`` or ``module.solvers()`` ever
 communicates: each rank decides from what it holds, so a rank may run a convolution,
@@ -201,6 +201,10 @@ def _decide_in_mode(
     estimated = dataclasses.replace(estimated, mode=mode.value)
     if mode is FindMode.IMMEDIATE:
         return estimated
+    if 0 in (problem.n, problem.c, problem.k):
+        # An empty problem multiplies nothing: only the vendor path applies (it gives
+        # torch's zeros), and there is nothing to time or to store.
+        return dataclasses.replace(estimated, reason=f"{estimated.reason}; empty problem, no find")
     # Under torch.use_deterministic_algorithms timing noise must not pick the solver
     # (two processes would compute different bits): find and hybrid read the database
     # and otherwise keep the estimate, measuring and storing nothing.

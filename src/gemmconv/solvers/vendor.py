@@ -73,9 +73,12 @@ class VendorSolver(Solver):
     def backward_data(
         self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None
     ) -> torch.Tensor:
-        dx = transposed_input_gradient(
-            t.grad_output, t.weight, p.input_shape, p.stride, p.padding, p.dilation, p.groups
-        )
+        if 0 in (p.n, p.c):
+            dx = _empty_problem_input_gradient(t.grad_output, t.weight, p)
+        else:
+            dx = transposed_input_gradient(
+                t.grad_output, t.weight, p.input_shape, p.stride, p.padding, p.dilation, p.groups
+            )
         return _deliver(dx, out)
 
     def backward_weights(
@@ -146,6 +149,22 @@ def weight_gradient(
         list(dilation), False, no_output_padding, groups, [False, True, False],
     )  # fmt: skip
     return grad_weight
+
+
+def _empty_problem_input_gradient(
+    grad_output: torch.Tensor, weight: torch.Tensor, p: ConvProblem
+) -> torch.Tensor:
+    """dX of an empty batch or a zero-channel input, as torch's own backward gives it:
+    convolution_backward, with an input of no elements standing in for x. The
+    transposed convolution cannot take dY here: torch gives a zero-channel input a
+    zero-channel output, so dY does not have the weight's output channels."""
+    shape_only_input = grad_output.new_empty(p.input_shape)
+    no_output_padding = [0] * p.dims
+    grad_input, _, _ = torch.ops.aten.convolution_backward.default(
+        grad_output, shape_only_input, weight, None, list(p.stride), list(p.padding),
+        list(p.dilation), False, no_output_padding, p.groups, [True, False, False],
+    )  # fmt: skip
+    return grad_input
 
 
 def _deliver(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
