@@ -58,7 +58,7 @@ from gemmconv.problem import ConvProblem, Direction, dtype_name
 from gemmconv.progress import progress_bar
 from gemmconv.solvers import SOLVERS, ConvTensors, get_solver
 from gemmconv.timing import time_ms
-from gemmconv.usage import Parser, UsageError, reports_usage_errors
+from gemmconv.usage import Parser, UsageError, int64, reports_usage_errors
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAYOUT_NAMES = {"cf": Layout.CHANNELS_FIRST, "cl": Layout.CHANNELS_LAST}
@@ -514,9 +514,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--out", default=DEFAULT_OUT, help="folder for the result files")
     ap.add_argument("--name", default=None, help="file stem (default: from the device name)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed calls (default 3, quick 1)")
-    ap.add_argument("--reps", type=int, default=None, help="timed calls (default 20, quick 3)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the first row's operands")
+    ap.add_argument("--warmup", type=int64, default=None, help="untimed calls (default 3, quick 1)")
+    ap.add_argument("--reps", type=int64, default=None, help="timed calls (default 20, quick 3)")
+    ap.add_argument("--seed", type=int64, default=0, help="seed of the first row's operands")
     ap.add_argument("--no-plot", action="store_true", help="no png")
     ap.add_argument(
         "--time-budget", type=float, default=None, help="seconds after which no row starts"

@@ -38,7 +38,7 @@ from gemmconv.host_probe import cpu_model, host_fields, host_lines
 from gemmconv.measure import operand_sets
 from gemmconv.problem import Direction
 from gemmconv.timing import time_interleaved
-from gemmconv.usage import Parser, UsageError, reports_usage_errors
+from gemmconv.usage import Parser, UsageError, int64, reports_usage_errors
 from gemmconv.verify import rms_range, tolerance
 
 KIND_TITLES = {
@@ -307,7 +307,7 @@ def _parser() -> Parser:
     # 15 on the CPU too: with 5, single rows of the shared 2-core machine's table moved
     # by 10% between runs (the ResNet 1x1 weight gradient read 0.86-0.93x torch; with
     # 15, 0.97x).
-    ap.add_argument("--reps", type=int, default=15, help="repetitions (default 15)")
+    ap.add_argument("--reps", type=int64, default=15, help="repetitions (default 15)")
     ap.add_argument(
         "--out",
         default="gemmconv-bench",
