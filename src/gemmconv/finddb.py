@@ -22,7 +22,12 @@ why a convolution fails, and must never destroy what it holds:
 - a read-only file or directory is opened read-only: its rows are used, and a result
   that cannot be stored is dropped with one warning;
 - a location that cannot hold a database degrades to an in-memory one, one warning;
-- a row that does not parse is a miss, with one warning.
+- a row that does not parse (a value a find never writes, or text that is not UTF-8,
+  in any column) is a miss, with one warning; the other rows read as ever;
+- a file deleted, or replaced by a rename, while a process has it open is noticed
+  before that process's next write (one stat of the path): it leaves the old file,
+  first emptying the -wal it may have left at the path (sqlite would otherwise apply
+  it to the new file), and stores into the file now at the path, one warning.
 
 ``FindDb(path, strict=True)`` (the ``gemmconv db`` commands) raises ``FindDbError``
 where the default degrades, so a command that cannot do what it was asked says so.
