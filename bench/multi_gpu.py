@@ -16,7 +16,7 @@ Variants, each trained from the same initial weights on the same data:
 - ``converted_channels_last``: ``gemmconv.convert(model, memory_format=torch.channels_last)``
   (token-major output), reported as not available where ``convert`` has no such argument;
 - ``linear``: the patch embed rewritten as reshape + F.linear
-  (gemmconv.bench.suite.linear_patch_embed, the end-to-end benchmark's rewrite).
+  (gemmconv.bench.linear_patch_embed, the end-to-end benchmark's rewrite).
 
 Each runs under DDP and under FSDP2 (``fully_shard`` on every block, then the root).
 A step is zero_grad, forward under bf16 autocast, cross-entropy, backward, a fused
@@ -66,9 +66,9 @@ from multi_gpu_checks import find_not_blocking, loss_curves, params_equal, same_
 from multi_gpu_report import add_ratios, verdict, write_results
 
 import gemmconv
-from gemmconv.bench.suite.linear_patch_embed import replace_patch_convs
-from gemmconv.bench.suite.report import default_stem
-from gemmconv.bench.suite.suite import environment
+from gemmconv.bench.linear_patch_embed import replace_patch_convs
+from gemmconv.bench.report import default_stem
+from gemmconv.bench.suite import environment
 from gemmconv.selection import dispatch
 
 VARIANTS = ("torch", "linear", "converted", "converted_channels_last")

@@ -7,6 +7,7 @@ from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.core.version import __version__
 from gemmconv.functional import conv1d, conv2d, conv3d, explain
 from gemmconv.measuring.verify import Verdict, verify
+
 # gemmconv.decompositions.table() is how the README's export recipe names the table.
 from gemmconv.roads import decompositions
 from gemmconv.selection.dispatch import Choice, FindMode, find_mode, set_find_mode, sync_choices

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import gemmconv
-from gemmconv.bench.suite.linear_patch_embed import LinearPatchEmbed
+from gemmconv.bench.linear_patch_embed import LinearPatchEmbed
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"

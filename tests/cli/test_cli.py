@@ -204,6 +204,35 @@ def test_every_mode_through_the_environment(capsys, monkeypatch, mode, stored, e
 # ---- bad flags and inconsistent problems ---------------------------------------------------
 
 
+_INT64_RANGE = "expected an integer from -9223372036854775808 to 9223372036854775807"
+# Integers that fit no 64-bit integer (torch's sizes, strides and seeds), and problems
+# whose tensors torch cannot size: a traceback (or a failure deep in torch) before.
+_HUGE, _2_63 = "9" * 23, str(2**63)
+_TOO_LARGE = [
+    (f"conv -n {_HUGE}", "conv", f"argument -n/--batch: {_HUGE}: {_INT64_RANGE}"),
+    (f"conv -u {_2_63}", "conv", f"argument -u/--stride-h: {_2_63}: {_INT64_RANGE}"),
+    (f"conv -p -{2**63 + 1}", "conv", f"argument -p/--pad-h: -{2**63 + 1}: {_INT64_RANGE}"),
+    (f"conv --seed {2**64}", "conv", f"argument --seed: {2**64}: {_INT64_RANGE}"),
+    ("conv -i " + "9" * 5000, "conv", "-i/--iterations: 99999999999999999999... (5000 characters)"),
+    (f"conv --warmup -{2**63 + 1}", "conv", f"argument --warmup: -{2**63 + 1}"),
+    (f"conv -t {_2_63}", "conv", f"argument -t/--time: {_2_63}"),
+    (f"conv -F {_2_63}", "conv", f"argument -F/--forw: {_2_63}"),
+    (f"conv -p {2**62}", "conv", f"the padded input H=32+2*{2**62}"),
+    (f"conv -n {2**62}", "conv", f"the input tensor {2**62}x3x32x32 (fp32, from -n/--batch"),
+    (f"conv -H {2**63 - 1}", "conv", f"the input tensor 100x3x{2**63 - 1}x32"),
+    (f"conv -k {2**63 - 1}", "conv", f"the weight tensor {2**63 - 1}x3x3x3"),
+    (f"conv -c 1 -H 1 -W 1 -y 1 -x 1 -n {2**60} -k 8", "conv", f"the output tensor {2**60}x8x1x1"),
+    (f"demo -n {_HUGE}", "demo", f"argument -n/--batch: {_HUGE}: {_INT64_RANGE}"),
+    (f"solvers --spatial-dim 3 --in-d {_2_63}", "solvers", "argument --in-d"),
+    (f"solvers -g {_2_63}", "solvers", "argument -g/--groups"),
+    # Each with a value or flag refused before anything runs, where it was accepted.
+    (f"bench --reps -{2**63 + 1}", "bench", f"argument --reps: -{2**63 + 1}: {_INT64_RANGE}"),
+    (f"bench --seed {2**64} --reps 0", "bench", f"argument --seed: {2**64}"),
+    (f"bench --api --reps {_2_63} --layouts x", "bench --api", f"argument --reps: {_2_63}"),
+    (f"bench --models --steps -{2**63 + 1}", "bench --models", "argument --steps"),
+]
+
+
 @pytest.mark.parametrize(
     ("argv", "prog", "message"),
     [
@@ -245,6 +274,7 @@ def test_every_mode_through_the_environment(capsys, monkeypatch, mode, stored, e
         ),
         ("nothing", "", "invalid choice: 'nothing'"),
         ("--json", "", "required: COMMAND"),
+        *[(argv, prog, message) for argv, prog, message in _TOO_LARGE],
     ],
 )
 def test_bad_flags_give_one_line_and_exit_2(capsys, argv, prog, message):
@@ -449,6 +479,99 @@ def test_db_import_of_a_bad_record_fails_and_leaves_the_database_as_it_was(capsy
     assert not list(tmp_path.glob("find.sqlite.corrupt-*"))
 
 
+def _insert_not_utf8(problem: str, column: str) -> None:
+    """A find row whose ``column`` holds TEXT that is not UTF-8 (another tool's bytes)."""
+    identity = finddb.identity_for("cpu")
+    values = {
+        "problem": problem, **dict(zip(("device", "capability", "torch_version",
+                                        "gemmconv_version"), identity.values())),
+        "solver": "patch", "config": "{}", "time_ms": 0.5, "workspace_bytes": 0, "created": 0.0,
+    }  # fmt: skip
+    values[column] = b"\xff not UTF-8"
+    marks = ", ".join("CAST(? AS TEXT)" if name == column else "?" for name in values)
+    conn = sqlite3.connect(finddb.default_path())
+    conn.execute(f"INSERT INTO find ({', '.join(values)}) VALUES ({marks})", tuple(values.values()))
+    conn.commit()
+    conn.close()
+
+
+def test_db_show_and_export_skip_rows_whose_text_is_not_utf8(capsys, tmp_path):
+    identity = finddb.identity_for("cpu")
+    finddb.get_db().store(finddb.Record("2d-good", identity, "patch", {}, 0.5, 0))
+    columns = ("problem", "device", "solver", "config", "time_ms", "workspace_bytes")
+    for column in columns:
+        _insert_not_utf8(f"2d-bad-{column}", column)
+    code, out, err = run(capsys, "db", "show")
+    assert code == 0, err
+    flagged = [line for line in out.splitlines() if line.startswith("! ")]
+    assert len(flagged) == len(columns) and "(7 results)" in out, out
+    assert "2d-good  ->  patch" in out and "!: does not parse" in out
+    shown = run_json(capsys, "db", "show")["records"]
+    assert sum(bool(r.get("error")) for r in shown) == len(columns)
+    dump = tmp_path / "dump.json"
+    code, out, err = run(capsys, "db", "export", str(dump))
+    assert code == 0 and "exported 1 results" in out, err
+    assert [r["problem"] for r in json.loads(dump.read_text())["records"]] == ["2d-good"]
+    skipped = err.strip().splitlines()  # one line for each row left out
+    assert len(skipped) == len(columns), err
+    assert all(line.startswith("gemmconv db: warning: ") for line in skipped), err
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"time_ms": int("9" * 400)}, "time_ms=<an integer of 400 digits>: expected a finite"),
+        ({"workspace_bytes": 2**64}, f"workspace_bytes={2**64}: expected an integer from 0"),
+    ],
+)
+def test_db_import_of_a_number_out_of_range_is_one_line_and_writes_nothing(
+    capsys, tmp_path, change, message
+):
+    identity = finddb.identity_for("cpu")
+    good = [finddb.Record(f"2d-{i}", identity, "patch", {}, 0.5, 0) for i in range(3)]
+    finddb.get_db().store_many(good[:1])
+    records = [r.as_json() for r in good]
+    records[2].update(change)
+    dump = tmp_path / "dump.json"
+    dump.write_text(json.dumps({"records": records}))
+    code, out, err = run(capsys, "db", "import", str(dump))
+    assert code == 2 and "imported" not in out
+    line = _one_line_error(err)
+    assert "record 2 (problem '2d-2')" in line and message in line and "nothing imported" in line
+    assert [r.problem for r in finddb.FindDb(finddb.default_path()).records()] == ["2d-0"]
+
+
+def test_db_import_reports_what_it_stored_when_records_share_a_key(capsys, tmp_path):
+    identity = finddb.identity_for("cpu")
+    first = finddb.Record("2d-a", identity, "patch", {}, 0.5, 0).as_json()
+    dump = tmp_path / "dump.json"
+    dump.write_text(json.dumps({"records": [first, {**first, "solver": "vendor"}]}))
+    code, out, err = run(capsys, "db", "import", str(dump))
+    assert code == 0, err
+    assert "imported 1 results" in out and "1 of the file's 2 records replaced" in out, out
+    assert [r.solver for r in finddb.get_db().records()] == ["vendor"]
+
+
+@pytest.mark.parametrize("kind", ["same", "relative", "symlink", "hard_link"])
+def test_db_export_into_the_live_database_is_refused(capsys, tmp_path, monkeypatch, kind):
+    _store_one_result()
+    path = finddb.default_path()
+    finddb.reset_db()  # closed: the file holds every row, and no -wal
+    target = {"same": str(path), "relative": path.name}.get(kind, str(tmp_path / "other"))
+    if kind == "relative":
+        monkeypatch.chdir(path.parent)
+    elif kind == "symlink":
+        Path(target).symlink_to(path)
+    elif kind == "hard_link":
+        Path(target).hardlink_to(path)
+    before = path.read_bytes()
+    code, out, err = run(capsys, "db", "export", target)
+    assert code == 2 and "exported" not in out
+    assert "is the find database's own file" in _one_line_error(err)
+    assert path.read_bytes() == before
+    assert len(finddb.FindDb(path).records()) == 1
+
+
 @pytest.mark.parametrize("action", ["show", "clear", "export", "import"])
 def test_db_commands_refuse_another_applications_file(capsys, tmp_path, action):
     path = finddb.default_path()
@@ -512,6 +635,9 @@ def test_tune_names_the_bad_line(capsys, tmp_path):
     problems.write_text(" ".join(PATCH[:-4]) + "\n-n 2 -y 99\n")
     code, _, err = run(capsys, "tune", str(problems))
     assert code == 2 and "problems.txt:2: filter H=99" in err
+    problems.write_text("-n 99999999999999999999999\n")
+    code, _, err = run(capsys, "tune", str(problems))
+    assert code == 2 and "problems.txt:1: argument -n/--batch: 9999" in _one_line_error(err)
 
 
 # ---- gemmconv demo --------------------------------------------------------------------------

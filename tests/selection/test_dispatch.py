@@ -391,7 +391,7 @@ def test_convolution_runs_the_found_solver_and_is_correct(monkeypatch):
 
 # ---- the cost model on the benchmark suite ---------------------------------------------
 
-# The benchmark suite's cases (gemmconv.bench.suite.suite.SUITE): (name, N, C, spatial, K, kernel =
+# The benchmark suite's cases (gemmconv.bench.suite.SUITE): (name, N, C, spatial, K, kernel =
 # stride, dtype).
 SUITE = [
     ("point 2D", 9500, 3, (14, 14), 1280, (14, 14), torch.bfloat16),

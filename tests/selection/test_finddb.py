@@ -240,6 +240,59 @@ def test_a_row_that_does_not_parse_is_a_miss_with_one_warning(bad, tmp_path):
     assert rows["2d-good"].record == _record("2d-good")
 
 
+def _insert_not_utf8(path, problem: str, column: str) -> None:
+    """A find row whose ``column`` holds TEXT that is not UTF-8 (bytes sqlite stores as
+    they come, from another tool or a damaged disk)."""
+    values = {
+        "problem": problem, **dict(zip(finddb._IDENTITY_COLUMNS, HERE.values())),
+        "solver": "patch", "config": "{}", "time_ms": 0.5, "workspace_bytes": 0, "created": 0.0,
+    }  # fmt: skip
+    values[column] = b"\xff\xfe not UTF-8 \xc3"
+    marks = ", ".join("CAST(? AS TEXT)" if name == column else "?" for name in values)
+    conn = sqlite3.connect(path)
+    conn.execute(f"INSERT INTO find ({', '.join(values)}) VALUES ({marks})", tuple(values.values()))
+    conn.commit()
+    conn.close()
+
+
+@pytest.mark.parametrize("column", finddb._FIND_COLUMNS)
+def test_text_that_is_not_utf8_in_any_column_is_a_row_that_does_not_parse(column, tmp_path):
+    """sqlite3 fails the whole query on such a value; the other rows must still read."""
+    path = tmp_path / "find.sqlite"
+    db = FindDb(path)
+    db.store(_record("2d-good"))
+    _insert_not_utf8(path, "2d-bad", column)
+    rows = db.rows()
+    assert len(rows) == 2
+    bad = next(row for row in rows if row.record is None)
+    assert b"\xff\xfe not UTF-8 \xc3" in bad.values.values() and column in bad.error
+    with pytest.warns(FindDbWarning, match="does not parse") as caught:
+        assert db.records() == [_record("2d-good")]
+        assert db.lookup("2d-bad", HERE) is None
+    assert find_db_warnings(caught) == 1, [str(w.message) for w in caught]
+    assert db.lookup("2d-good", HERE) == _record("2d-good")
+    out = tmp_path / "dump.json"
+    with pytest.warns(FindDbWarning, match="does not parse"):
+        assert FindDb(path).export_json(out) == 1
+
+
+def test_text_that_is_not_utf8_in_the_meta_or_rates_tables_is_ignored(tmp_path):
+    path = tmp_path / "find.sqlite"
+    FindDb(path).store(_record("2d-a"))
+    conn = sqlite3.connect(path)
+    conn.execute("INSERT INTO meta VALUES (CAST(? AS TEXT), CAST(? AS TEXT))", (b"\xff", b"\xfe"))
+    conn.execute(
+        "INSERT INTO rates VALUES (?, ?, ?, ?, CAST(? AS TEXT), 0)",
+        (*HERE.values(), b'{"fp32": 1\xff}'),
+    )
+    conn.commit()
+    conn.close()
+    db = FindDb(path, strict=True)  # still a gemmconv database: its marker is intact
+    assert db.lookup("2d-a", HERE) == _record("2d-a")
+    with pytest.warns(FindDbWarning, match="unreadable rates"):
+        assert db.lookup_rates(HERE) is None
+
+
 def test_a_table_with_columns_it_does_not_know_still_reads_and_writes(tmp_path):
     path = tmp_path / "find.sqlite"
     FindDb(path).store(_record("2d-a"))
@@ -293,6 +346,10 @@ BAD_RECORDS = {
     "device_missing": ({"device": None}, "device=None"),
     "config_list": ({"config": [1]}, "config=[1]"),
     "field_unknown": ({"speedup": 2.0}, "unknown field(s) speedup"),
+    # Numbers no float or sqlite INTEGER holds: refused like any bad value.
+    "time_400_digits": ({"time_ms": int("9" * 400)}, "time_ms=<an integer of 400 digits>"),
+    "workspace_2_to_64": ({"workspace_bytes": 2**64}, f"workspace_bytes={2**64}: expected"),
+    "problem_lone_surrogate": ({"problem": "\ud800"}, "no lone surrogate"),
 }
 
 
@@ -326,6 +383,75 @@ def test_import_refuses_a_record_missing_a_field(tmp_path):
     with pytest.raises(ValueError, match="record 1: 'not an object': expected a JSON object"):
         FindDb(tmp_path / "find.sqlite").import_json(dump)
     assert not (tmp_path / "find.sqlite").exists()
+
+
+def test_import_of_records_with_one_key_stores_the_last_and_counts_it(tmp_path):
+    dump = tmp_path / "dump.json"
+    records = [_good_json_record(0), _good_json_record(1), _good_json_record(0)]
+    records[2]["solver"] = "vendor"
+    dump.write_text(json.dumps({"records": records}))
+    db = FindDb(tmp_path / "find.sqlite")
+    assert db.import_json(dump) == 2
+    assert db.lookup("2d-import-0", HERE).solver == "vendor"
+    assert len(db.records()) == 2
+
+
+def _link(kind: str, live: Path, tmp_path: Path, monkeypatch) -> str:
+    """A name of the database file ``live`` of the given kind."""
+    if kind == "same":
+        return str(live)
+    if kind == "relative":
+        monkeypatch.chdir(tmp_path)
+        return os.path.join(".", "sub", "..", live.name)
+    other = tmp_path / f"{kind}.sqlite"
+    (os.symlink if kind == "symlink" else os.link)(live, other)
+    return str(other)
+
+
+@pytest.mark.parametrize("kind", ["same", "relative", "symlink", "hard_link", "wal"])
+def test_export_into_the_database_itself_is_refused(kind, tmp_path, monkeypatch):
+    path = tmp_path / "find.sqlite"
+    (tmp_path / "sub").mkdir()
+    db = FindDb(path)
+    db.store(_record("2d-a"))
+    if kind == "wal":
+        target = str(path) + "-wal"
+        assert os.path.exists(target)  # the connection is open: the WAL holds the row
+    else:
+        target = _link(kind, path, tmp_path, monkeypatch)
+    before = Path(target).read_bytes()
+    with pytest.raises(ValueError, match="find database's own file.*nothing exported"):
+        db.export_json(target)
+    assert Path(target).read_bytes() == before
+    assert FindDb(path).lookup("2d-a", HERE) == _record("2d-a")
+
+
+def test_a_database_deleted_while_open_is_recreated_on_the_next_write(tmp_path):
+    path = tmp_path / "find.sqlite"
+    db = FindDb(path)
+    db.store(_record("2d-a"))
+    path.unlink()  # the -wal and -shm stay, as after `rm find.sqlite`
+    with pytest.warns(FindDbWarning, match="deleted or replaced") as caught:
+        db.store(_record("2d-b"))
+        db.store(_record("2d-c"))
+    assert find_db_warnings(caught) == 1
+    assert {r.problem for r in FindDb(path).records()} == {"2d-b", "2d-c"}
+
+
+def test_a_database_replaced_while_open_is_used_and_keeps_its_rows(tmp_path):
+    path = tmp_path / "find.sqlite"
+    db = FindDb(path)
+    db.store(_record("2d-a"))
+    backup = FindDb(tmp_path / "backup.sqlite")
+    backup.store(_record("2d-from-the-backup"))
+    backup.close()
+    os.replace(tmp_path / "backup.sqlite", path)  # the -wal of the file replaced stays
+    with pytest.warns(FindDbWarning, match="deleted or replaced"):
+        db.store(_record("2d-b"))
+    # The stale -wal of the file that was replaced is emptied, not applied over it.
+    stored = {r.problem for r in FindDb(path).records()}
+    assert stored == {"2d-from-the-backup", "2d-b"}
+    assert not list(tmp_path.glob("find.sqlite.corrupt-*"))
 
 
 # ---- files that are not ours, or of another schema --------------------------------

@@ -49,7 +49,7 @@ from gemmconv.bench.suite import bench_device, environment
 from gemmconv.measuring.timing import interleaved_orders
 from gemmconv.measuring.verify import rms_range
 from gemmconv.selection import dispatch
-from gemmconv.terminal.usage import Parser, UsageError, reports_usage_errors
+from gemmconv.terminal.usage import Parser, UsageError, int64, reports_usage_errors
 
 # The end-to-end targets, on the better of the two converted variants.
 NOT_SLOWER_THAN_LINEAR = 1.005  # the noise of a median of 20 steps
@@ -377,8 +377,8 @@ def _parser() -> Parser:
     ap.add_argument("--quick", action="store_true", help="tiny models (the tests run this)")
     ap.add_argument("--scenarios", default="", help="comma list of scenario names (default: all)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of variants")
-    ap.add_argument("--steps", type=int, default=20, help="timed steps per variant")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
+    ap.add_argument("--steps", type=int64, default=20, help="timed steps per variant")
+    ap.add_argument("--warmup", type=int64, default=3, help="untimed steps per variant first")
     ap.add_argument(
         "--time-budget", type=float, default=None, help="seconds after which no scenario starts"
     )

@@ -39,7 +39,7 @@ from gemmconv.core.problem import Direction
 from gemmconv.measuring.measure import operand_sets
 from gemmconv.measuring.timing import time_interleaved
 from gemmconv.measuring.verify import rms_range, tolerance
-from gemmconv.terminal.usage import Parser, UsageError, reports_usage_errors
+from gemmconv.terminal.usage import Parser, UsageError, int64, reports_usage_errors
 
 KIND_TITLES = {
     "fwd": "forward",
@@ -307,7 +307,7 @@ def _parser() -> Parser:
     # 15 on the CPU too: with 5, single rows of the shared 2-core machine's table moved
     # by 10% between runs (the ResNet 1x1 weight gradient read 0.86-0.93x torch; with
     # 15, 0.97x).
-    ap.add_argument("--reps", type=int, default=15, help="repetitions (default 15)")
+    ap.add_argument("--reps", type=int64, default=15, help="repetitions (default 15)")
     ap.add_argument(
         "--out",
         default="gemmconv-bench",

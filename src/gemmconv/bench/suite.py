@@ -19,7 +19,7 @@ host, the L2 is flushed; time.perf_counter on the CPU):
 - floor:    max(flops / matrix rate, bytes / bandwidth), both rates measured in the
             same run (a large matmul in the row's math mode; a large device copy).
 
-`gemmconv bench` and ``python -m gemmconv.bench`` call main(); --quick runs tiny shapes (the
+`gemmconv bench` and ``python -m gemmconv.bench.suite`` call main(); --quick runs tiny shapes (the
 CPU test suite uses it), --cases/--layouts/--directions/--dtypes filter the rows.
 Results go to ./gemmconv-bench unless --out names a folder (bench/results holds the
 committed runs, written only when named).
@@ -58,7 +58,7 @@ from gemmconv.selection import calibrate, dispatch
 from gemmconv.solvers import SOLVERS, ConvTensors, get_solver
 from gemmconv.terminal.long_run import Calls, cpu_seconds, long_run_warning
 from gemmconv.terminal.progress import progress_bar
-from gemmconv.terminal.usage import Parser, UsageError, reports_usage_errors
+from gemmconv.terminal.usage import Parser, UsageError, int64, reports_usage_errors
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAYOUT_NAMES = {"cf": Layout.CHANNELS_FIRST, "cl": Layout.CHANNELS_LAST}
@@ -354,7 +354,7 @@ def environment(device: torch.device) -> dict:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
-    from gemmconv import __version__
+    from gemmconv.core.version import __version__
 
     env["gemmconv"] = __version__
     return env
@@ -514,9 +514,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--out", default=DEFAULT_OUT, help="folder for the result files")
     ap.add_argument("--name", default=None, help="file stem (default: from the device name)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed calls (default 3, quick 1)")
-    ap.add_argument("--reps", type=int, default=None, help="timed calls (default 20, quick 3)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the first row's operands")
+    ap.add_argument("--warmup", type=int64, default=None, help="untimed calls (default 3, quick 1)")
+    ap.add_argument("--reps", type=int64, default=None, help="timed calls (default 20, quick 3)")
+    ap.add_argument("--seed", type=int64, default=0, help="seed of the first row's operands")
     ap.add_argument("--no-plot", action="store_true", help="no png")
     ap.add_argument(
         "--time-budget", type=float, default=None, help="seconds after which no row starts"

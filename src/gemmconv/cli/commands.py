@@ -28,6 +28,7 @@ import os
 import shlex
 import sqlite3
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -37,7 +38,14 @@ from gemmconv.core.memory_format import Layout
 from gemmconv.core.problem import DIRECTIONS, ConvProblem, Direction, dtype_name
 from gemmconv.terminal.long_run import Calls, cpu_seconds, long_run_warning
 from gemmconv.terminal.progress import Bar, CallCounter, progress_bar
-from gemmconv.terminal.usage import USAGE_EXIT_STATUS, Parser, UsageError, report_usage_error
+from gemmconv.terminal.usage import (
+    INT64_MAX,
+    USAGE_EXIT_STATUS,
+    Parser,
+    UsageError,
+    int64,
+    report_usage_error,
+)
 
 # ---- problem flags -----------------------------------------------------------------
 
@@ -105,12 +113,12 @@ def _add_problem_flags(p: argparse.ArgumentParser, defaults: dict) -> None:
         return defaults.get(name, fallback)
 
     g = p.add_argument_group("problem (MIOpenDriver flags)")
-    g.add_argument("-n", "--batch", type=int, default=d("batch", 100), help="batch size N")
+    g.add_argument("-n", "--batch", type=int64, default=d("batch", 100), help="batch size N")
     g.add_argument(
-        "-c", "--in-channels", type=int, default=d("in_channels", 3), help="input channels C"
+        "-c", "--in-channels", type=int64, default=d("in_channels", 3), help="input channels C"
     )
     g.add_argument(
-        "-k", "--out-channels", type=int, default=d("out_channels", 32), help="output channels K"
+        "-k", "--out-channels", type=int64, default=d("out_channels", 32), help="output channels K"
     )
     for kind, fallbacks in _PER_DIM_FALLBACKS.items():
         for dim, fallback in zip("dhw", fallbacks):
@@ -118,19 +126,19 @@ def _add_problem_flags(p: argparse.ArgumentParser, defaults: dict) -> None:
             g.add_argument(
                 *_dim_flag(kind, dim).split("/"),
                 dest=name,
-                type=int,
+                type=int64,
                 default=d(name, fallback),
                 help=f"{_KIND_TEXT[kind]} {_DIM_TEXT[dim]}",
             )
-    g.add_argument("-g", "--groups", type=int, default=d("groups", 1), help="groups")
+    g.add_argument("-g", "--groups", type=int64, default=d("groups", 1), help="groups")
     g.add_argument(
         "--spatial-dim",
-        type=int,
+        type=int64,
         choices=(1, 2, 3),
         default=None,
         help="1, 2 or 3 (default: from --layout, else 2); 1-D uses W, 3-D adds D",
     )
-    g.add_argument("-b", type=int, choices=(0, 1), dest="bias", default=0, help="bias 0/1")
+    g.add_argument("-b", type=int64, choices=(0, 1), dest="bias", default=0, help="bias 0/1")
     g.add_argument("--bias", action="store_const", const=1, dest="bias", help="with bias")
     g.add_argument(
         "--dtype", choices=(*_DTYPES, "auto"), default="auto", help="auto: bf16 on CUDA, else fp32"
@@ -148,7 +156,7 @@ def _add_problem_flags(p: argparse.ArgumentParser, defaults: dict) -> None:
     g.add_argument(
         "-F",
         "--forw",
-        type=int,
+        type=int64,
         default=0,
         help="directions: 0 all, 1 fwd, 2 bwd-data, 4 bwd-weights (sums combine)",
     )
@@ -206,6 +214,11 @@ def problem_from_args(args, device: torch.device) -> ConvProblem:
     spatial, kernel = per_dim("in"), per_dim("fil")
     pad, stride, dil = per_dim("pad"), per_dim("stride"), per_dim("dil")
     for n, s, r, p, d in zip(names, spatial, kernel, pad, dil):
+        if s + 2 * p > INT64_MAX:  # torch indexes the padded input in 64-bit integers
+            raise UsageError(
+                f"the padded input {n.upper()}={s}+2*{p} ({_dim_flag('in', n)}, "
+                f"{_dim_flag('pad', n)}) is more than {INT64_MAX}"
+            )
         if s + 2 * p < d * (r - 1) + 1:
             raise UsageError(
                 f"filter {n.upper()}={r} ({_dim_flag('fil', n)}, dilation {d}) is larger than "
@@ -213,11 +226,39 @@ def problem_from_args(args, device: torch.device) -> ConvProblem:
                 f"{_dim_flag('pad', n)})"
             )
     dtype = _DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    return ConvProblem.from_sizes(
+    problem = ConvProblem.from_sizes(
         args.batch, args.in_channels, args.out_channels, spatial, kernel,
         stride=stride, padding=pad, dilation=dil, groups=args.groups, layout=layout,
         dtype=dtype, device_type=device.type, has_bias=bool(args.bias),
     )  # fmt: skip
+    _check_sizable(problem, names)
+    return problem
+
+
+def _check_sizable(problem: ConvProblem, names: str) -> None:
+    """A UsageError when torch cannot size one of the problem's tensors (its bytes
+    overflow a 64-bit integer), asked of torch on the meta device, which allocates
+    nothing; a tensor that torch can size but memory cannot hold fails when it runs."""
+
+    def flags(*kinds: str) -> str:
+        return ", ".join(_dim_flag(kind, n) for kind in kinds for n in names)
+
+    tensors = (
+        ("input", problem.input_shape, f"-n/--batch, -c/--in-channels, {flags('in')}"),
+        ("weight", problem.weight_shape, f"-k/--out-channels, -c/--in-channels, -g/--groups, "
+         f"{flags('fil')}"),
+        ("output", problem.output_shape, f"-n/--batch, -k/--out-channels, "
+         f"{flags('in', 'fil', 'pad', 'stride', 'dil')}"),
+    )  # fmt: skip
+    for name, shape, named in tensors:
+        try:
+            torch.empty(shape, dtype=problem.dtype, device="meta")
+        except (RuntimeError, ValueError, TypeError, OverflowError) as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UsageError(
+                f"the {name} tensor {_dims_text(shape)} ({dtype_name(problem.dtype)}, from "
+                f"{named}) is too large for torch to size ({reason})"
+            ) from None
 
 
 def _dims_text(values: Sequence[int]) -> str:
@@ -262,14 +303,18 @@ def _add_conv_flags(p: argparse.ArgumentParser, defaults: dict) -> None:
 
 def _add_run_flags(p: argparse.ArgumentParser, iterations: int) -> None:
     g = p.add_argument_group("run")
-    g.add_argument("-t", "--time", type=int, choices=(0, 1), default=1, help="time 0/1")
-    g.add_argument("-V", "--verify", type=int, choices=(0, 1), default=1, help="verify 0/1")
-    g.add_argument("-i", "--iterations", type=int, default=iterations, help="timed repetitions")
-    g.add_argument("--warmup", type=int, default=None, help="untimed calls (default 5 GPU, 1 CPU)")
+    g.add_argument("-t", "--time", type=int64, choices=(0, 1), default=1, help="time 0/1")
+    g.add_argument("-V", "--verify", type=int64, choices=(0, 1), default=1, help="verify 0/1")
+    g.add_argument("-i", "--iterations", type=int64, default=iterations, help="timed repetitions")
+    g.add_argument(
+        "--warmup", type=int64, default=None, help="untimed calls (default 5 GPU, 1 CPU)"
+    )
     g.add_argument("-S", "--solver", default=None, help="force this solver id")
-    g.add_argument("-N", "--nan", type=int, choices=(0, 1), default=1, help="NaN-fill outputs 0/1")
-    g.add_argument("-s", "--search", type=int, choices=(0, 1), default=0, help="find 0/1")
-    g.add_argument("--seed", type=int, default=0, help="seed of the random operands")
+    g.add_argument(
+        "-N", "--nan", type=int64, choices=(0, 1), default=1, help="NaN-fill outputs 0/1"
+    )
+    g.add_argument("-s", "--search", type=int64, choices=(0, 1), default=0, help="find 0/1")
+    g.add_argument("--seed", type=int64, default=0, help="seed of the random operands")
     _add_json_flag(g)
 
 
@@ -685,14 +730,23 @@ def cmd_db(args) -> int:
     # line, exit status 1), never an in-memory stand-in to report on or import into.
     db = finddb.FindDb(strict=True)
     try:
-        return _db_action(db, args)
+        with warnings.catch_warnings():
+            # A row skipped (one that does not parse), a file reopened: one line each.
+            warnings.showwarning = _one_line_warning
+            return _db_action(db, args)
     except (sqlite3.Error, OSError) as e:
         raise finddb.FindDbError(f"{db.path}: {e}") from None
     finally:
         db.close()
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"gemmconv db: warning: {message}", file=sys.stderr)
+
+
 def _db_action(db, args) -> int:
+    from gemmconv.selection import finddb
+
     if args.action == "show":
         _db_show(db, args.json)
     elif args.action == "clear":
@@ -701,13 +755,27 @@ def _db_action(db, args) -> int:
             return 1
         print(f"cleared {db.clear()} results from {db.path}")
     elif args.action == "export":
-        print(f"exported {db.export_json(args.file)} results to {args.file}")
-    else:
         try:
-            count = db.import_json(args.file)
+            count = db.export_json(args.file)
+        except ValueError as e:  # the database's own file: refused before any write
+            raise UsageError(str(e)) from None
+        print(f"exported {count} results to {args.file}")
+    else:
+        # All or nothing: a bad record (a refused value, a number out of range) is one
+        # line naming it, exit status 2, and the database as it was.
+        try:
+            records = finddb.read_json(args.file)
         except ValueError as e:
             raise UsageError(str(e)) from None
-        print(f"imported {count} results into {db.path}")
+        stored = db.store_many(records)
+        replaced = len(records) - len({r.key for r in records})
+        note = (
+            f" ({replaced} of the file's {len(records)} records replaced by a later record "
+            "of the same problem and identity)"
+            if replaced
+            else ""
+        )
+        print(f"imported {stored} results into {db.path}{note}")
     return 0
 
 

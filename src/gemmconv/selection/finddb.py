@@ -22,7 +22,12 @@ why a convolution fails, and must never destroy what it holds:
 - a read-only file or directory is opened read-only: its rows are used, and a result
   that cannot be stored is dropped with one warning;
 - a location that cannot hold a database degrades to an in-memory one, one warning;
-- a row that does not parse is a miss, with one warning.
+- a row that does not parse (a value a find never writes, or text that is not UTF-8,
+  in any column) is a miss, with one warning; the other rows read as ever;
+- a file deleted, or replaced by a rename, while a process has it open is noticed
+  before that process's next write (one stat of the path): it leaves the old file,
+  first emptying the -wal it may have left at the path (sqlite would otherwise apply
+  it to the new file), and stores into the file now at the path, one warning.
 
 ``FindDb(path, strict=True)`` (the ``gemmconv db`` commands) raises ``FindDbError``
 where the default degrades, so a command that cannot do what it was asked says so.
@@ -118,10 +123,43 @@ class _NotOurs(Exception):
     """The file is another application's, or of another schema: never to be touched."""
 
 
+# sqlite stores INTEGER in 64 bits: a larger workspace could not be stored.
+_INT64_MAX = 2**63 - 1
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, shortened for a message of one line (an integer of hundreds of
+    digits in an import file, whose repr Python may even refuse to make)."""
+    if isinstance(value, int) and value.bit_length() > 200:
+        try:
+            digits = str(len(str(abs(value))))
+        except ValueError:  # past Python's limit on converting integers to text
+            digits = f"about {int(value.bit_length() * math.log10(2)) + 1}"
+        return f"<an integer of {digits} digits>"
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
 def _check_text(name: str, value: object, *, may_be_empty: bool = False) -> None:
     if not isinstance(value, str) or (not value and not may_be_empty):
         expected = "a string" if may_be_empty else "a non-empty string"
-        raise ValueError(f"{name}={value!r}: expected {expected}")
+        raise ValueError(f"{name}={_shown(value)}: expected {expected}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (a JSON "\ud800"): sqlite cannot store it
+        raise ValueError(
+            f"{name}={_shown(value)}: expected text UTF-8 can encode (no lone surrogate)"
+        ) from None
+
+
+def _text(raw: bytes) -> str | bytes:
+    """The sqlite connections' text factory: a TEXT value that is not UTF-8 (written by
+    another tool) comes back as its bytes, so that its row does not parse and is
+    skipped, where sqlite3's own decoding would fail the whole query."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,14 +215,25 @@ class Record:
             raise ValueError(f"identity={self.identity!r}: expected an Identity")
         _check_text("solver", self.solver)
         if not isinstance(self.config, dict):
-            raise ValueError(f"config={self.config!r}: expected a JSON object")
+            raise ValueError(f"config={_shown(self.config)}: expected a JSON object")
         t = self.time_ms
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"time_ms={t!r}: expected a finite number of milliseconds >= 0")
-        object.__setattr__(self, "time_ms", float(t))
+        try:  # an int too large for a float overflows: not a finite number of milliseconds
+            ms = math.nan if isinstance(t, bool) or not isinstance(t, (int, float)) else float(t)
+        except OverflowError:
+            ms = math.inf
+        if not math.isfinite(ms) or ms < 0:
+            raise ValueError(f"time_ms={_shown(t)}: expected a finite number of milliseconds >= 0")
+        object.__setattr__(self, "time_ms", ms)
         w = self.workspace_bytes
-        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
-            raise ValueError(f"workspace_bytes={w!r}: expected an integer >= 0")
+        if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w <= _INT64_MAX:
+            raise ValueError(
+                f"workspace_bytes={_shown(w)}: expected an integer from 0 to {_INT64_MAX}"
+            )
+
+    @property
+    def key(self) -> tuple[str, Identity]:
+        """What the database keys a result by: one row per problem and identity."""
+        return (self.problem, self.identity)
 
     def as_json(self) -> dict:
         return {
@@ -232,11 +281,11 @@ def _row(values: tuple) -> Row:
     named = dict(zip(_FIND_COLUMNS, values, strict=True))
     try:
         if not isinstance(config, str):
-            raise ValueError(f"config={config!r}: expected JSON text")
+            raise ValueError(f"config={_shown(config)}: expected JSON text")
         try:
             parsed = json.loads(config)
-        except ValueError as e:
-            raise ValueError(f"config={config!r}: not JSON ({e})") from None
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"config={_shown(config)}: not JSON ({e})") from None
         identity = Identity(device, capability, torch_version, gemmconv_version)
         return Row(named, Record(problem, identity, solver, parsed, *values[7:]))
     except ValueError as e:
@@ -343,8 +392,21 @@ def _create_tables(conn: sqlite3.Connection, path: str) -> None:
     conn.commit()
 
 
+def _retire(conn: sqlite3.Connection) -> None:
+    """Close a connection whose file was deleted or replaced at its path. Its -wal file
+    may still be at the path, and sqlite would apply its frames to whatever file is
+    there now: a checkpoint that truncates it first (sqlite skips the checkpoint on
+    closing a moved file) leaves it empty. It waits for no lock: a -wal that another
+    connection is using is left as it is."""
+    with contextlib.suppress(sqlite3.Error):
+        conn.execute("PRAGMA busy_timeout = 0")
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+    conn.close()
+
+
 def _memory_database() -> sqlite3.Connection:
     conn = sqlite3.connect(IN_MEMORY, check_same_thread=False)
+    conn.text_factory = _text
     _create_tables(conn, IN_MEMORY)
     return conn
 
@@ -414,6 +476,7 @@ class FindDb:
             check_same_thread=False,
             uri=uri is not None,
         )
+        conn.text_factory = _text
         try:
             conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         except BaseException:
@@ -540,6 +603,8 @@ class FindDb:
                 # reason to create a file (or warn about an unwritable location).
                 return work(_EMPTY)
             conn = self._connection()
+            if write and self._moved():
+                conn = self._reopen_moved(conn)
             if write and self.read_only:
                 return self._refuse_write()
             try:
@@ -568,10 +633,32 @@ class FindDb:
     def _absent(self) -> bool:
         return not self.in_memory and not os.path.exists(self.path)
 
+    def _moved(self) -> bool:
+        """Whether the file at the path is no longer the one the connection has open
+        (deleted, or replaced by a rename): one stat, made before each write."""
+        if self.in_memory or self.read_only or self._conn is None:
+            return False
+        return _file_identity(self.path) != self._file
+
+    def _reopen_moved(self, conn: sqlite3.Connection) -> sqlite3.Connection:
+        """Leave the file that was deleted or replaced, and open the one now at the
+        path (a new one where there is none), with one warning: results stored from
+        now on go where every other process will look for them."""
+        self._warn(
+            f"gemmconv find database {self.path} was deleted or replaced while this "
+            "process had it open; storing results in the file now at that path"
+        )
+        _retire(conn)
+        self._conn, self._file = None, None
+        return self._connection()
+
     def close(self) -> None:
         with self._lock:
             if self._conn is not None and self._pid == os.getpid():
-                self._conn.close()
+                if self._moved():
+                    _retire(self._conn)
+                else:
+                    self._conn.close()
             self._conn = None
 
     # ---- find results -------------------------------------------------------
@@ -604,8 +691,11 @@ class FindDb:
         """Insert or replace the result for the record's problem and identity."""
         self.store_many([record])
 
-    def store_many(self, records: list[Record]) -> None:
-        """Store every record in one transaction (all or none)."""
+    def store_many(self, records: list[Record]) -> int:
+        """Store every record in one transaction (all or none); returns how many results
+        were written: one per key (problem and identity), the last record of a key
+        replacing the ones before it, and 0 where the database refuses writes."""
+        last = {r.key: r for r in records}
         rows = [
             (
                 r.problem,
@@ -616,17 +706,19 @@ class FindDb:
                 r.workspace_bytes,
                 time.time(),
             )
-            for r in records
+            for r in last.values()
         ]
         columns = (*_FIND_COLUMNS, "created")
-        self._run(
-            lambda conn: conn.executemany(
+
+        def insert(conn: sqlite3.Connection) -> int:
+            conn.executemany(
                 f"INSERT OR REPLACE INTO find ({', '.join(columns)}) "
                 f"VALUES ({', '.join('?' * len(columns))})",
                 rows,
-            ),
-            write=True,
-        )
+            )
+            return len(rows)
+
+        return self._run(insert, write=True) or 0
 
     def rows(self, identity: Identity | None = None) -> list[Row]:
         """Every stored row (of ``identity`` only, when given), parsed where it parses,
@@ -658,39 +750,39 @@ class FindDb:
         return self._run(delete, write=True) or 0
 
     def export_json(self, path: str | os.PathLike) -> int:
+        """Write every stored result that parses to ``path`` as JSON; returns how many.
+        Rows that do not parse are left out, with one warning each. ValueError, before
+        anything is written, where ``path`` is this database's own file (or its -wal or
+        -shm), however it is named: the export would overwrite the results it holds."""
+        live = self._file_at(path)
+        if live is not None:
+            raise ValueError(
+                f"export file {os.fspath(path)!r} is the find database's own file {live}: "
+                "exporting into it would overwrite the database; nothing exported"
+            )
         records = [r.as_json() for r in self.records()]
         Path(path).write_text(json.dumps({"records": records}, indent=1) + "\n")
         return len(records)
 
+    def _file_at(self, path: str | os.PathLike) -> str | None:
+        """The file of this database (the database, its -wal or its -shm) that ``path``
+        names, through a symlink, a relative path or a hard link; None if none."""
+        if self.requested_path == IN_MEMORY:
+            return None
+        for live in (self.requested_path + suffix for suffix in ("", "-wal", "-shm")):
+            try:
+                if os.path.samefile(path, live):
+                    return live
+            except OSError:  # one of them does not exist: compare where they would be
+                if os.path.realpath(path) == os.path.realpath(live):
+                    return live
+        return None
+
     def import_json(self, path: str | os.PathLike) -> int:
         """Store every record of an exported file, or, when any record is bad, none:
-        ValueError names the first bad one."""
-        from gemmconv.solvers import solver_ids
-
-        where = f"import file {os.fspath(path)!r}"
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{where}: cannot read JSON ({e})") from None
-        if not isinstance(data, dict) or not isinstance(data.get("records"), list):
-            raise ValueError(f"{where}: expected an object with a 'records' list")
-        known = solver_ids()
-        records = []
-        for i, row in enumerate(data["records"]):
-            problem = row.get("problem") if isinstance(row, dict) else None
-            name = f"record {i}" + ("" if problem is None else f" (problem {problem!r})")
-            try:
-                record = Record.from_json(row)
-                if record.solver not in known:
-                    raise ValueError(
-                        f"solver={record.solver!r}: unknown solver id; expected one of "
-                        f"{', '.join(known)}"
-                    )
-            except (KeyError, ValueError) as e:
-                raise ValueError(f"{where}: {name}: {e}; nothing imported") from None
-            records.append(record)
-        self.store_many(records)
-        return len(records)
+        ValueError names the first bad one. Returns the number of results stored: one
+        per key, the last record of a key in the file replacing those before it."""
+        return self.store_many(read_json(path))
 
     # ---- measured device rates ----------------------------------------------
 
@@ -705,13 +797,13 @@ class FindDb:
         )
         if row is None:
             return None
-        try:
-            rates = json.loads(row[0])
-        except (TypeError, ValueError):
+        try:  # text only: json.loads would guess an encoding for bytes (not UTF-8 text)
+            rates = json.loads(row[0]) if isinstance(row[0], str) else None
+        except (ValueError, RecursionError):
             rates = None
         if not isinstance(rates, dict):
             self._warn(
-                f"gemmconv find database {self.path}: ignoring unreadable rates {row[0]!r}",
+                f"gemmconv find database {self.path}: ignoring unreadable rates {_shown(row[0])}",
                 once=("rates", *identity.values()),
             )
             return None
@@ -723,6 +815,36 @@ class FindDb:
             lambda conn: conn.execute("INSERT OR REPLACE INTO rates VALUES (?,?,?,?,?,?)", row),
             write=True,
         )
+
+
+def read_json(path: str | os.PathLike) -> list[Record]:
+    """The records of an exported file, in file order, every one checked (a Record, a
+    known solver id); ValueError, naming the file and the first bad record, otherwise."""
+    from gemmconv.solvers import solver_ids
+
+    where = f"import file {os.fspath(path)!r}"
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise ValueError(f"{where}: cannot read JSON ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("records"), list):
+        raise ValueError(f"{where}: expected an object with a 'records' list")
+    known = solver_ids()
+    records = []
+    for i, row in enumerate(data["records"]):
+        problem = row.get("problem") if isinstance(row, dict) else None
+        name = f"record {i}" + ("" if problem is None else f" (problem {_shown(problem)})")
+        try:
+            record = Record.from_json(row)
+            if record.solver not in known:
+                raise ValueError(
+                    f"solver={_shown(record.solver)}: unknown solver id; expected one of "
+                    f"{', '.join(known)}"
+                )
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"{where}: {name}: {e}; nothing imported") from None
+        records.append(record)
+    return records
 
 
 # Stands in for a database file that does not exist yet; never written to.
@@ -764,5 +886,6 @@ __all__ = [
     "default_path",
     "get_db",
     "identity_for",
+    "read_json",
     "reset_db",
 ]

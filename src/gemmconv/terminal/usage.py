@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 import sys
 from collections.abc import Callable
 
 USAGE_EXIT_STATUS = 2
+# torch holds sizes, strides and seeds in signed 64-bit integers: a larger flag value
+# would reach torch only to fail there with a traceback.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_INTEGER_TEXT = re.compile(r"\s*[+-]?[0-9]+(?:_[0-9]+)*\s*")
 
 
 class UsageError(Exception):
@@ -48,6 +53,25 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message, self.prog)
 
 
+def int64(text: str) -> int:
+    """An argparse ``type`` for integer flags: int(), refusing what does not fit a
+    signed 64-bit integer with argparse's one-line error (``argument -n/--batch:
+    ...``). Text that is no integer reads "invalid int value", as with ``type=int``."""
+    try:
+        value = int(text)
+    except ValueError:
+        # int() also refuses integers of more digits than Python converts (4300).
+        if _INTEGER_TEXT.fullmatch(text) is None:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        value = None
+    if value is None or not INT64_MIN <= value <= INT64_MAX:
+        shown = text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
+        raise argparse.ArgumentTypeError(
+            f"{shown}: expected an integer from {INT64_MIN} to {INT64_MAX}"
+        )
+    return value
+
+
 def report_usage_error(error: UsageError, prog: str) -> int:
     """Print ``error`` as one line under its command's name; the exit status to use."""
     print(f"{error.prog or prog}: error: {error}", file=sys.stderr)
@@ -72,10 +96,13 @@ def reports_usage_errors(prog: str) -> Callable[[Callable[..., int]], Callable[.
 
 
 __all__ = [
+    "INT64_MAX",
+    "INT64_MIN",
     "USAGE_EXIT_STATUS",
     "HelpFormatter",
     "Parser",
     "UsageError",
+    "int64",
     "report_usage_error",
     "reports_usage_errors",
 ]
