@@ -1,9 +1,15 @@
-"""What torch's autograd allows on a convolution's output, gemmconv's allows too, with
-every GEMM solver, on the eager road and the op road, in every layout (channels-first,
-channels-last input, and the token-major output of a channels-last weight): in-place
-ops on the output y (``relu_``, ``+=``, ``*=`` by a tensor that needs a gradient,
-slice assignment, in-place ops through a view of y, and on a y made under no_grad),
-with gradients equal to torch's and version tracking that raises where torch's does.
+"""What torch's autograd allows on a convolution's output and gradients, gemmconv's
+allow too, with every GEMM solver, on the eager road and the op road, in every layout
+(channels-first, channels-last input, and the token-major output of a channels-last
+weight):
+
+- in-place ops on the output y (``relu_``, ``+=``, ``*=`` by a tensor that needs a
+  gradient, slice assignment, in-place ops through a view of y, and on a y made under
+  no_grad), with gradients equal to torch's and version tracking that raises where
+  torch's does;
+- batched gradients: ``torch.autograd.grad(..., is_grads_batched=True)``,
+  ``torch.autograd.functional.jacobian(..., vectorize=True)`` and torch.func.vmap over
+  a backward, equal to torch's.
 
 Each solver is forced (GEMMCONV_SOLVER) on a problem of the first class of
 solver_cases.GEOMETRIES it takes in every direction; everything is compared in float64
@@ -13,6 +19,7 @@ on the CPU with torch's convolution on the same operands.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -23,6 +30,7 @@ from gemmconv import eager
 from gemmconv.functional import problem_of
 from gemmconv.problem import Direction
 from gemmconv.solvers import get_solver
+from gemmconv.verify import rms_range, tolerance
 
 from solver_cases import GEOMETRIES, Geometry, applies
 
@@ -295,3 +303,104 @@ def test_a_compiled_convolutions_output_takes_in_place_ops():
     y_ref.sum().backward()
     torch.testing.assert_close(y, y_ref, **TIGHT)
     torch.testing.assert_close(x.grad, x_ref.grad, **TIGHT)
+
+
+# ---- batched gradients ---------------------------------------------------------------
+
+BATCHED_CALLS = ("is_grads_batched", "jacobian_vectorize", "func_vmap_over_backward")
+
+
+def _batched_gradients(forward, case: Case, call: str):
+    x, w, b = case.operands(4)
+    leaves = tuple(t for t in (x, w, b) if t is not None)
+    y = forward(x, w, b)
+    if call == "jacobian_vectorize":
+        # The jacobian of y projected onto 2 random directions per sample: a batch of
+        # dense random dy as for y itself, 2 N rows rather than all of y's elements.
+        gen = torch.Generator().manual_seed(5)
+        projection = torch.rand(y[0].numel(), 2, generator=gen, dtype=F64)
+
+        def projected(*ts):
+            return forward(*ts, *((None,) if b is None else ())).flatten(1) @ projection
+
+        return torch.autograd.functional.jacobian(projected, leaves, vectorize=True)
+    gen = torch.Generator().manual_seed(5)
+    v = torch.rand(3, *y.shape, generator=gen, dtype=F64)
+    if call == "is_grads_batched":
+        return torch.autograd.grad(y, leaves, v, is_grads_batched=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grads = torch.func.vmap(lambda t: torch.autograd.grad(y, leaves, t, retain_graph=True))(v)
+    # torch.func runs an op without a batching rule once per batch entry, and says so.
+    slow = [str(w.message) for w in caught if "performance drop" in str(w.message)]
+    assert not slow, slow
+    return grads
+
+
+@pytest.mark.parametrize("call", BATCHED_CALLS)
+@pytest.mark.parametrize("road", ["eager", "op"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_batched_gradients_match_torch(case: Case, road: str, call: str, monkeypatch):
+    monkeypatch.setenv("GEMMCONV_SOLVER", case.solver)
+    ours = _batched_gradients(_gemmconv_forward(case, road), case, call)
+    theirs = _batched_gradients(_torch_forward(case), case, call)
+    for got, want in zip(ours, theirs, strict=True):
+        assert want.abs().sum() > 0, "torch's gradient is zero, so the check is void"
+        torch.testing.assert_close(got, want, **TIGHT)
+
+
+def test_a_vectorized_hessian_through_the_eager_road_matches_torch(monkeypatch):
+    """A batched backward that is itself differentiated (vectorized hessian)."""
+    monkeypatch.setenv("GEMMCONV_SOLVER", "patch")
+    (case,) = (c for c in CASES if c.solver == "patch" and c.dims == 2 and c.layout == "cf")
+
+    def loss(conv):
+        def f(x, w):
+            return conv(x, w, None, **case.arguments).pow(2).sum()
+
+        return f
+
+    x, w, _ = case.operands(6)
+    ours = torch.autograd.functional.hessian(loss(gemmconv.conv2d), (x, w), vectorize=True)
+    theirs = torch.autograd.functional.hessian(loss(F.conv2d), (x, w), vectorize=True)
+    for got_row, want_row in zip(ours, theirs, strict=True):
+        for got, want in zip(got_row, want_row, strict=True):
+            torch.testing.assert_close(got, want, **TIGHT)
+
+
+# ---- on the GPU ---------------------------------------------------------------------
+
+CUDA_SOLVERS = (*CPU_SOLVERS, "patch_triton", "patch_implicit")
+
+
+def _cuda_results(case: Case, forward, device: str, dtype: torch.dtype) -> tuple:
+    """y after ``y += 1`` and relu_, its gradients for one dy and batched ones for 3."""
+    x, w, b = (
+        None if t is None else t.detach().to(device, dtype).requires_grad_()
+        for t in case.operands(9)
+    )
+    leaves = tuple(t for t in (x, w, b) if t is not None)
+    y = forward(x, w, b)
+    y += 1
+    F.relu(y, inplace=True)
+    gen = torch.Generator().manual_seed(10)
+    v = torch.rand(3, *y.shape, generator=gen, dtype=F64).to(device, dtype)
+    batched = torch.autograd.grad(y, leaves, v, is_grads_batched=True, retain_graph=True)
+    return (y, *torch.autograd.grad(y, leaves, v[0]), *batched)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("solver", CUDA_SOLVERS)
+def test_in_place_ops_and_batched_gradients_on_cuda(solver, monkeypatch):
+    """Each GEMM solver on the GPU in float32, in each 2-D layout: the output modified
+    in place and backpropagated, and batched gradients, judged against torch's float64
+    convolution of the same operands on the CPU by float32's tolerance."""
+    monkeypatch.setenv("GEMMCONV_SOLVER", solver)
+    limit = tolerance(torch.float32, "cuda")
+    for case in (c for c in _cases([solver], torch.float32) if c.dims == 2):
+        reference = _cuda_results(case, _torch_forward(case), "cpu", F64)
+        for road in ("eager", "op"):
+            ours = _cuda_results(case, _gemmconv_forward(case, road), "cuda", torch.float32)
+            for i, (a, b) in enumerate(zip(ours, reference, strict=True)):
+                error = rms_range(a, b)
+                assert error <= limit, f"{case}-{road}[{i}]: rms_range {error:.3g} > {limit:.3g}"
