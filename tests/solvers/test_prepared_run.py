@@ -273,18 +273,22 @@ def test_a_forward_needing_no_copy_runs_the_column_keeping_form_on_its_operands(
 def test_a_channels_first_forward_returns_the_view_of_its_products_blocks(bias, monkeypatch):
     """A channels-first y's memory is the per-sample product's [N, K, P] blocks in
     order, so the prepared forward lets bmm allocate them and returns y as their view
-    (no allocation of its own, no out=): y is dense channels-first, its base is the
-    blocks, and the bias is added in place."""
+    (no allocation of its own, no out=): the run's y is dense channels-first, its base
+    is the blocks, and the bias is added in place. The y a caller gets is a base tensor
+    of that very memory (ops.as_base), so in-place ops on it work as on torch's."""
     monkeypatch.setenv("GEMMCONV_SOLVER", "patch")
     x, w = torch.randn(3, 4, 8, 8), torch.randn(6, 4, 2, 2)
     b = torch.randn(6) if bias else None
     with torch.no_grad():
         y = gemmconv.conv2d(x, w, b, stride=2)
     torch.testing.assert_close(y, F.conv2d(x, w, b, stride=2))
-    assert y.is_contiguous()
-    assert y._base is not None and y._base.shape == (3, 6, 16)
+    assert y.is_contiguous() and y._base is None
+    assert y.untyped_storage().nbytes() == y.numel() * y.element_size()
     (plan,) = [call.plan for call in eager._calls.values() if call is not None]
     assert plan.solver.id == "patch" and plan.keeping_columns is not None
+    run_y, _ = plan.keeping_columns(x, w, b)
+    assert run_y.is_contiguous()
+    assert run_y._base is not None and run_y._base.shape == (3, 6, 16)
 
 
 @pytest.fixture

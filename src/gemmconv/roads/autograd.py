@@ -34,19 +34,69 @@ def _forward_setup_context(ctx, inputs, output) -> None:
     ctx.channels_last = layout_of(input, weight) is Layout.CHANNELS_LAST
 
 
+def under_vmap(grad_output: torch.Tensor) -> bool:
+    """Whether a backward runs batched: ``grad_output`` is a batched tensor of the vmap
+    behind ``torch.autograd.grad(..., is_grads_batched=True)`` and
+    ``torch.autograd.functional.jacobian(..., vectorize=True)``, or a torch.func
+    transform (vmap over a backward among them) is active. The solvers' out= and
+    in-place ops have no batching rules, so such a backward takes vmap_safe_gradients."""
+    return _is_legacy_batched(grad_output) or _functorch_transforms_active()
+
+
+_is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
+_functorch_transforms_active = torch._C._are_functorch_transforms_active
+
+
+def vmap_safe_gradients(
+    grad_output: torch.Tensor,
+    input: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    input_size: list[int],
+    weight_size: list[int],
+    conv_args: tuple,
+    need_dx: bool,
+    need_dw: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dx and dW, each where needed, by torch's own convolution backward, out of place,
+    which vmap batches (and autograd differentiates again) as it does torch's
+    convolutions. ``input`` may be None where dW is not needed and ``weight`` where dx
+    is not: only its size is read then, from a stride-0 stand-in, as
+    torch.nn.grad.conv*_input/_weight pass one. ``conv_args`` is (stride, padding,
+    dilation, groups) as lists and an int."""
+    stride, padding, dilation, groups = conv_args
+    # The stand-in is made from the saved operand, which the batch does not wrap.
+    if input is None:
+        input = weight.new_empty(1).expand(input_size)
+    if weight is None:
+        weight = input.new_empty(1).expand(weight_size)
+    dx, dw, _ = torch.ops.aten.convolution_backward(
+        grad_output, input, weight, None, stride, padding, dilation,
+        False, [0] * len(stride), groups, [need_dx, need_dw, False],
+    )  # fmt: skip
+    return dx, dw
+
+
 def _forward_backward(ctx, grad_output: torch.Tensor):
     input, weight = ctx.saved_tensors
-    dx = dw = db = None
-    if ctx.needs_input_grad[0]:
-        dx = torch.ops.gemmconv.conv_backward_data(
-            grad_output, weight, ctx.input_size, *ctx.conv_args, ctx.channels_last
-        )
-    if ctx.needs_input_grad[1]:
-        dw = torch.ops.gemmconv.conv_backward_weights(
-            grad_output, input, ctx.weight_size, *ctx.conv_args, ctx.channels_last
-        )
-    if ctx.needs_input_grad[2]:
-        db = bias_grad(grad_output, out_channels=ctx.weight_size[0])
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    if under_vmap(grad_output):
+        # The custom ops have no batching rule: vmap would run them once per batch entry
+        # (with a performance warning under torch.func).
+        dx, dw = vmap_safe_gradients(
+            grad_output, input, weight, ctx.input_size, ctx.weight_size, ctx.conv_args,
+            need_dx, need_dw,
+        )  # fmt: skip
+    else:
+        dx = dw = None
+        if need_dx:
+            dx = torch.ops.gemmconv.conv_backward_data(
+                grad_output, weight, ctx.input_size, *ctx.conv_args, ctx.channels_last
+            )
+        if need_dw:
+            dw = torch.ops.gemmconv.conv_backward_weights(
+                grad_output, input, ctx.weight_size, *ctx.conv_args, ctx.channels_last
+            )
+    db = bias_grad(grad_output, out_channels=ctx.weight_size[0]) if need_db else None
     return dx, dw, db, None, None, None, None
 
 

@@ -137,6 +137,26 @@ class Plan:
 
 # Asked on every run: bound once, as eager.py binds torch's C questions.
 _any_autocast_enabled = torch._C._is_any_autocast_enabled
+_is_grad_enabled = torch.is_grad_enabled
+
+
+def as_base(result: torch.Tensor) -> torch.Tensor:
+    """``result``, where a solver returned a view (of its GEMM's product) made with
+    grad mode off, as a base tensor of the same memory, shape and strides: no copy.
+    torch's convolutions return base tensors, and autograd refuses in-place ops on a
+    view made inside a custom autograd Function or op (the forward's output on either
+    road) or made under no_grad (once grad mode is back on), so ``y += r`` or
+    ``relu_(y)`` would fail where torch's output takes them. A view made with grad mode
+    on outside a Function takes them already, and inference mode makes no views.
+
+    detach() is such a base (since torch 1.13 its metadata may change too: resize_,
+    set_, as a convolution's output's may), sharing the view's version counter. On the
+    CPU machine it costs 0.3 us of thread time, ``_make_subclass`` 0.5 and a set_()
+    onto the view's storage 1.5. run_forward, the hottest caller, inlines this test."""
+    if result._is_view() and not _is_grad_enabled():
+        return result.detach()
+    return result
+
 
 # Bounded so that a stream of ever-new shapes cannot grow it without limit; emptied
 # by dispatch.clear_cache() with the choices the plans hold.
@@ -216,6 +236,9 @@ def _without_autocast(plan: Plan, fn: Callable, *arguments: object):
 
 
 def _run(plan: Plan, tensors: ConvTensors) -> torch.Tensor:
+    """The plan's run on ``tensors``, its result with the strides promised: a view
+    where the solver's is one (the forward and the backward ops take as_base; a
+    gradient the eager road's backward hands autograd needs no base)."""
     runner = plan.runner
     if runner is None:
         runner = _prepared_runner(plan, tensors)
@@ -272,10 +295,14 @@ def run_forward(
 ) -> torch.Tensor:
     keeping = plan.keeping_columns
     if keeping is not None and not _any_autocast_enabled():
-        return keeping(input, weight, bias)[0]  # three frames fewer than _run's way
-    if plan.copy_first or plan.copy_second:
-        input, weight = _operands(plan, input, weight)
-    return _run(plan, ConvTensors(input, weight, bias))
+        y = keeping(input, weight, bias)[0]  # three frames fewer than _run's way
+    else:
+        if plan.copy_first or plan.copy_second:
+            input, weight = _operands(plan, input, weight)
+        y = _run(plan, ConvTensors(input, weight, bias))
+    if y._is_view() and not _is_grad_enabled():  # as_base, inline
+        return y.detach()
+    return y
 
 
 def run_forward_keeping_columns(
@@ -285,7 +312,8 @@ def run_forward_keeping_columns(
     (ColumnKeepingForward; None otherwise), for weight_gradient_from_columns."""
     keeping = plan.keeping_columns
     if keeping is not None and not _any_autocast_enabled():
-        return keeping(input, weight, bias)
+        y, columns = keeping(input, weight, bias)
+        return as_base(y), columns
     if plan.copy_first or plan.copy_second:
         input, weight = _operands(plan, input, weight)
     runner = plan.runner
@@ -293,14 +321,14 @@ def run_forward_keeping_columns(
         runner = _prepared_runner(plan, ConvTensors(input, weight, bias))
     keep = getattr(runner, "keeping_columns", None)
     if keep is None:
-        return _run(plan, ConvTensors(input, weight, bias)), None
+        return as_base(_run(plan, ConvTensors(input, weight, bias))), None
     if _any_autocast_enabled():
         y, columns = _without_autocast(plan, keep, input, weight, bias)
     else:
         y, columns = keep(input, weight, bias)
     if plan.result_as_promised:
-        return y, columns
-    return _as_promised(y, plan.result_layout, plan.result_strides), columns
+        return as_base(y), columns
+    return as_base(_as_promised(y, plan.result_layout, plan.result_strides)), columns
 
 
 def weight_gradient_from_columns(
@@ -426,7 +454,9 @@ def _backward_implementation(direction: Direction) -> Callable[..., torch.Tensor
         # arguments: result_size, stride, padding, dilation, groups, channels_last (the
         # op's schema), as backward_plan takes them.
         plan = backward_plan(direction, grad_output, operand, *arguments)
-        return run_backward(plan, grad_output, operand)
+        # The op's result is an output of its autograd formula where it is differentiated
+        # (double backward): in-place ops on it need a base, as on the forward's.
+        return as_base(run_backward(plan, grad_output, operand))
 
     implementation.__name__ = direction.value
     return implementation
