@@ -1,4 +1,25 @@
-"""gemmconv: convolutions that are matrix products, run as single GEMMs."""
+"""gemmconv: convolutions that are matrix products, run as single GEMMs.
+
+A patch embedding (stride == kernel, no padding), a 1x1 and a strided 1x1 convolution are
+matrix products: gemmconv runs each of their directions (forward, backward-data,
+backward-weights) as one GEMM, and every other convolution through torch's own, with
+torch's arguments, results and output memory format.
+
+- ``conv1d``, ``conv2d``, ``conv3d`` (``gemmconv.functional``) take the arguments of
+  ``torch.nn.functional.conv*``; ``explain`` says which solver would run each direction
+  of such a call, and why each other would not.
+- ``gemmconv.nn.Conv1d``/``Conv2d``/``Conv3d`` are drop-in subclasses of torch's modules;
+  ``convert`` swaps them into a model in place and ``revert`` swaps them back
+  (``gemmconv.convert``).
+- ``find_mode`` and ``set_find_mode`` choose how a solver is selected (a ``FindMode``);
+  ``sync_choices`` gives every rank of a process group the same ``Choice``.
+- ``SOLVERS`` is the registry of solvers, in the order that breaks ties (``solver_ids``,
+  ``get_solver``); ``ConvProblem`` with its ``Direction`` and ``Layout`` describes one
+  call, and ``verify`` checks a result for it (``ConvTensors``) against float64,
+  returning a ``Verdict``.
+- ``decompositions.table()`` maps gemmconv's custom ops to aten convolutions, for
+  ``ExportedProgram.run_decompositions``.
+"""
 
 from gemmconv import nn
 from gemmconv.convert import ConversionReport, convert, revert

@@ -18,6 +18,8 @@ a view. Conv1d refuses it: torch has no channels-last format for its 3-D weight.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -32,7 +34,8 @@ from gemmconv.selection.dispatch import Choice, explain_problem
 
 
 class _GemmConvMixin:
-    """What the three modules share: the gemmconv forward and the solver report."""
+    """What the three modules share: the gemmconv forward, ``solvers()`` and the
+    constructor's ``memory_format`` keyword."""
 
     # Class defaults, so modules converted in place (class swapped, no __init__ run)
     # have them too.
@@ -41,6 +44,9 @@ class _GemmConvMixin:
     _gemmconv_zero_padding: tuple[int, ...] = ()
 
     def __init__(self, *args, memory_format: torch.memory_format | None = None, **kwargs):
+        """torch's constructor arguments, and ``memory_format``: torch.channels_last
+        (torch.channels_last_3d for Conv3d) lays the weight out channels-last;
+        torch.contiguous_format or None (the default) leave it as torch makes it."""
         dims = len(self._gemmconv_zero_padding)
         memory_format = _weight_format_of(type(self).__name__, memory_format, dims)
         super().__init__(*args, **kwargs)
@@ -48,6 +54,7 @@ class _GemmConvMixin:
             set_weight_format(self.weight, memory_format)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """torch's forward (padding modes, bias), its convolution computed by gemmconv."""
         # torch's forward reads self.weight and self.bias through nn.Module.__getattr__,
         # a Python call each (0.7 us of a 34 us module call on the CPU machine,
         # bench/NOTES.md). A registered Parameter is read from _parameters directly;
@@ -160,7 +167,9 @@ def _class_doc(torch_class: type[torch.nn.Module]) -> str:
         "1x1, strided 1x1) and through torch otherwise. ``module.solvers(x)`` says which "
         "solver runs each direction; ``gemmconv.convert(model)`` swaps torch's modules for "
         "these in place and ``gemmconv.revert(model)`` swaps them back.\n\ntorch's "
-        "documentation:\n\n" + (torch_class.__doc__ or "")
+        # cleandoc: torch's docstring keeps its source indentation after the first line,
+        # which under these unindented lines would read as a code block.
+        "documentation:\n\n" + inspect.cleandoc(torch_class.__doc__ or "")
     )
 
 
