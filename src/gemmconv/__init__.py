@@ -8,9 +8,9 @@ torch's arguments, results and output memory format.
 - ``conv1d``, ``conv2d``, ``conv3d`` (``gemmconv.functional``) take the arguments of
   ``torch.nn.functional.conv*``; ``explain`` says which solver would run each direction
   of such a call, and why each other would not.
-- ``gemmconv.nn.Conv1d``/``Conv2d``/``Conv3d`` are drop-in subclasses of torch's modules;
-  ``convert`` swaps them into a model in place and ``revert`` swaps them back
-  (``gemmconv.convert``).
+- ``gemmconv.nn.Conv1d``, ``gemmconv.nn.Conv2d`` and ``gemmconv.nn.Conv3d`` are drop-in
+  subclasses of torch's modules; ``convert`` swaps them into a model in place and
+  ``revert`` swaps them back (``gemmconv.convert``).
 - ``find_mode`` and ``set_find_mode`` choose how a solver is selected (a ``FindMode``);
   ``sync_choices`` gives every rank of a process group the same ``Choice``.
 - ``SOLVERS`` is the registry of solvers, in the order that breaks ties (``solver_ids``,
