@@ -555,7 +555,9 @@ def _dims(values: Sequence[int]) -> str:
 
 
 def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3g}"
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"  # 3720, not 3.72e+03
 
 
 def _pair_text(torch_ms: float | None, ours: float | None) -> str:

@@ -927,7 +927,7 @@ def _add_profile_flags(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="timm: a create_model keyword (img_size=64); hf: a config attribute "
-        "(hidden_size=32); FILE.py: a factory keyword. Repeatable",
+        "(hidden_size=32); FILE.py: a factory keyword. Repeatable; default: none",
     )
     p.add_argument(
         "--input",
