@@ -279,18 +279,18 @@ def _record(
     convs = [(n, m) for n, m in model.named_modules() if isinstance(m, _TORCH_CONVS)]
 
     def hook_for(name: str) -> Callable:
-        def hook(module: torch.nn.Module, args: tuple) -> None:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            x = args[0] if args else kwargs.get("input")
             if name in seen:
                 seen[name].calls += 1
-            elif args and isinstance(args[0], torch.Tensor):
-                x = args[0]
+            elif isinstance(x, torch.Tensor):
                 seen[name] = _Seen(module, x.detach(), x.requires_grad)
 
         return hook
 
     try:
         for name, module in convs:
-            handles.append(module.register_forward_pre_hook(hook_for(name)))
+            handles.append(module.register_forward_pre_hook(hook_for(name), with_kwargs=True))
         with torch.set_grad_enabled(train), amp():
             output = model(*inputs)
     finally:

@@ -93,7 +93,7 @@ class _Mixed(torch.nn.Module):
         self.unused = torch.nn.Conv2d(3, 3, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.b(self.a(self.bn(self.stem(x))))
+        x = self.b(input=self.a(self.bn(self.stem(x))))  # by keyword, too
         x = self.down(x).flatten(2)
         return self.seq(self.seq(x))
 
