@@ -29,7 +29,7 @@ LAYERS = (
     "measuring",  # operands, timing, verification
     "selection",  # modes, dispatch, find, the find database, calibration, explanations
     "roads",  # eager road, custom ops and their autograd, torch.func, export and ONNX
-    "api",  # the package root: gemmconv, functional, nn, convert
+    "api",  # the package root: gemmconv, functional, nn, convert, profiling
     "terminal",  # usage errors, progress bars, long-run warnings
     "bench",  # benchmark tooling, imported by the bench command only
     "cli",  # the gemmconv command
@@ -37,7 +37,13 @@ LAYERS = (
 RANK = {layer: rank for rank, layer in enumerate(LAYERS)}
 # The modules of the package root, the public API. Any other module there is an error:
 # it belongs in a layer's folder.
-API_MODULES = {"gemmconv", "gemmconv.functional", "gemmconv.nn", "gemmconv.convert"}
+API_MODULES = {
+    "gemmconv",
+    "gemmconv.functional",
+    "gemmconv.nn",
+    "gemmconv.convert",
+    "gemmconv.profiling",
+}
 # `python -m gemmconv` has to live in the root; it is the command.
 ENTRY_POINTS = {"gemmconv.__main__": "cli"}
 

@@ -28,6 +28,7 @@ from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.core.version import __version__
 from gemmconv.functional import conv1d, conv2d, conv3d, explain
 from gemmconv.measuring.verify import Verdict, verify
+from gemmconv.profiling import ModelProfile, profile
 
 # gemmconv.decompositions.table() is how the README's export recipe names the table.
 from gemmconv.roads import decompositions
@@ -43,6 +44,7 @@ __all__ = [
     "FindMode",
     "Direction",
     "Layout",
+    "ModelProfile",
     "Verdict",
     "__version__",
     "conv1d",
@@ -55,6 +57,7 @@ __all__ = [
     "get_solver",
     "set_find_mode",
     "nn",
+    "profile",
     "revert",
     "solver_ids",
     "sync_choices",

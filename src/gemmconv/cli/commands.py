@@ -6,6 +6,8 @@
 - ``gemmconv solvers``: every solver's verdict on a problem, workspace and estimate.
 - ``gemmconv tune FILE``: find over many problems (one ``conv`` flag line each), stored.
 - ``gemmconv db show|clear|export FILE|import FILE``: the find database.
+- ``gemmconv profile MODEL``: gemmconv.profile on a timm, Hugging Face or factory-file
+  model (gemmconv.cli.model_specs): per convolution, then the whole model.
 - ``gemmconv bench ...``: the benchmark suite (gemmconv.bench.suite), arguments passed on;
   ``--api`` the public-call table (gemmconv.bench.public_calls), ``--models`` the end-to-end
   model benchmark (gemmconv.bench.models).
@@ -819,6 +821,156 @@ def _db_show(db, as_json: bool) -> None:
         print("!: does not parse; ignored (a miss) by every lookup")
 
 
+# ---- gemmconv profile --------------------------------------------------------------------
+
+PROFILE_BATCH = 8
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    """An argparse ``type`` for --input: sizes joined by x, each >= 1 (1x3x224x224)."""
+    parts = text.lower().split("x")
+    if not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected sizes >= 1 joined by x, such as 1x3x224x224"
+        )
+    return tuple(int(p) for p in parts)
+
+
+def _profile_inputs(args, loaded, device: torch.device) -> tuple:
+    """The example inputs: --input's random tensors, else the factory's, else one
+    batch of the model's own input size."""
+    if args.input:
+        if args.batch is not None:
+            raise UsageError("--batch: give the batch inside --input instead (its first size)")
+        generator = torch.Generator().manual_seed(args.seed)
+        return tuple(torch.randn(shape, generator=generator) for shape in args.input)
+    if loaded.inputs is not None:
+        if args.batch is not None:
+            raise UsageError(f"--batch {args.batch}: the factory of {args.model} gave its inputs")
+        return loaded.inputs
+    if loaded.sample_shape is None:
+        raise UsageError(
+            f"{args.model}: its input shape is not known; give --input, such as "
+            "--input 1x3x224x224, or a factory file returning (model, example_inputs)"
+        )
+    batch = PROFILE_BATCH if args.batch is None else args.batch
+    if batch < 1:
+        raise UsageError(f"--batch {batch}: expected a value >= 1")
+    generator = torch.Generator().manual_seed(args.seed)
+    return (torch.randn((batch, *loaded.sample_shape), generator=generator),)
+
+
+def cmd_profile(args) -> int:
+    from gemmconv.cli.model_specs import load, parse_overrides
+    from gemmconv.profiling import profile
+
+    if args.steps < 1:
+        raise UsageError(f"--steps {args.steps}: expected a value >= 1")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup {args.warmup}: expected a value >= 0")
+    device = _device(args)
+    overrides = parse_overrides(args.override)
+    torch.manual_seed(args.seed)
+    loaded = load(args.model, overrides)
+    inputs = _profile_inputs(args, loaded, device)
+    with contextlib.ExitStack() as stack:
+        bar: Bar | None = None
+        shown = 0
+
+        def progress(done: int, total: int, what: str) -> None:
+            nonlocal bar, shown
+            if bar is None:  # the total is known once the forward has been recorded
+                bar = stack.enter_context(
+                    progress_bar(total, "profile", "step", enabled=not args.no_progress)
+                )
+            bar.update(done - shown)
+            bar.set_postfix_str(what)
+            shown = done
+
+        result = profile(
+            loaded.model,
+            *inputs,
+            device=device,
+            dtype=args.dtype,
+            train=not args.no_train,
+            steps=args.steps,
+            warmup=args.warmup,
+            conv_times=not args.no_conv_times,
+            progress=progress,
+        )
+    shapes = [_dims_text(x.shape) for x in inputs if isinstance(x, torch.Tensor)]
+    if args.json is not None:
+        data = {"model": args.model, "overrides": overrides, "inputs": shapes}
+        data.update(result.to_dict())
+        text = json.dumps(data, indent=2, default=str)
+        if args.json == "-":
+            print(text)
+            return 0
+        try:
+            Path(args.json).write_text(text + "\n")
+        except OSError as e:
+            raise UsageError(f"--json {args.json}: cannot write it ({e.strerror})") from None
+    if result.has_convolutions:
+        print(f"{args.model}, input {', '.join(shapes)}")
+    print(result)
+    return 0
+
+
+def _add_profile_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model", metavar="MODEL", help="timm:NAME, hf:CONFIG_OR_CLASS or FILE.py:FACTORY"
+    )
+    p.add_argument(
+        "-o",
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="timm: a create_model keyword (img_size=64); hf: a config attribute "
+        "(hidden_size=32); FILE.py: a factory keyword. Repeatable; default: none",
+    )
+    p.add_argument(
+        "--input",
+        action="append",
+        type=_shape,
+        default=[],
+        metavar="SHAPE",
+        help="a random input of this shape, such as 1x3x224x224 (repeat for more "
+        "arguments); default: the model's input size (timm, hf) or the factory's inputs",
+    )
+    p.add_argument(
+        "--batch",
+        type=int64,
+        default=None,
+        help=f"batch of the derived input (default {PROFILE_BATCH})",
+    )
+    p.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if present"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("auto", *_DTYPES),
+        default="auto",
+        help="bf16/fp16 run under torch.autocast; auto: bf16 on CUDA, else fp32",
+    )
+    p.add_argument("--steps", type=int64, default=10, help="timed steps (the median is shown)")
+    p.add_argument("--warmup", type=int64, default=2, help="untimed steps first")
+    p.add_argument("--no-train", action="store_true", help="forward only, no training step")
+    p.add_argument(
+        "--no-conv-times", action="store_true", help="time the whole model only, not each conv"
+    )
+    p.add_argument("--seed", type=int64, default=0, help="seed of the weights and inputs")
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
+        help="machine-readable output: on stdout, or written to PATH (the table on stdout)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 # ---- gemmconv bench -----------------------------------------------------------------------
 
 
@@ -924,6 +1076,18 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("file", nargs="?", default=None, help="JSON file for export/import")
     _add_json_flag(db, help="machine-readable output (show)")
     db.add_argument("--yes", action="store_true", help="clear without asking")
+
+    profile = _add_command(
+        sub,
+        "profile",
+        cmd_profile,
+        help="what gemmconv does for a model: per conv, then whole-model steps",
+        description="Profile a model: per convolution its shape, whether convert() swaps "
+        "it, the solver per direction on this device and torch's and gemmconv's time per "
+        "call; then the whole model's forward and training step, torch's and converted, "
+        "interleaved. Weights are random: nothing is downloaded.",
+    )
+    _add_profile_flags(profile)
 
     sub.add_parser(
         "bench",
