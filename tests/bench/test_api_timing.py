@@ -122,9 +122,10 @@ def test_quick_table_writes_every_row_with_same_run_ratios(quick_table):
     assert data["device"] == "cpu" and data["quick"] and data["torch"] == torch.__version__
     assert data["errors"] == []
     rows = data["rows"]
+    # A quick run names each case by the tiny batch it runs (2 and 8), not 8 and 950.
     assert [(r["case"], r["kind"]) for r in rows] == [
         (case, kind)
-        for case in ("vit_b16_b8", "point2d_950")
+        for case in ("tiny_vit_b16_b2", "tiny_point2d_8")
         for kind in ("fwd", "fwd_bwd", "bwd_weights")
     ]
     for r in rows:
@@ -133,7 +134,7 @@ def test_quick_table_writes_every_row_with_same_run_ratios(quick_table):
         assert r["speedup_vs_linear"] == pytest.approx(r["linear_ms"] / r["gemmconv_ms"])
         # On the CPU torch's own convolution is as fast as a GEMM on a many-pixel patch
         # embed (device_rates.CPU), and far behind one where each sample is one patch.
-        expected = ("vendor",) if r["case"] == "vit_b16_b8" else ("patch", "point_output")
+        expected = ("vendor",) if r["case"] == "tiny_vit_b16_b2" else ("patch", "point_output")
         assert r["solvers"]["forward"] in expected, r["solvers"]
     text = (out / "cpu.md").read_text()
     assert (
@@ -141,6 +142,29 @@ def test_quick_table_writes_every_row_with_same_run_ratios(quick_table):
         and "| ViT-B/16 patch embed, 2x3x32x32 -> 16, k=s=16 | cf | forward |" in text
     )
     assert "Target: every row >= 0.95 x torch" in text
+
+
+@pytest.mark.parametrize(("bound", "met"), [(float("inf"), False), (0.0, True)])
+def test_the_table_ends_with_its_targets_and_check_fails_on_a_miss(
+    monkeypatch, tmp_path, capsys, bound, met
+):
+    from gemmconv.bench import public_calls
+
+    monkeypatch.setattr(public_calls, "NOT_SLOWER", bound)
+    # The quick name is taken as well as the full one.
+    argv = ["--device", "cpu", "--quick", "--cases", "tiny_point2d_8", "--kinds", "fwd",
+            "--reps", "1", "--out", str(tmp_path)]  # fmt: skip
+    assert api_main(argv) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert api_main([*argv, "--check"]) == (0 if met else 1)
+    note = "(a quick run: tiny sizes, not a measurement)"
+    if met:
+        assert last == f"targets: all 1 met {note}"
+    else:
+        assert (
+            last == f"targets: 1 of 1 NOT met {note}: tiny_point2d_8/cf/fwd under inf x "
+            "torch or x linear"
+        )
 
 
 @pytest.mark.parametrize(

@@ -122,6 +122,61 @@ def test_api_targets_are_counted_on_the_rows():
     assert old["api_rows"] == 0 and old["api_linear_geomean"] is None
 
 
+def _stats(**changes):
+    from gemmconv.bench.report import summary
+
+    row = {
+        "case": "a", "layout": "cf", "direction": "fwd", "dtype": "bf16", "api_ms": 1.0,
+        "vendor_api_ms": 2.0, "linear_api_ms": 2.0, "floor_ratio": 0.9,
+        "speedup_vs_vendor": 2.0, "speedup_vs_linear": 2.0, "immediate_gap": 0.0,
+        "memory_ok": True, "gemmconv_ms": 1.0, "candidates": {}, **changes,
+    }  # fmt: skip
+    return summary({"rows": [row]})
+
+
+def test_targets_are_counted_and_each_miss_is_named():
+    from gemmconv.bench.report import check_status, targets_line, unmet_targets
+
+    # api geomean, api rows, floor geomean, floor minimum, device rows, gaps, memory.
+    assert unmet_targets(_stats()) == (7, [])
+    checked, unmet = unmet_targets(_stats(floor_ratio=0.3, linear_api_ms=0.5))
+    assert checked == 7 and unmet == [
+        "api linear/gemmconv geomean 0.500 < 1.5",
+        "1 row(s) under 0.97 x vendor or x linear (api)",
+        "floor/gemmconv geomean 0.300 < 0.6",
+        "floor/gemmconv minimum 0.300 < 0.4",
+    ]
+    assert targets_line(checked, unmet, quick=False) == (
+        "targets: 4 of 7 NOT met: " + "; ".join(unmet)
+    )
+    assert targets_line(7, [], quick=False) == "targets: all 7 met"
+    assert targets_line(0, [], quick=False) == "targets: none checked (no rows ran)"
+    assert [check_status(7, []), check_status(7, unmet), check_status(0, [])] == [0, 1, 1]
+
+
+def test_the_last_line_says_whether_the_targets_are_met(tmp_path, monkeypatch, capsys):
+    argv = ["--device", "cpu", "--quick", "--cases", "dit_xl2", "--layouts", "cf",
+            "--directions", "fwd", "--warmup", "0", "--reps", "1",
+            "--out", str(tmp_path), "--no-plot"]  # fmt: skip
+    monkeypatch.setattr(bench_report, "FLOOR_GEOMEAN", float("inf"))
+    assert main(argv) == 0  # without --check, a target not met is reported only
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("targets: ") and " NOT met (a quick run: tiny sizes, not a " in last
+    assert "floor/gemmconv geomean " in last and " < inf" in last
+    assert main([*argv, "--check"]) == 1
+    monkeypatch.setattr(bench_report, "unmet_targets", lambda stats: (4, []))
+    assert main([*argv, "--check"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == "targets: all 4 met (a quick run: tiny sizes, not a measurement)"
+
+
+def test_the_other_benchmarks_flags_are_routed_not_run_by_the_suite(capsys):
+    assert main(["--device", "cpu", "--api"]) == 2
+    assert "--api: a benchmark of its own; run it as `gemmconv bench --api`" in (
+        capsys.readouterr().err
+    )
+
+
 def test_markdown_table_and_optional_plot(quick_run):
     _, out = quick_run
     md = (out / "cpu.md").read_text()

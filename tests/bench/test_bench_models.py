@@ -25,8 +25,10 @@ ISSUE_SCENARIOS = {
     "vit_b16_train_b256_compiled", "vit_b16_infer_b8_cudagraphs", "qwen2vl_vision_infer_8192",
 }  # fmt: skip
 EAGER = [s.name for s in SCENARIOS if not s.cuda_only]
+# What a quick run calls them: the tiny model's batch, never the full one.
+QUICK = {s.name: s.shown_name(True) for s in SCENARIOS}
 # Each scenario's multiple of the run's --steps (the patch embeds take more).
-STEPS_MULTIPLE = {s.name: s.steps_multiple for s in SCENARIOS}
+STEPS_MULTIPLE = {QUICK[s.name]: s.steps_multiple for s in SCENARIOS}
 CUDA_ONLY = {"vit_b16_train_b256_compiled", "vit_b16_infer_b8_cudagraphs"}
 
 
@@ -50,30 +52,50 @@ def test_quick_cpu_run_steps_every_eager_scenario_and_variant(quick_run):
     assert data["device"] == "cpu" and data["quick"] and data["torch"] == torch.__version__
     assert data["errors"] == [] and data["not_applicable"] == []
     rows = {(r["scenario"], r["variant"]): r for r in data["rows"]}
-    assert set(rows) == {(s, v) for s in EAGER for v in VARIANTS}
+    assert set(rows) == {(QUICK[s], v) for s in EAGER for v in VARIANTS}
     for (scenario, variant), r in rows.items():
         assert r["ms"] > 0 and r["steps"] == STEPS_MULTIPLE[scenario], (scenario, variant)
         assert r["agrees_with_torch"] is True, (scenario, variant, r["rms_vs_torch"])
         # Every variant but torch changed the patch convolution(s) of its model.
         assert bool(r["changed_modules"]) == (variant != "torch"), (scenario, variant)
-    assert rows[("qwen2vl_vision_infer_8192", "linear")]["changed_modules"] == ["patch_embed.proj"]
-    assert rows[("vit_b16_infer_b1", "converted")]["batch"] == 1
+    assert rows[("tiny_qwen2vl_vision_infer_32", "linear")]["changed_modules"] == [
+        "patch_embed.proj"
+    ]
+    assert rows[("tiny_vit_b16_infer_b1", "converted")]["batch"] == 1
+    assert rows[("tiny_vit_b16_train_b2", "converted")]["batch"] == 2
+
+
+def test_quick_names_say_the_batch_they_run():
+    assert QUICK["vit_b16_train_b256"] == "tiny_vit_b16_train_b2"
+    assert QUICK["convnext_tiny_train_b128_cl"] == "tiny_convnext_tiny_train_b2_cl"
+    assert QUICK["qwen2vl_patch_embed_fwd"] == "tiny_qwen2vl_patch_embed_fwd_64"
+    for s in SCENARIOS:
+        tokens = QUICK[s.name].split("_")
+        assert tokens[0] == "tiny" and (f"b{s.quick_batch}" in tokens or str(s.quick_batch)
+                                        in tokens), s.name  # fmt: skip
+        if s.batch != s.quick_batch:
+            assert f"b{s.batch}" not in tokens and str(s.batch) not in tokens, s.name
+    # A quick run takes a scenario by either name; a full run by its full name only.
+    assert scenarios(["tiny_vit_b16_train_b2"], quick=True) == scenarios(["vit_b16_train_b256"])
+    with pytest.raises(ValueError, match="tiny_vit_b16_train_b2"):
+        scenarios(["tiny_vit_b16_train_b2"])
 
 
 def test_cuda_only_scenarios_are_reported_not_run(quick_run):
     _, data, text = quick_run
-    assert {s["scenario"] for s in data["skipped"]} == CUDA_ONLY
-    assert not CUDA_ONLY & {r["scenario"] for r in data["rows"]}
-    assert not CUDA_ONLY & {v["scenario"] for v in data["verdicts"]}
-    for name in CUDA_ONLY:
+    cuda_only = {QUICK[name] for name in CUDA_ONLY}
+    assert {s["scenario"] for s in data["skipped"]} == cuda_only
+    assert not cuda_only & {r["scenario"] for r in data["rows"]}
+    assert not cuda_only & {v["scenario"] for v in data["verdicts"]}
+    for name in cuda_only:
         assert f"- {name}: not run: needs CUDA" in text
 
 
 def test_markdown_has_a_verdict_line_per_scenario(quick_run):
     _, data, text = quick_run
     assert "QUICK (tiny models, not a measurement)" in text
-    assert {v["scenario"] for v in data["verdicts"]} == set(EAGER)
-    for name in EAGER:
+    assert {v["scenario"] for v in data["verdicts"]} == {QUICK[name] for name in EAGER}
+    for name in map(QUICK.get, EAGER):
         (line,) = [line for line in text.splitlines() if line.startswith(f"| {name} |")]
         assert line.count("met") >= 2, line
 
@@ -116,7 +138,10 @@ def test_a_variant_that_disagrees_with_torch_fails_the_run(monkeypatch, tmp_path
     rows = {r["variant"]: r for r in data["rows"]}
     assert rows["linear"]["agrees_with_torch"] is False
     assert rows["converted"]["agrees_with_torch"] is True
-    assert "qwen2vl_patch_embed_fwd/linear: output DISAGREES" in (tmp_path / "x.md").read_text()
+    assert (
+        "tiny_qwen2vl_patch_embed_fwd_64/linear: output DISAGREES"
+        in (tmp_path / "x.md").read_text()
+    )
 
 
 def test_every_timed_step_follows_an_untimed_step_of_its_own_variant(monkeypatch):
@@ -154,8 +179,33 @@ def test_a_spent_time_budget_runs_nothing_and_says_so(tmp_path):
     data = json.loads((tmp_path / "x.json").read_text())
     assert code == 0 and data["truncated"] and data["rows"] == []
     assert data["skipped"] == [
-        {"scenario": "vit_b16_infer_b1", "reason": "time budget of 0 s spent"}
+        {"scenario": "tiny_vit_b16_infer_b1", "reason": "time budget of 0 s spent"}
     ]
+
+
+def test_a_quick_scenario_is_held_to_its_full_size_target():
+    # tiny_vit_b16_train_b2 is vit_b16_train_b256 at a tiny size: it must beat torch.
+    rows = [{"scenario": "tiny_vit_b16_train_b2", "variant": "torch", "ms": 10.0},
+            {"scenario": "tiny_vit_b16_train_b2", "variant": "converted", "ms": 10.05}]  # fmt: skip
+    (verdict,) = verdicts({"rows": rows})
+    assert verdict["torch_target"] == "< 1 (faster)" and not verdict["torch_met"]
+
+
+@pytest.mark.parametrize(("bound", "met"), [(0.0, False), (float("inf"), True)])
+def test_the_last_line_says_whether_the_targets_are_met(monkeypatch, tmp_path, capsys, bound,
+                                                        met):  # fmt: skip
+    monkeypatch.setattr(bench_models, "NOT_SLOWER_THAN_TORCH", bound)
+    argv = ["--device", "cpu", "--quick", "--scenarios", "vit_b16_infer_b1", "--variants",
+            "torch,converted", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0  # without --check, a target not met is reported only
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert main([*argv, "--check"]) == (0 if met else 1)
+    note = "(a quick run: tiny sizes, not a measurement)"
+    if met:
+        assert last == f"targets: all 1 met {note}"
+    else:
+        assert last.startswith(f"targets: 1 of 1 NOT met {note}: tiny_vit_b16_infer_b1 best/torch ")
+        assert last.endswith("(target <= 0.0)")
 
 
 @pytest.mark.parametrize(
@@ -193,6 +243,6 @@ def test_quick_run_on_cuda_with_a_compiled_scenario(tmp_path):
     assert code == 0, data["errors"]
     assert data["skipped"] == [] and data["errors"] == []
     rows = {(r["scenario"], r["variant"]): r for r in data["rows"]}
-    assert set(rows) == {(s, v) for s in chosen for v in VARIANTS}
+    assert set(rows) == {(QUICK[s], v) for s in chosen for v in VARIANTS}
     for (scenario, _), r in rows.items():
         assert r["agrees_with_torch"] and r["steps"] == 3 * STEPS_MULTIPLE[scenario]

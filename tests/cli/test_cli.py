@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import sqlite3
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -48,9 +51,30 @@ def test_conv_reports_every_direction(capsys):
         assert title in out
     assert out.count("Verifies OK (rms=") == 3
     assert out.count("TFLOP/s") == 3 and out.count("GB/s") == 3
-    assert out.count("speed-up") == 3 and out.count("vendor ") >= 3
+    assert out.count("call  speed-up ") == 3 and out.count("vendor ") >= 3
     expected = dispatch.decide(cli.problem_from_args(_parsed(PATCH), torch.device("cpu")))
     assert f"Forward: solver {expected.solver} (" in out
+    # The last line sums the run up: each direction's speed-up as printed above it.
+    lines = out.splitlines()
+    speedups = [line.split("speed-up ")[1] for line in lines if "call  speed-up " in line]
+    assert out.splitlines()[-1] == (
+        f"summary: speed-up over the vendor: forward {speedups[0]}, backward-data "
+        f"{speedups[1]}, backward-weights {speedups[2]}; verified"
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "last_line"),
+    [
+        ("-t 0 -F 3", "summary: not timed; verified"),
+        ("-V 0 -F 1 -S vendor", "summary: speed-up over the vendor: forward 1.00x (the vendor ran)"
+         "; not verified"),
+    ],
+)  # fmt: skip
+def test_the_summary_line_says_what_was_not_done(capsys, flags, last_line):
+    code, out, err = run(capsys, "conv", *PATCH, *flags.split())
+    assert code == 0, err
+    assert out.splitlines()[-1] == last_line
 
 
 def _parsed(argv):
@@ -130,6 +154,26 @@ def test_channels_last_with_bias_in_every_direction(capsys, search):
 
 def test_dtype_auto_is_fp32_on_the_cpu(capsys):
     assert run_json(capsys, "conv", *PATCH, "-F", "1", "--device", "cpu")["dtype"] == "fp32"
+    # The default of conv and demo alike, so the headline case runs fp32 on the CPU.
+    for command in ("conv", "demo"):
+        assert cli.build_parser().parse_args([command]).dtype == "auto"
+
+
+@pytest.mark.parametrize(("native_bf16", "expected"), [(True, "bf16"), (False, "fp16")])
+def test_dtype_auto_on_a_gpu_is_bf16_only_where_native(monkeypatch, native_bf16, expected):
+    import contextlib
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(
+        torch.cuda,
+        "is_bf16_supported",
+        lambda including_emulation=True: asked.append(including_emulation) or native_bf16,
+    )
+    args = cli.build_parser().parse_args(["conv", *PATCH])
+    problem = cli.problem_from_args(args, torch.device("cuda"))
+    assert problem.dtype == cli._DTYPES[expected] and asked == [False]
 
 
 def _wrong_result(self, p, t, out):
@@ -147,6 +191,9 @@ def test_failed_verification_prints_failed_and_exits_1(capsys, monkeypatch, brok
     code, out, err = run(capsys, "conv", *PATCH, "-F", "1", "-S", "im2col", "-N", "1")
     assert code == 1
     assert "FAILED (rms=" in out and "Verifies OK" not in out
+    last = out.splitlines()[-1]
+    assert last.startswith("summary: speed-up over the vendor: forward ")
+    assert last.endswith("; FAILED (forward)")
 
 
 # ---- forced and disabled solvers, modes ------------------------------------------------
@@ -297,12 +344,27 @@ def test_a_forced_solver_that_does_not_apply_blames_the_flag(capsys, monkeypatch
     assert code == 2 and "GEMMCONV_SOLVER" in err
 
 
-def test_bare_gemmconv_prints_the_command_list_and_exits_2(capsys):
+def test_bare_gemmconv_prints_its_help_and_exits_0(capsys):
     code, out, err = run(capsys)
-    assert code == 2 and out == ""
-    assert err.startswith("usage: gemmconv")
+    assert code == 0 and err == ""
+    assert out.startswith("usage: gemmconv")
     for command in ("conv", "demo", "solvers", "tune", "db", "bench"):
-        assert f"\n    {command} " in err
+        assert f"\n    {command} " in out
+    assert "--version" in out
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["-h"]])
+def test_version_and_help_exit_0(capsys, argv):
+    from gemmconv import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    if argv == ["--version"]:
+        assert out == f"gemmconv {__version__}\n"
+    else:
+        assert out.startswith("usage: gemmconv")
 
 
 @pytest.mark.parametrize(
@@ -321,7 +383,20 @@ def test_bare_gemmconv_prints_the_command_list_and_exits_2(capsys):
         ),  # fmt: skip
         ("tune", ["--no-progress"]),
         ("db", ["--yes", "clear without asking"]),
-        ("bench", ["(default: gemmconv-bench)", "(default: cf,cl)", "bench/results"]),
+        (
+            "bench",
+            [
+                "(default: gemmconv-bench)",
+                "(default: cf,cl)",
+                "bench/results",
+                "--api",
+                "gemmconv bench --api --help",
+                "--models",
+                "gemmconv bench --models --help",
+                "--check",
+                "exit status 1 when a target is not met",
+            ],
+        ),  # fmt: skip
     ],
 )
 def test_help_shows_the_defaults(capsys, argv, shown):
@@ -649,6 +724,10 @@ def test_demo_presets_the_headline_case(capsys):
     assert "N=16 C=3 14x14 -> K=1280, filter 14x14, stride 14x14" in out
     assert out.count("Verifies OK") == 3
     assert "Forward: solver point_output" in out
+    last = out.splitlines()[-1]
+    assert last.startswith("summary: speed-up over the vendor: forward ")
+    assert "backward-data " in last and "backward-weights " in last
+    assert last.endswith("; verified")
 
 
 def test_demo_on_the_cpu_uses_a_short_run(monkeypatch):
@@ -724,6 +803,57 @@ def test_a_long_cpu_run_is_announced_before_it_starts(capsys, monkeypatch):
     # The demo the README runs first is foreseen as short on the CPU: no warning.
     code, out, err = run(capsys, "demo", "--device", "cpu")
     assert code == 130 and err.strip() == "gemmconv demo: interrupted"
+
+
+# One call of torch's backward-data of this problem takes 13-19 s on a 2-core CPU, so
+# before Ctrl-C was heard outside the running call, the interrupt below waited that long.
+LONG_CALL = (
+    "-n 38000 -c 3 -H 14 -W 14 -k 1280 -y 14 -x 14 -u 14 -v 14 --dtype fp32 "
+    "-F 2 -S vendor -V 0 -i 1000 --device cpu"
+).split()
+
+
+def test_ctrl_c_stops_a_long_cpu_run_at_once_with_one_line_and_status_130():
+    env = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONUNBUFFERED": "1"}
+    child = subprocess.Popen(
+        [sys.executable, "-m", "gemmconv", "conv", *LONG_CALL],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        header = child.stdout.readline()  # printed just before the first convolution
+        assert header.startswith("gemmconv conv: N=38000"), header
+        time.sleep(2.0)  # inside the first timed call by now
+        assert child.poll() is None
+        sent = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=60)
+        waited = time.monotonic() - sent
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    assert child.returncode == 130, err
+    assert waited < 3.0, f"Ctrl-C took {waited:.1f} s to act"
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "gemmconv conv: interrupted"
+
+
+def test_a_command_run_interruptibly_returns_and_raises_as_it_would():
+    from gemmconv.terminal.interrupt import run_interruptibly
+
+    assert run_interruptibly(lambda: 7, "x: interrupted") == 7
+    with pytest.raises(SystemExit) as exit_info:  # --help in a bench module, say
+        run_interruptibly(lambda: sys.exit(0), "x: interrupted")
+    assert exit_info.value.code == 0
+
+    def broken():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_interruptibly(broken, "x: interrupted")
 
 
 def test_long_run_estimates():

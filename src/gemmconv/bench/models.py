@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from gemmconv.bench.host_probe import host_fields, host_lines
-from gemmconv.bench.report import default_stem
+from gemmconv.bench.report import check_status, default_stem, targets_line
 from gemmconv.bench.scenarios import (
     SCENARIOS,
     VARIANTS,
@@ -63,6 +63,8 @@ MUST_BEAT_TORCH = frozenset({
 # it (about 0.003 on the quick CPU models), while a wrong patch embed moves the output
 # by a large fraction of its range (a doubled one: above 0.05, tests/bench/test_bench_models.py).
 AGREEMENT = 0.05
+# A quick run's scenario names (tiny_...) to the full ones the targets are set for.
+_FULL_NAMES = {s.shown_name(True): s.name for s in SCENARIOS}
 CONVERTED = ("converted", "converted_channels_last")
 
 
@@ -81,6 +83,7 @@ def run_scenario(
 ) -> dict:
     """Every variant of ``s``: {"rows": [...], "not_applicable": [...], "errors": [...]}."""
     sync = _sync(device)
+    name = s.shown_name(quick)
     out: dict = {"rows": [], "not_applicable": [], "errors": []}
     workload = build_workload(s, device, quick)
     runners, changed = {}, {}
@@ -90,7 +93,7 @@ def run_scenario(
             if prepared is None:
                 out["not_applicable"].append(
                     {
-                        "scenario": s.name,
+                        "scenario": name,
                         "variant": variant,
                         "reason": "the model has no patch convolution to rewrite",
                     }
@@ -99,7 +102,7 @@ def run_scenario(
             model, changed[variant] = prepared
             runners[variant] = make_step(s, model, workload, device)
         except Exception as exc:  # a variant that cannot be built must not lose the others
-            out["errors"].append(_error(s, variant, "build", exc, log))
+            out["errors"].append(_error(name, variant, "build", exc, log))
     workload.model = None  # the variants hold their own copies
 
     first_outputs, warmup_s = {}, {}
@@ -112,7 +115,7 @@ def run_scenario(
             sync()
             warmup_s[variant] = time.perf_counter() - started
         except Exception as exc:
-            out["errors"].append(_error(s, variant, "warm-up", exc, log))
+            out["errors"].append(_error(name, variant, "warm-up", exc, log))
             del runners[variant]
 
     samples: dict[str, list[float]] = {v: [] for v in runners}
@@ -128,7 +131,7 @@ def run_scenario(
                 sync()
                 samples[variant].append((time.perf_counter() - started) * 1000.0)
             except Exception as exc:
-                out["errors"].append(_error(s, variant, f"step {i}", exc, log))
+                out["errors"].append(_error(name, variant, f"step {i}", exc, log))
                 del runners[variant]
 
     reference = first_outputs.get("torch")
@@ -137,7 +140,7 @@ def run_scenario(
         disagreement = None if reference is None else rms_range(first_outputs[variant], reference)
         out["rows"].append(
             {
-                "scenario": s.name,
+                "scenario": name,
                 "variant": variant,
                 "ms": statistics.median(times),
                 "min_ms": min(times),
@@ -156,10 +159,10 @@ def run_scenario(
     return out
 
 
-def _error(s: Scenario, variant: str, where: str, exc: Exception, log) -> dict:
+def _error(name: str, variant: str, where: str, exc: Exception, log) -> dict:
     message = f"{type(exc).__name__}: {exc}"[:500]
-    log(f"{s.name}/{variant}: FAILED in {where}: {message}")
-    return {"scenario": s.name, "variant": variant, "where": where, "error": message}
+    log(f"{name}/{variant}: FAILED in {where}: {message}")
+    return {"scenario": name, "variant": variant, "where": where, "error": message}
 
 
 def _release(device: torch.device, compiled: bool) -> None:
@@ -222,20 +225,20 @@ def run(
     for s in chosen:
         if s.cuda_only and device.type != "cuda":
             reason = f"needs CUDA (torch.compile mode {s.compile_mode!r} is run on CUDA only)"
-            results["skipped"].append({"scenario": s.name, "reason": reason})
-            log(f"{s.name}: SKIPPED: {reason}")
+            results["skipped"].append({"scenario": s.shown_name(quick), "reason": reason})
+            log(f"{s.shown_name(quick)}: SKIPPED: {reason}")
             continue
         if time_budget_s is not None and time.time() - started >= time_budget_s:
             results["truncated"] = True
             reason = f"time budget of {time_budget_s:g} s spent"
-            results["skipped"].append({"scenario": s.name, "reason": reason})
-            log(f"{s.name}: SKIPPED: {reason}")
+            results["skipped"].append({"scenario": s.shown_name(quick), "reason": reason})
+            log(f"{s.shown_name(quick)}: SKIPPED: {reason}")
             continue
-        log(f"{s.name}: {s.title}")
+        log(f"{s.shown_name(quick)}: {s.shown_title(quick)}")
         try:
             part = run_scenario(s, device, quick, steps, warmup, variants, log)
         except Exception as exc:  # the model or its inputs could not be built
-            results["errors"].append(_error(s, "*", "build", exc, log))
+            results["errors"].append(_error(s.shown_name(quick), "*", "build", exc, log))
             _release(device, compiled=s.compile_mode is not None)
             continue
         for key in ("rows", "not_applicable", "errors"):
@@ -267,7 +270,7 @@ def verdicts(results: dict) -> list[dict]:
         entry = {"scenario": name, "best_converted": best, "converted_ms": converted[best]}
         if "torch" in ms:
             ratio = converted[best] / ms["torch"]
-            must_beat = name in MUST_BEAT_TORCH
+            must_beat = _FULL_NAMES.get(name, name) in MUST_BEAT_TORCH
             entry["vs_torch"] = ratio
             entry["torch_target"] = "< 1 (faster)" if must_beat else f"<= {NOT_SLOWER_THAN_TORCH}"
             entry["torch_met"] = ratio < 1.0 if must_beat else ratio <= NOT_SLOWER_THAN_TORCH
@@ -280,13 +283,34 @@ def verdicts(results: dict) -> list[dict]:
     return out
 
 
+def unmet_targets(checks: list[dict]) -> tuple[int, list[str]]:
+    """How many targets the verdicts check (against torch and against linear, per
+    scenario), and a short text for each one not met."""
+    checked, unmet = 0, []
+    for check in checks:
+        for other in ("torch", "linear"):
+            if f"vs_{other}" not in check:
+                continue
+            checked += 1
+            if not check[f"{other}_met"]:
+                unmet.append(
+                    f"{check['scenario']} best/{other} {check[f'vs_{other}']:.3f} "
+                    f"(target {check[f'{other}_target']})"
+                )
+    return checked, unmet
+
+
 def _cell(value: float | None, digits: int = 3) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
-def _more_steps(steps: int) -> str:
+def _more_steps(steps: int, quick: bool) -> str:
     """The scenarios that take more than the run's ``steps``, and how many, in words."""
-    more = [f"{s.name} {steps * s.steps_multiple}" for s in SCENARIOS if s.steps_multiple > 1]
+    more = [
+        f"{s.shown_name(quick)} {steps * s.steps_multiple}"
+        for s in SCENARIOS
+        if s.steps_multiple > 1
+    ]
     return f"; more steps in {', '.join(more)}" if more else ""
 
 
@@ -306,7 +330,7 @@ def markdown(results: dict, checks: list[dict]) -> str:
         "",
         *host_lines(results),
         f"Milliseconds per step: {results['timing']} ({results['steps']} steps after "
-        f"{results['warmup']} warm-up{_more_steps(results['steps'])}). "
+        f"{results['warmup']} warm-up{_more_steps(results['steps'], results['quick'])}). "
         "converted = gemmconv.convert(model); "
         "converted_channels_last = gemmconv.convert(model, memory_format=torch.channels_last); "
         "linear = every patch convolution replaced by reshape + F.linear. Ratios are the "
@@ -375,6 +399,7 @@ def _parser() -> Parser:
     )
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     ap.add_argument("--quick", action="store_true", help="tiny models (the tests run this)")
+    ap.add_argument("--check", action="store_true", help="exit status 1 when a target is not met")
     ap.add_argument("--scenarios", default="", help="comma list of scenario names (default: all)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of variants")
     ap.add_argument("--steps", type=int64, default=20, help="timed steps per variant")
@@ -404,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         if value < 1:
             raise UsageError(f"{flag} {value}: expected a value >= 1")
     try:
-        chosen = scenarios([n for n in args.scenarios.split(",") if n])
+        chosen = scenarios([n for n in args.scenarios.split(",") if n], quick=args.quick)
     except ValueError as e:
         raise UsageError(f"--scenarios: {e}") from None
     variants = [v for v in args.variants.split(",") if v]
@@ -439,11 +464,15 @@ def main(argv: list[str] | None = None) -> int:
     for path in paths:
         print(f"wrote {path}")
     print(paths[1].read_text().split("\n\n", 3)[-1], end="")
+    checked, unmet = unmet_targets(verdicts(results))
+    print(targets_line(checked, unmet, args.quick))
     disagree = [r for r in results["rows"] if r["agrees_with_torch"] is False]
-    return 1 if results["errors"] or disagree else 0
+    if results["errors"] or disagree:
+        return 1
+    return check_status(checked, unmet) if args.check else 0
 
 
-__all__ = ["main", "markdown", "run", "run_scenario", "verdicts"]
+__all__ = ["main", "markdown", "run", "run_scenario", "unmet_targets", "verdicts"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -25,7 +25,7 @@ import torch
 
 from gemmconv.bench.call_timing import CALL_KINDS, linear_applies, public_calls, solvers_of
 from gemmconv.bench.host_probe import cpu_model, host_fields, host_lines
-from gemmconv.bench.report import default_stem
+from gemmconv.bench.report import check_status, default_stem, targets_line
 from gemmconv.bench.suite import (
     DTYPES,
     LAYOUT_NAMES,
@@ -33,6 +33,7 @@ from gemmconv.bench.suite import (
     bench_device,
     environment,
     make_problem,
+    quick_name,
     select_named,
 )
 from gemmconv.core.problem import Direction
@@ -64,6 +65,10 @@ class ApiCase:
     tiny: Shape
     bias: bool
 
+    def shown_name(self, quick: bool) -> str:
+        """The name its rows carry: in a quick run, the tiny batch it runs (tiny_...)."""
+        return quick_name(self.name, self.full.n, self.tiny.n) if quick else self.name
+
 
 def shape_text(shape: Shape) -> str:
     """'8x3x224x224 -> 768, k=s=16' (stride == kernel in every case)."""
@@ -85,7 +90,11 @@ API_CASES: tuple[ApiCase, ...] = (
 )  # fmt: skip
 
 
-def api_cases(names: Sequence[str] | None = None) -> list[ApiCase]:
+def api_cases(names: Sequence[str] | None = None, quick: bool = False) -> list[ApiCase]:
+    """The cases called ``names``; a quick run knows each by its quick name too."""
+    if quick and names:
+        full = {c.shown_name(True): c.name for c in API_CASES}
+        names = [full.get(n, n) for n in names]
     return select_named(API_CASES, names, "cases")
 
 
@@ -107,7 +116,7 @@ def run_row(
     disagreement = disagreement_with_torch(calls)
     times = time_interleaved(calls, device, reps=reps)
     row = {
-        "case": case.name,
+        "case": case.shown_name(quick),
         "title": case.title,
         "kind": kind,
         "layout": layout_name,
@@ -174,7 +183,7 @@ def run(
         for layout_name in layouts:
             for kind in kinds:
                 seed += 100
-                label = f"{case.name}/{layout_name}/{kind}"
+                label = f"{case.shown_name(quick)}/{layout_name}/{kind}"
                 try:
                     row = run_row(case, layout_name, kind, dtype_key, device, quick, reps, seed)
                 except Exception as exc:  # one failing row must not lose the others
@@ -294,6 +303,7 @@ def _parser() -> Parser:
     ap.add_argument("--api", action="store_true", help="this table (how `gemmconv bench` routes)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--quick", action="store_true", help="tiny problems (the tests run this)")
+    ap.add_argument("--check", action="store_true", help="exit status 1 when a target is not met")
     ap.add_argument(
         "--cases", default="", help=f"comma list of {','.join(c.name for c in API_CASES)}"
     )
@@ -335,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype_key = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     _checked_list(dtype_key, list(DTYPES), "dtype")
     try:
-        cases = api_cases([c for c in args.cases.split(",") if c])
+        cases = api_cases([c for c in args.cases.split(",") if c], quick=args.quick)
     except ValueError as e:
         raise UsageError(f"--cases: {e}") from None
     if args.reps < 1:
@@ -354,7 +364,13 @@ def main(argv: list[str] | None = None) -> int:
     for path in write(results, args.out, stem):
         print(f"wrote {path}")
     print(markdown(results).split("\n\n")[-1], end="")
-    return 1 if results["errors"] or not all(r["agrees"] for r in results["rows"]) else 0
+    # One target per row: at least NOT_SLOWER x torch and x the rewrite.
+    slower = slower_rows(results)
+    unmet = [f"{label} under {NOT_SLOWER} x torch or x linear" for label in slower]
+    print(targets_line(len(results["rows"]), unmet, args.quick))
+    if results["errors"] or not all(r["agrees"] for r in results["rows"]):
+        return 1
+    return check_status(len(results["rows"]), unmet) if args.check else 0
 
 
 __all__ = ["API_CASES", "ApiCase", "api_cases", "main", "markdown", "run", "slower_rows"]

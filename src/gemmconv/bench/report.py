@@ -152,6 +152,64 @@ def summary(results: dict) -> dict:
     }
 
 
+def unmet_targets(stats: dict) -> tuple[int, list[str]]:
+    """How many of the suite's targets the run's rows let it check (those of the
+    Targets section), and a short text for each one not met."""
+    checked, unmet = 0, []
+
+    def check(met: bool, text: str) -> None:
+        nonlocal checked
+        checked += 1
+        if not met:
+            unmet.append(text)
+
+    def rows_text(labels: list[str], what: str) -> str:
+        return f"{len(labels)} row(s) {what}"
+
+    if stats["api_rows"]:
+        linear = stats["api_linear_geomean"]
+        if linear is not None:
+            check(
+                linear >= API_LINEAR_GEOMEAN,
+                f"api linear/gemmconv geomean {linear:.3f} < {API_LINEAR_GEOMEAN}",
+            )
+        slower = stats["api_slower_than_vendor_or_linear"]
+        check(not slower, rows_text(slower, f"under {API_NOT_SLOWER} x vendor or x linear (api)"))
+    if stats.get("kernels_counted"):
+        over = stats["api_over_max_kernels"]
+        check(not over, rows_text(over, f"launching more than {MAX_KERNELS} kernels"))
+    geomean = stats["floor_ratio_geomean"]
+    if geomean is not None:
+        check(geomean >= FLOOR_GEOMEAN, f"floor/gemmconv geomean {geomean:.3f} < {FLOOR_GEOMEAN}")
+        least = stats["floor_ratio_min"]
+        check(least >= FLOOR_MIN, f"floor/gemmconv minimum {least:.3f} < {FLOOR_MIN}")
+        for key, what in (
+            ("slower_than_vendor_or_linear", f"under {NOT_SLOWER} x vendor or x linear (device)"),
+            ("immediate_gap_over_10pct", "with immediate mode over 10% off the fastest"),
+            ("memory_over_one_operand", "using more than one largest operand of extra memory"),
+        ):
+            check(not stats[key], rows_text(stats[key], what))
+    for label, a in stats["absolute"].items():
+        check(a["met"], f"{label} {a['gemmconv_ms']:.4f} ms > {a['target_ms']} ms")
+    return checked, unmet
+
+
+def targets_line(checked: int, unmet: list[str], quick: bool) -> str:
+    """The last line of a benchmark run: whether its targets are met, and which are
+    not; a quick run says its numbers are no measurement."""
+    note = " (a quick run: tiny sizes, not a measurement)" if quick else ""
+    if not checked:
+        return f"targets: none checked (no rows ran){note}"
+    if not unmet:
+        return f"targets: all {checked} met{note}"
+    return f"targets: {len(unmet)} of {checked} NOT met{note}: {'; '.join(unmet)}"
+
+
+def check_status(checked: int, unmet: list[str]) -> int:
+    """``--check``'s exit status: 1 when a target is not met or none could be checked."""
+    return 1 if unmet or not checked else 0
+
+
 def _kernels_lines(stats: dict) -> list[str]:
     """The Targets line on launches a public call makes (kernel_count), and under it
     what each row over the target launched."""
@@ -389,11 +447,14 @@ def write_results(results: dict, out_dir: str | Path, stem: str, plot_it: bool =
 
 __all__ = [
     "api_ratios",
+    "check_status",
     "default_stem",
     "markdown",
     "rate_text",
     "speedup_figure",
     "summary",
+    "targets_line",
+    "unmet_targets",
     "vendor_name",
     "write_results",
 ]

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 import gemmconv
 from gemmconv.bench.linear_patch_embed import replace_patch_convs
-from gemmconv.bench.suite import select_named
+from gemmconv.bench.suite import quick_name, select_named
 
 VARIANTS = ("torch", "converted", "converted_channels_last", "linear")
 
@@ -57,6 +57,16 @@ class Scenario:
     @property
     def cuda_only(self) -> bool:
         return self.compile_mode is not None
+
+    def shown_name(self, quick: bool) -> str:
+        """The name its rows carry: a quick run names the tiny model and batch it runs
+        (``tiny_vit_b16_train_b2``), never the full-size batch."""
+        return quick_name(self.name, self.batch, self.quick_batch) if quick else self.name
+
+    def shown_title(self, quick: bool) -> str:
+        if not quick:
+            return self.title
+        return f"as {self.name} ({self.title}) with a tiny model, batch {self.quick_batch}"
 
 
 # In run order: the eager scenarios first, the compiled ones (minutes of compilation)
@@ -85,7 +95,11 @@ SCENARIOS: tuple[Scenario, ...] = (
 )  # fmt: skip
 
 
-def scenarios(names: list[str] | None = None) -> list[Scenario]:
+def scenarios(names: list[str] | None = None, quick: bool = False) -> list[Scenario]:
+    """The scenarios called ``names``; a quick run knows each by its quick name too."""
+    if quick and names:
+        full = {s.shown_name(True): s.name for s in SCENARIOS}
+        names = [full.get(n, n) for n in names]
     return select_named(SCENARIOS, names, "scenarios")
 
 

@@ -131,6 +131,21 @@ def suite_cases(names: Sequence[str] | None = None) -> list[BenchCase]:
     return select_named(SUITE, names, "cases")
 
 
+def quick_name(name: str, batch: int, quick_batch: int) -> str:
+    """What a quick run calls a case or scenario named for its full size: ``tiny_`` and
+    the batch it runs where the name gives the full one (``vit_b16_train_b256`` at
+    batch 2 -> ``tiny_vit_b16_train_b2``, ``point2d_950`` at 8 -> ``tiny_point2d_8``),
+    the batch appended where the name gives none."""
+    tokens = name.split("_")
+    for i in reversed(range(len(tokens))):
+        if tokens[i] in (f"b{batch}", str(batch)):
+            tokens[i] = tokens[i].removesuffix(str(batch)) + str(quick_batch)
+            break
+    else:
+        tokens.append(str(quick_batch))
+    return "_".join(["tiny", *tokens])
+
+
 def select_named(items: Sequence, names: Sequence[str] | None, argument: str) -> list:
     """The ``items`` called ``names`` (by their ``.name``), in that order; all of them
     when ``names`` is empty. An unknown name is a ValueError naming ``argument``."""
@@ -489,8 +504,9 @@ _EPILOG = f"""\
 Result files (STEM.json, STEM.md and, with matplotlib, STEM.png) go to
 ./{DEFAULT_OUT} in the working directory unless --out names another folder; the
 committed runs in a checkout's bench/results are written only when --out names that
-folder. A bad flag or value is one line on stderr and exit status 2; a row or a
-solver that fails is exit status 1.
+folder. The last line says whether the targets are met (and which are not). A bad
+flag or value is one line on stderr and exit status 2; a row or a solver that fails
+is exit status 1, and so is a target not met under --check.
 """
 
 
@@ -501,8 +517,22 @@ def _parser() -> argparse.ArgumentParser:
         "rewrite, gemmconv and the roofline floor, per case, layout and direction.",
         epilog=_EPILOG,
     )
+    other = ap.add_argument_group("the other benchmarks (each flag's --help lists its own flags)")
+    other.add_argument(
+        "--api",
+        action="store_true",
+        help="instead of the suite: the public-call table, what a user pays per call "
+        "(gemmconv bench --api --help)",
+    )
+    other.add_argument(
+        "--models",
+        action="store_true",
+        help="instead of the suite: whole timm and transformers models, torch against "
+        "converted (gemmconv bench --models --help; the models extra)",
+    )
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions")
+    ap.add_argument("--check", action="store_true", help="exit status 1 when a target is not met")
     case_names = ",".join(c.name for c in SUITE)
     ap.add_argument("--cases", default="", help=f"comma list from {case_names} (default: all)")
     ap.add_argument("--layouts", default="cf,cl", help="comma list of cf, cl")
@@ -593,9 +623,19 @@ def _foreseen_cpu_seconds(plan: Plan, quick: bool, timing: dict) -> float:
 
 @reports_usage_errors("gemmconv bench")
 def main(argv: list[str] | None = None) -> int:
-    from gemmconv.bench.report import default_stem, write_results
+    from gemmconv.bench.report import (
+        check_status,
+        default_stem,
+        summary,
+        targets_line,
+        unmet_targets,
+        write_results,
+    )
 
     args = _parser().parse_args(argv)
+    for flag, given in (("--api", args.api), ("--models", args.models)):
+        if given:  # `gemmconv bench` routes these before the suite parses its flags
+            raise UsageError(f"{flag}: a benchmark of its own; run it as `gemmconv bench {flag}`")
     _check_counts(args)
     device = bench_device(args.device)
     if device.type == "cuda":
@@ -650,10 +690,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(bad)} solver result(s) failed verification or raised", file=sys.stderr)
     for error in results.get("errors", []):
         print(f"row failed: {error}", file=sys.stderr)
-    return 1 if bad or results.get("errors") else 0
+    sys.stderr.flush()  # before the targets line, so that it stays the last one
+    checked, unmet = unmet_targets(summary(results))
+    print(targets_line(checked, unmet, args.quick))
+    if bad or results.get("errors"):
+        return 1
+    return check_status(checked, unmet) if args.check else 0
 
 
-__all__ = ["SUITE", "BenchCase", "main", "run_suite", "suite_cases", "suite_plan"]
+__all__ = ["SUITE", "BenchCase", "main", "quick_name", "run_suite", "suite_cases", "suite_plan"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -15,7 +15,10 @@
 A bad flag or an inconsistent problem is one line on stderr, ``gemmconv <command>:
 error: ...``, and exit status 2 (gemmconv.terminal.usage); a failed verification is exit status
 1. Progress bars go to stderr when it is a terminal; a run foreseen to be long on the
-CPU is announced with a warning first (gemmconv.terminal.long_run).
+CPU is announced with a warning first (gemmconv.terminal.long_run). ``conv`` and ``demo``
+end with a one-line summary (the speed-up over the vendor per direction, verified or
+FAILED). Ctrl-C stops ``conv``, ``demo`` and ``tune`` at once, even inside one long
+convolution: one line, exit status 130 (gemmconv.terminal.interrupt).
 """
 
 from __future__ import annotations
@@ -38,11 +41,11 @@ import torch
 
 from gemmconv.core.memory_format import Layout
 from gemmconv.core.problem import DIRECTIONS, ConvProblem, Direction, dtype_name
+from gemmconv.terminal.interrupt import INTERRUPTED_EXIT_STATUS, run_interruptibly
 from gemmconv.terminal.long_run import Calls, cpu_seconds, long_run_warning
 from gemmconv.terminal.progress import Bar, CallCounter, progress_bar
 from gemmconv.terminal.usage import (
     INT64_MAX,
-    USAGE_EXIT_STATUS,
     Parser,
     UsageError,
     int64,
@@ -143,7 +146,11 @@ def _add_problem_flags(p: argparse.ArgumentParser, defaults: dict) -> None:
     g.add_argument("-b", type=int64, choices=(0, 1), dest="bias", default=0, help="bias 0/1")
     g.add_argument("--bias", action="store_const", const=1, dest="bias", help="with bias")
     g.add_argument(
-        "--dtype", choices=(*_DTYPES, "auto"), default="auto", help="auto: bf16 on CUDA, else fp32"
+        "--dtype",
+        choices=(*_DTYPES, "auto"),
+        default="auto",
+        help="auto: what the device runs fast: bf16 on a CUDA GPU with native bf16, fp16 on "
+        "an older one, fp32 on the CPU",
     )
     g.add_argument(
         "--layout",
@@ -178,6 +185,21 @@ def _directions(forw: int) -> list[Direction]:
     if forw == 0:
         return list(DIRECTIONS)
     return [d for bit, d in _DIRECTION_BITS.items() if forw & bit]
+
+
+def auto_dtype(device: torch.device) -> torch.dtype:
+    """``--dtype auto``: the precision ``device`` runs fast. The CPU gets fp32: torch's
+    half-precision CPU convolutions fall to kernels up to two orders of magnitude
+    slower on CPUs without bf16/fp16 instructions (gemmconv.terminal.long_run). A GPU
+    gets bf16 where torch says it runs bf16 natively, else fp16, which older GPUs run on
+    their tensor cores while their bf16 is emulated."""
+    if device.type != "cuda":
+        return torch.float32
+    if torch.cuda.is_available():
+        with torch.cuda.device(device):
+            if not torch.cuda.is_bf16_supported(including_emulation=False):
+                return torch.float16
+    return torch.bfloat16
 
 
 def problem_from_args(args, device: torch.device) -> ConvProblem:
@@ -227,7 +249,7 @@ def problem_from_args(args, device: torch.device) -> ConvProblem:
                 f"the padded input {n.upper()}={s}+2*{p} ({_dim_flag('in', n)}, "
                 f"{_dim_flag('pad', n)})"
             )
-    dtype = _DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = _DTYPES.get(args.dtype) or auto_dtype(device)
     problem = ConvProblem.from_sizes(
         args.batch, args.in_channels, args.out_channels, spatial, kernel,
         stride=stride, padding=pad, dilation=dil, groups=args.groups, layout=layout,
@@ -466,6 +488,27 @@ def _direction_lines(r: DirectionReport, device: torch.device) -> list[str]:
     return lines
 
 
+def summary_line(reports: Sequence[DirectionReport]) -> str:
+    """The run in one line: the speed-up over the vendor per direction (where timed) and
+    the verification's outcome, ``verified`` or ``FAILED`` with the directions that
+    failed."""
+    timed = [
+        f"{_DIRECTION_TITLES[Direction(r.direction)].lower()} {r.speedup:.2f}x"
+        + (" (the vendor ran)" if r.solver == "vendor" else "")
+        for r in reports
+        if r.speedup is not None
+    ]
+    speed = f"speed-up over the vendor: {', '.join(timed)}" if timed else "not timed"
+    failed = [_DIRECTION_TITLES[Direction(r.direction)].lower() for r in reports if r.ok is False]
+    if failed:
+        outcome = f"FAILED ({', '.join(failed)})"
+    elif reports and all(r.verified for r in reports):
+        outcome = "verified"
+    else:
+        outcome = "not verified"
+    return f"summary: {speed}; {outcome}"
+
+
 def _how_to_shorten_conv(problem: ConvProblem) -> str:
     ways = "-i 1, -F 1 (one direction), a smaller -n/--batch, or -V 0 (no verification)"
     if problem.dtype != torch.float32:
@@ -511,6 +554,8 @@ def cmd_conv(args) -> int:
                 for line in _direction_lines(report, device):
                     bar.write(line)
     ok = all(r.ok is not False for r in reports)
+    if not args.json:
+        print(summary_line(reports))
     if args.json:
         payload = {
             "problem": describe(base),
@@ -1018,9 +1063,12 @@ def _add_command(
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from gemmconv.core.version import __version__
+
     parser = Parser(
         prog="gemmconv", description="Run, time and verify GEMM convolutions (MIOpenDriver style)."
     )
+    parser.add_argument("--version", action="version", version=f"gemmconv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     conv = _add_command(
@@ -1097,6 +1145,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The commands that run convolutions, one call of which can take a minute on the CPU:
+# their work runs where Ctrl-C cannot be held up by it (gemmconv.terminal.interrupt).
+_LONG_COMMANDS = frozenset({"conv", "demo", "tune"})
+
+
 def _given(argv: Sequence[str], *flags: str) -> bool:
     return any(a in flags or any(a.startswith(f + "=") for f in flags) for a in argv)
 
@@ -1107,9 +1160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
         if not argv:
-            # No command: the command list, on stderr with argparse's usage-error status.
-            parser.print_help(sys.stderr)
-            return USAGE_EXIT_STATUS
+            # No command: the command list, as --help prints it (a request, not an error).
+            parser.print_help()
+            return 0
         if argv[0] == "bench":
             prog = "gemmconv bench"
             return cmd_bench(argv[1:])
@@ -1119,6 +1172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError(f"unrecognized arguments: {' '.join(unknown)}")
         args.batch_given = _given(argv, "-n", "--batch")
         args.iterations_given = _given(argv, "-i", "--iterations")
+        if args.command in _LONG_COMMANDS:
+            return run_interruptibly(lambda: args.handler(args), f"{prog}: interrupted")
         return args.handler(args)
     except UsageError as e:
         return report_usage_error(e, prog)
@@ -1131,7 +1186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED_EXIT_STATUS
 
 
 if __name__ == "__main__":
