@@ -32,9 +32,12 @@ from gemmconv.core.memory_format import (
     CHANNELS_LAST_FORMATS,
     check_weight_format,
     is_channels_last_format,
+    layout_of,
     set_weight_format,
 )
+from gemmconv.core.problem import DIRECTIONS, ConvProblem
 from gemmconv.nn import GEMMCONV_CLASS, TORCH_CLASS
+from gemmconv.selection.dispatch import estimate, estimate_on_cuda
 
 # include= / exclude=: glob pattern(s) on qualified module names, or a predicate.
 ModuleFilter = str | Sequence[str] | Callable[[str, torch.nn.Module], bool] | None
@@ -51,6 +54,17 @@ class SwappedConv:
     stride: tuple[int, ...]
     # What memory_format= did to the weight ("" when it was not given).
     weight_format: str = ""
+    # Where the weight is and its dtype when converted, and per direction ("forward",
+    # "backward_data", "backward_weights") the solver ids the cost model picks there
+    # over the report's input sizes (_REPORT_SIZES): empty where it
+    # picks none (a meta or other device). "vendor" is torch's own convolution.
+    device: str = ""
+    dtype: str = ""
+    solvers: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict, hash=False)
+    # The same for the module moved to CUDA; empty when it is on CUDA already.
+    solvers_on_cuda: dict[str, tuple[str, ...]] = dataclasses.field(
+        default_factory=dict, hash=False
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +97,43 @@ class ConversionReport:
                 f"{s.out_channels}, kernel_size={s.kernel_size}, stride={s.stride}) "
                 f"-> {s.problem_class}" + (f", weight {s.weight_format}" if s.weight_format else "")
             )
+            runs = _runs_text(s)
+            if runs:
+                lines.append(f"           {runs}")
         for s in self.skipped:
             lines.append(f"  left     {_display(s.name)}: {s.module_class}: {s.reason}")
+        if any(s.solvers or s.solvers_on_cuda for s in self.swapped):
+            lines.append(
+                "  (per direction, the cost model's pick for batch 1-64 at 7-56 outputs a "
+                "side: GEMM = a gemmconv solver, torch = torch's own convolution, 'or' = by "
+                "input size; module.solvers(x) names the solver for an input)"
+            )
         return "\n".join(lines)
+
+
+# The input sizes convert()'s report estimates what runs over (it has no input), as
+# (batch, outputs per spatial side): the corners and middle of a single image to a
+# training batch and a 7x7 map to a ResNet's 56x56 (a ViT-B/16 makes 14x14 patches).
+_REPORT_SIZES = ((1, 7), (1, 56), (8, 14), (64, 7), (64, 56))
+_DIRECTION_NAMES = {"forward": "forward", "backward_data": "dX", "backward_weights": "dW"}
+
+
+def _label(solver_ids: tuple[str, ...]) -> str:
+    """A direction's solvers over the report's sizes as GEMM, torch, or both by size."""
+    kinds = {"torch" if sid == "vendor" else "GEMM" for sid in solver_ids}
+    return " or ".join(sorted(kinds))
+
+
+def _runs_text(s: SwappedConv) -> str:
+    def directions(solvers: dict[str, tuple[str, ...]]) -> str:
+        return ", ".join(f"{_DIRECTION_NAMES[d]} {_label(ids)}" for d, ids in solvers.items())
+
+    parts = []
+    if s.solvers:
+        parts.append(f"runs on {s.device} ({s.dtype}): {directions(s.solvers)}")
+    if s.solvers_on_cuda:
+        parts.append(f"on CUDA: {directions(s.solvers_on_cuda)}")
+    return "; ".join(parts)
 
 
 def convert(
@@ -112,18 +160,30 @@ def convert(
     torch's fused optimizers pair the wrong elements of mismatched layouts (as after
     ``model.to(memory_format=...)``).
 
-    Returns a report of what was swapped and why each other convolution was not.
+    Returns a report of what was swapped and why each other convolution was not, and
+    for each swapped one what runs per direction on the device its weight is on, at
+    its dtype, and what would run on CUDA: the cost model's picks (``"vendor"`` is
+    torch's own convolution) over a range of input sizes, since convert() sees no
+    input; ``module.solvers(x)`` or ``gemmconv.explain`` name the solver for an input.
+    Warns (UserWarning) where ``include`` matches no convolution.
     """
     memory_format = check_weight_format("convert", memory_format)
     matches_include = _matcher(include, "include")
     matches_exclude = _matcher(exclude, "exclude")
+    include_patterns = _patterns(include, "include")
+    unmatched = list(include_patterns)
+    included_any = False
     report = ConversionReport()
+    runs: dict[tuple, tuple[dict, dict]] = {}
     for name, module in model.named_modules():
         if not isinstance(module, _ConvNd):
             continue
+        unmatched = [p for p in unmatched if not fnmatch.fnmatchcase(name, p)]
+        included = include is None or matches_include(name, module)
+        included_any = included_any or included
         kind = _unparametrized_class(module).__name__
         reason = _reason_not_to_swap(module)
-        if reason is None and include is not None and not matches_include(name, module):
+        if reason is None and not included:
             reason = "not matched by include"
         if reason is None and exclude is not None and matches_exclude(name, module):
             reason = "matched by exclude"
@@ -135,6 +195,11 @@ def convert(
         weight_format = (
             "" if memory_format is None else _lay_out_weight(name, module, memory_format)
         )
+        weight = module.weight
+        key = _runs_key(module, weight)
+        if key not in runs:
+            runs[key] = _what_runs(module, weight)
+        solvers, solvers_on_cuda = runs[key]
         report.swapped.append(
             SwappedConv(
                 name=name,
@@ -145,9 +210,88 @@ def convert(
                 kernel_size=tuple(module.kernel_size),
                 stride=tuple(module.stride),
                 weight_format=weight_format,
+                device=weight.device.type,
+                dtype=str(weight.dtype).removeprefix("torch."),
+                solvers=solvers,
+                solvers_on_cuda=solvers_on_cuda,
             )
         )
+    _warn_unmatched_include(include, unmatched, included_any)
     return report
+
+
+def _warn_unmatched_include(include: ModuleFilter, unmatched: list[str], included_any: bool):
+    """A UserWarning where ``include`` matched no convolution: a misspelt name would
+    otherwise convert nothing in silence. Per glob pattern that matched none; for a
+    predicate, when it accepted none. ``exclude`` matching nothing changes nothing
+    the caller wanted, so it is not warned about."""
+    if unmatched:
+        listed = ", ".join(repr(p) for p in unmatched)
+        warnings.warn(
+            f"convert(include={include!r}): pattern(s) {listed} matched no convolution's "
+            "qualified name (glob patterns on names from model.named_modules(), e.g. "
+            "'blocks.*.proj')",
+            UserWarning,
+            stacklevel=3,
+        )
+    elif callable(include) and not included_any:
+        warnings.warn(
+            f"convert(include={include!r}): the predicate accepted no convolution",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _runs_key(module: _ConvNd, weight: torch.Tensor) -> tuple:
+    """What _what_runs depends on: modules alike share one estimate."""
+    return (
+        module.in_channels,
+        module.out_channels,
+        tuple(module.kernel_size),
+        tuple(module.stride),
+        module.bias is not None,
+        weight.dtype,
+        weight.device.type,
+        weight.stride(),
+    )
+
+
+def _what_runs(
+    module: _ConvNd, weight: torch.Tensor
+) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+    """Per direction, the solver ids the cost model picks for the module over the
+    report's input sizes, on the weight's device at its dtype and on CUDA. Pure: no
+    find database, no measurement (convert runs nothing)."""
+    here: dict[str, list[str]] = {d.value: [] for d in DIRECTIONS}
+    on_cuda: dict[str, list[str]] = {d.value: [] for d in DIRECTIONS}
+    estimate_here = weight.device.type in ("cpu", "cuda")
+    meta_weight = weight.detach().to("meta")
+    for n, side in _REPORT_SIZES:
+        spatial = tuple(side * s for s in module.stride)
+        # A channels-first stand-in input: the layout is the weight's, as F.conv* rules.
+        stand_in = torch.empty((n, module.in_channels, *spatial), device="meta")
+        problem = ConvProblem.from_sizes(
+            n, module.in_channels, module.out_channels, spatial, tuple(module.kernel_size),
+            tuple(module.stride), has_bias=module.bias is not None,
+            layout=layout_of(stand_in, meta_weight), dtype=weight.dtype,
+            device_type=weight.device.type,
+        )  # fmt: skip
+        if estimate_here:
+            try:
+                for d in DIRECTIONS:
+                    here[d.value].append(estimate(problem.with_direction(d)).solver)
+            except (RuntimeError, ValueError):
+                # A forced solver that does not apply here: the convolution itself
+                # will say so; the report says nothing of this device.
+                estimate_here = False
+        if weight.device.type != "cuda":
+            for d, choice in estimate_on_cuda(problem).items():
+                on_cuda[d].append(choice.solver)
+
+    def distinct(ids: dict[str, list[str]]) -> dict[str, tuple[str, ...]]:
+        return {d: tuple(dict.fromkeys(v)) for d, v in ids.items() if v}
+
+    return (distinct(here) if estimate_here else {}), distinct(on_cuda)
 
 
 def revert(model: torch.nn.Module) -> list[str]:
@@ -221,11 +365,23 @@ def _padding_amounts(module: _ConvNd) -> tuple[int, ...]:
     return tuple(module.padding)
 
 
+def _patterns(spec: ModuleFilter, argument: str) -> list[str]:
+    """The glob patterns of ``include=`` / ``exclude=`` (none for None or a predicate)."""
+    if spec is None or callable(spec):
+        return []
+    return _checked_patterns(spec, argument)
+
+
 def _matcher(spec: ModuleFilter, argument: str) -> Callable[[str, torch.nn.Module], bool]:
     if spec is None:
         return lambda name, module: True
     if callable(spec):
         return spec
+    patterns = _checked_patterns(spec, argument)
+    return lambda name, module: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _checked_patterns(spec: ModuleFilter, argument: str) -> list[str]:
     expected = "expected a glob pattern (str), a list of them, or a callable (name, module) -> bool"
     if isinstance(spec, str):
         patterns = [spec]
@@ -239,7 +395,7 @@ def _matcher(spec: ModuleFilter, argument: str) -> Callable[[str, torch.nn.Modul
             f"{argument}={spec!r}: {expected}; got {not_str[0]!r} "
             f"({type(not_str[0]).__name__}) among the patterns"
         )
-    return lambda name, module: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    return patterns
 
 
 # ---- weight layout ----------------------------------------------------------

@@ -282,7 +282,10 @@ def explain(
     weight. Where the tensors need gradients and an eager call with them would run
     torch's convolution with its fused backward in place of the GEMM solvers named
     (their saving below what gemmconv's autograd node costs), ``.notes`` says so, and
-    so does the table. Example: ``gemmconv.explain(x, w, stride=16)["forward"].solver``.
+    so does the table. For tensors off CUDA, ``.on_cuda`` holds the choices the cost
+    model would make for the same call on CUDA (what runs here and on a GPU can
+    differ), and the table ends with them. Example:
+    ``gemmconv.explain(x, w, stride=16)["forward"].solver``.
     """
     problem = problem_of(input, weight, bias, stride, padding, dilation, groups)
     explanation = explain_problem(problem)

@@ -104,7 +104,10 @@ class _GemmConvMixin:
         Runs nothing; raises when there is neither an input nor a past forward. Its
         ``notes`` name the calls needing gradients that run torch's convolution in
         eager mode (as gemmconv.explain's do): for ``input``, those it would need; for
-        the last input, whose need is not kept, with and without dx."""
+        the last input, whose need is not kept, with and without dx. For an input off
+        CUDA, ``.on_cuda`` holds what the cost model would pick per direction for the
+        same call on CUDA, and the table ends with it: a module on the CPU may run
+        torch's convolution in a direction where a GPU runs a GEMM."""
         if input is not None:
             input, padding = self._padded(input)
             problem = functional.problem_of(

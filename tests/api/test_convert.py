@@ -283,3 +283,103 @@ def test_patch_embed_of_pixels_skips_backward_data_and_frozen_weights_skip_wgrad
     assert log.calls.count("conv_backward_data") == 2  # into layers 1 and 2, not the pixels
     assert log.calls.count("conv_backward_weights") == 2  # layers 0 and 2, not the frozen 1
     assert model[1].weight.grad is None and model[1].bias.grad is not None
+
+
+# ---- what runs where ----------------------------------------------------------------
+
+
+def _label(solver_ids: tuple[str, ...]) -> str:
+    return " or ".join(sorted({"torch" if s == "vendor" else "GEMM" for s in solver_ids}))
+
+
+def test_report_says_what_runs_on_the_weights_device_and_on_cuda():
+    """A ViT-S/16 patch embedding on the CPU: the report once said only '-> patch',
+    while the CPU runs torch's convolution in some directions. It now names, per
+    direction, what the cost model picks on the weight's device and on CUDA, and
+    agrees with explain() for an input of one of its sizes (batch 8, 14x14 patches)."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 384, kernel_size=16, stride=16))
+    report = gemmconv.convert(model)
+    swapped = report.swapped[0]
+    assert (swapped.device, swapped.dtype) == ("cpu", "float32")
+    x = torch.empty(8, 3, 224, 224)
+    with gemmconv.find_mode("immediate"):
+        explained = gemmconv.explain(x, model[0].weight, model[0].bias, stride=16)
+    directions = ["forward", "backward_data", "backward_weights"]
+    assert list(swapped.solvers) == directions == list(swapped.solvers_on_cuda)
+    for direction in directions:
+        assert explained[direction].solver in swapped.solvers[direction]
+        assert explained.on_cuda[direction].solver in swapped.solvers_on_cuda[direction]
+    text = str(report)
+    assert "swapped  0: Conv2d(3, 384, kernel_size=(16, 16), stride=(16, 16)) -> patch" in text
+    here = ", ".join(
+        f"{short} {_label(swapped.solvers[d])}"
+        for short, d in zip(["forward", "dX", "dW"], directions, strict=True)
+    )
+    on_cuda = ", ".join(
+        f"{short} {_label(swapped.solvers_on_cuda[d])}"
+        for short, d in zip(["forward", "dX", "dW"], directions, strict=True)
+    )
+    assert f"runs on cpu (float32): {here}; on CUDA: {on_cuda}" in text
+    assert "GEMM = a gemmconv solver, torch = torch's own convolution" in text
+
+
+def test_report_follows_the_models_dtype_and_weight_layout():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, kernel_size=4, stride=4)).bfloat16()
+    report = gemmconv.convert(model, memory_format=torch.channels_last)
+    swapped = report.swapped[0]
+    assert swapped.dtype == "bfloat16"
+    x = torch.empty(8, 3, 56, 56, dtype=torch.bfloat16)
+    with gemmconv.find_mode("immediate"):
+        explained = gemmconv.explain(x, model[0].weight, model[0].bias, stride=4)
+    for direction, choice in explained.items():
+        assert choice.solver in swapped.solvers[direction]
+    assert "-> patch, weight channels_last\n           runs on cpu (bfloat16): " in str(report)
+
+
+def test_report_of_a_model_with_no_solver_here_still_says_what_cuda_would_run():
+    """A model built on the meta device has no solver there: the report says what
+    CUDA would run and nothing of meta, and convert() does not fail."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, kernel_size=4, stride=4))
+    report = gemmconv.convert(model)
+    assert report.swapped[0].solvers == {}
+    assert set(report.swapped[0].solvers_on_cuda) == {
+        "forward",
+        "backward_data",
+        "backward_weights",
+    }
+    line = str(report).splitlines()[2]
+    assert line.strip().startswith("on CUDA: forward ") and "meta" not in line
+
+
+def test_report_survives_a_forced_solver_that_does_not_apply(monkeypatch):
+    """GEMMCONV_SOLVER forcing a solver a swapped module cannot use: the convolution
+    will say so when it runs; convert() swaps and reports the rest."""
+    monkeypatch.setenv("GEMMCONV_SOLVER", "pointwise")
+    model = _mixed_model()
+    report = gemmconv.convert(model)
+    assert report.swapped_names == ["0", "1.0", "2"]
+    by_name = {s.name: s for s in report.swapped}
+    assert by_name["0"].solvers == {}  # a 4x4 patch: pointwise does not apply
+    assert set(by_name["1.0"].solvers["forward"]) == {"pointwise"}
+    assert by_name["0"].solvers_on_cuda  # CUDA's estimate ignores the forcing
+
+
+def test_include_that_matches_no_convolution_warns_naming_the_patterns():
+    with pytest.warns(UserWarning, match=r"pattern\(s\) 'blocks\.\*', 'nope' matched no conv"):
+        report = gemmconv.convert(_mixed_model(), include=["blocks.*", "1.*", "nope"])
+    assert report.swapped_names == ["1.0"]
+    with pytest.warns(UserWarning, match="the predicate accepted no convolution"):
+        gemmconv.convert(_mixed_model(), include=lambda name, module: False)
+
+
+def test_include_matching_a_convolution_it_cannot_swap_and_exclude_matching_none_are_quiet():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # "1.1" is a padded 3x3: matched, left alone with its reason, no warning.
+        report = gemmconv.convert(_mixed_model(), include=["1.1"])
+        assert report.swapped_names == []
+        assert {s.name: s.reason for s in report.skipped}["1.1"].startswith("padding=")
+        gemmconv.convert(_mixed_model(), exclude=["nothing.*"])

@@ -107,3 +107,34 @@ def test_a_slower_time_shows_the_digits_that_differ_and_a_tie_says_so():
     assert slower_than("estimate", 2.5, 1.0, "patch") == "estimate 2.5 ms > 1 ms of patch"
     tie = slower_than("estimate", 163.4, 163.4, "patch")
     assert tie.startswith("estimate 163.4 ms, a tie with patch") and "first" in tie
+
+
+def test_explain_off_cuda_says_what_cuda_would_pick():
+    """The README's ViT-B/16 patch embedding: on the CPU the forward runs torch's
+    convolution (as fast as a GEMM there); explain() also says what the cost model
+    picks for the same call on CUDA, which the README's comment names."""
+    choices = _explained((64, 3, 224, 224), (768, 3, 16, 16), stride=16)
+    on_cuda = choices.on_cuda
+    assert list(on_cuda) == ["forward", "backward_data", "backward_weights"]
+    assert choices["forward"].solver == "vendor"
+    assert all(choice.solver != "vendor" for choice in on_cuda.values())
+    # What the estimate picks on CUDA is the cost model's own choice there, with this
+    # machine's CUDA rates (the table's GPU entry on a machine without one).
+    from gemmconv.core.problem import ConvProblem
+    from gemmconv.selection.dispatch import cuda_rates, decide
+
+    rates = cuda_rates()
+    last = repr(choices).splitlines()[-1]
+    solvers = ", ".join(f"{d} {c.solver}" for d, c in on_cuda.items())
+    assert last == f"On CUDA the estimate (the cost table's {rates.name}) would pick: {solvers}."
+    problem = ConvProblem.from_sizes(64, 3, 768, (224, 224), 16, 16, device_type="cuda")
+    for direction, choice in on_cuda.items():
+        assert choice.solver == decide(problem.with_direction(direction), rates=rates).solver
+
+
+def test_module_solvers_off_cuda_say_what_cuda_would_pick():
+    conv = gemmconv.nn.Conv2d(3, 8, kernel_size=4, stride=4)
+    with gemmconv.find_mode("immediate"):
+        choices = conv.solvers(torch.empty(2, 3, 8, 8))
+    assert set(choices.on_cuda) == {"forward", "backward_data", "backward_weights"}
+    assert repr(choices).splitlines()[-1].startswith("On CUDA the estimate")

@@ -191,13 +191,17 @@ def _decide_forced(problem: ConvProblem, forced: str, mode: FindMode) -> Choice:
 
 
 def _decide_in_mode(
-    problem: ConvProblem, mode: FindMode, forced: str | None, disabled: frozenset[str]
+    problem: ConvProblem,
+    mode: FindMode,
+    forced: str | None,
+    disabled: frozenset[str],
+    rates: DeviceRates | None = None,
 ) -> Choice:
     if forced is not None:
         return _decide_forced(problem, forced, mode)
     candidates = [s for s in SOLVERS if s.id not in disabled]
     off = {sid: ["disabled by GEMMCONV_DISABLE"] for sid in sorted(disabled)}
-    estimated = decide(problem, candidates, rejected=off)
+    estimated = decide(problem, candidates, rates, rejected=off)
     estimated = dataclasses.replace(estimated, mode=mode.value)
     if mode is FindMode.IMMEDIATE:
         return estimated
@@ -433,7 +437,43 @@ def explain_problem(problem: ConvProblem) -> Explanation:
 
     Runs nothing in immediate and database modes; in find and hybrid modes a problem
     not yet decided is benchmarked, as the convolution itself would be."""
-    return Explanation({d.value: choose(problem.with_direction(d)) for d in DIRECTIONS})
+    explanation = Explanation({d.value: choose(problem.with_direction(d)) for d in DIRECTIONS})
+    if problem.device_type != "cuda":
+        explanation.on_cuda = estimate_on_cuda(problem)
+        explanation.cuda_rates = cuda_rates().name
+    return explanation
+
+
+def estimate(problem: ConvProblem) -> Choice:
+    """The choice immediate mode makes for ``problem`` in the current selection state
+    (forced and disabled solvers included): what the cost model says, whatever the
+    mode. Pure: reads no find database, measures nothing, caches nothing."""
+    state = selection_state()
+    return _decide_in_mode(problem, FindMode.IMMEDIATE, state.forced, state.disabled)
+
+
+def cuda_rates() -> DeviceRates:
+    """The rates a CUDA problem is estimated with from any machine: this process's
+    CUDA device's where it has one (the table's entry, or its calibration), else the
+    table's nearest GPU entry. Pure: never calibrates."""
+    if torch.cuda.is_available():
+        return device_rates.rates_for("cuda")
+    return device_rates.NEAREST_GPU
+
+
+def estimate_on_cuda(problem: ConvProblem) -> dict[str, Choice]:
+    """What the cost model picks for ``problem`` moved to CUDA, per direction (the
+    solver ids of ``explain`` on a GPU, before any find): for a model on the CPU,
+    what it would run on a GPU. Ignores GEMMCONV_SOLVER and GEMMCONV_DISABLE, which
+    speak of the device this process runs on. Pure, as ``estimate``."""
+    on_cuda = dataclasses.replace(problem, device_type="cuda")
+    rates = cuda_rates()
+    return {
+        d.value: _decide_in_mode(
+            on_cuda.with_direction(d), FindMode.IMMEDIATE, None, frozenset(), rates
+        )
+        for d in DIRECTIONS
+    }
 
 
 # ---- agreeing across ranks ----------------------------------------------------
@@ -536,6 +576,9 @@ __all__ = [
     "database_key",
     "decide",
     "dependent_cache",
+    "cuda_rates",
+    "estimate",
+    "estimate_on_cuda",
     "explain_problem",
     "find_mode",
     "selection_key",

@@ -114,11 +114,25 @@ def choice_text(choice: Choice) -> str:
 class Explanation(dict):
     """Direction name -> Choice, whose repr is a table of every direction's choice and
     then its ``notes``: where a call runs otherwise than the table says (eager calls
-    that need gradients on torch's convolution, eager.training_road)."""
+    that need gradients on torch's convolution, eager.training_road).
 
-    def __init__(self, choices: dict[str, Choice], notes: list[str] | None = None) -> None:
+    For a problem off CUDA, ``on_cuda`` holds what the cost model would pick per
+    direction for the same problem on CUDA (estimated with the cost table's entry
+    named ``cuda_rates``, before any find), and the repr ends with it: what runs here
+    and what would run on a GPU can differ (torch's convolution is as fast as a GEMM
+    for some problems on the CPU, not on a GPU). None for a problem on CUDA."""
+
+    def __init__(
+        self,
+        choices: dict[str, Choice],
+        notes: list[str] | None = None,
+        on_cuda: dict[str, Choice] | None = None,
+        cuda_rates: str = "",
+    ) -> None:
         super().__init__(choices)
         self.notes = notes or []
+        self.on_cuda = on_cuda
+        self.cuda_rates = cuda_rates
 
     def __repr__(self) -> str:
         rows = [_HEADER]
@@ -126,7 +140,14 @@ class Explanation(dict):
             rows += _rows(direction, choice)
         modes = sorted({choice.mode for choice in self.values()})
         text = f"gemmconv solver choice (mode {', '.join(modes)})\n" + table(rows)
-        return "\n".join([text, *self.notes])
+        return "\n".join([text, *self.notes, *self._cuda_lines()])
+
+    def _cuda_lines(self) -> list[str]:
+        if not self.on_cuda:
+            return []
+        solvers = ", ".join(f"{d} {c.solver}" for d, c in self.on_cuda.items())
+        entry = f" (the cost table's {self.cuda_rates})" if self.cuda_rates else ""
+        return [f"On CUDA the estimate{entry} would pick: {solvers}."]
 
 
 __all__ = ["Choice", "Explanation", "FindMode", "choice_text", "slower_than", "table"]
