@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -39,7 +38,12 @@ from packaging.version import Version
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-if importlib.util.find_spec("pip") is None:
+# Asked of the installed distributions, not of the import system: setuptools'
+# distutils hook, asked to find a module named pip, switches itself off for the rest of
+# the process, and a later import of setuptools (inductor's C++ builds) then fails.
+try:
+    PIP_VERSION = Version(metadata.version("pip"))
+except metadata.PackageNotFoundError:
     pytest.skip("pip is not installed: nothing here resolves an install", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,10 +54,6 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 CPU_FIRST = ["torch", "torchvision"]
 # Distributions that only a CUDA build of torch brings.
 CUDA_NAME = re.compile(r"^(nvidia|cuda)[-_.]", re.IGNORECASE)
-
-
-def _pip_version() -> Version:
-    return Version(metadata.version("pip"))
 
 
 def _wheel(
@@ -184,9 +184,7 @@ class _Venv:
         }
 
 
-@pytest.mark.skipif(
-    _pip_version() < Version("22.3"), reason="pip's --python option came in pip 22.3"
-)
+@pytest.mark.skipif(PIP_VERSION < Version("22.3"), reason="pip's --python option came in pip 22.3")
 def test_the_cpu_recipe_keeps_every_extra_cpu_only(tmp_path):
     """After the recipe, installing every extra from PyPI installs neither torch nor
     torchvision nor anything of CUDA's."""
