@@ -29,10 +29,24 @@ def test_a_plain_install_brings_numpy():
     assert {"torch", "tqdm", "numpy"} <= _names(PROJECT["dependencies"])
 
 
-def test_the_test_extra_holds_what_the_onnx_export_tests_use():
-    # tests/roads/test_export.py writes ONNX with both of torch's exporters and runs it.
-    test_extra = _names(PROJECT["optional-dependencies"]["test"])
-    assert {"onnx", "onnxscript", "onnxruntime"} <= test_extra
+def _with_extras(extra: str) -> set[str]:
+    """The distributions an extra brings, the project's own extras it names expanded."""
+    names = set()
+    for name in _names(PROJECT["optional-dependencies"][extra]):
+        match = re.fullmatch(r"gemmconv\[([^\]]*)\]", name)
+        if match is None:
+            names.add(name)
+        else:
+            for included in match.group(1).split(","):
+                names |= _with_extras(included.strip())
+    return names
+
+
+def test_the_onnx_extra_holds_what_both_exporters_and_their_check_need():
+    # torch's default (dynamo) exporter needs onnxscript; both need onnx; onnxruntime
+    # runs what they write. tests/roads/test_export.py does all three.
+    assert {"onnx", "onnxscript", "onnxruntime"} == _names(PROJECT["optional-dependencies"]["onnx"])
+    assert {"onnx", "onnxscript", "onnxruntime"} <= _with_extras("test")
 
 
 def test_the_extras_hold_what_the_readme_and_the_bench_use():
@@ -41,8 +55,8 @@ def test_the_extras_hold_what_the_readme_and_the_bench_use():
     assert "matplotlib" in extras["bench"]  # gemmconv bench's png
     # The tests import the model libraries and Triton (which torch's CPU build lacks);
     # the README's test command spreads them over the cores with pytest-xdist.
-    test = {"pytest", "pytest-xdist", "hypothesis", "ruff", "gemmconv[models,bench]", "triton"}
-    assert test <= extras["test"]
+    test = {"pytest", "pytest-xdist", "hypothesis", "ruff", "triton"}
+    assert test | extras["models"] | extras["bench"] | extras["onnx"] <= _with_extras("test")
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,9 +14,6 @@ from gemmconv.roads import eager
 
 from conftest import GemmconvOpLog
 
-# jit.trace warns about the argument checks' Python comparisons of traced sizes.
-pytestmark = pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
-
 
 def _operands(seed: int, channels_last: bool = False, bias: bool = True):
     gen = torch.Generator().manual_seed(seed)

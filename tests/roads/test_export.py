@@ -11,6 +11,8 @@ import copy
 import subprocess
 import sys
 import textwrap
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,10 +21,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import gemmconv
 
-# jit tracing warns about the argument checks' Python comparisons of traced sizes, and
 # torch 2.14 deprecates jit.trace, jit.script and the TorchScript ONNX exporter.
 pytestmark = [
-    pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning"),
     pytest.mark.filterwarnings("ignore::FutureWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
 ]
@@ -231,6 +231,71 @@ def test_torchscript_exporter_takes_a_loaded_traced_model(tmp_path):
     assert result.returncode == 0, result.stderr
     with torch.no_grad():
         _check_onnx(tmp_path / "model.onnx", x, model(x))
+
+
+def _gemmconv_tracer_warnings(record: list) -> list[str]:
+    """The TracerWarnings raised from gemmconv's own source, as 'file:line: message'."""
+    root = Path(gemmconv.__file__).resolve().parent
+    return [
+        f"{w.filename}:{w.lineno}: {w.message}"
+        for w in record
+        if issubclass(w.category, torch.jit.TracerWarning)
+        and Path(w.filename).resolve().is_relative_to(root)
+    ]
+
+
+@pytest.mark.parametrize(
+    "memory_format, batched", [(None, True), (torch.channels_last, True), (None, False)],
+    ids=["cf", "cl", "unbatched"],
+)  # fmt: skip
+def test_the_torchscript_exporter_warns_nothing_from_gemmconv(memory_format, batched, tmp_path):
+    """The argument checks compare sizes, which jit tracing hands out as tensors: each
+    comparison warned (13 TracerWarnings for this model) though none was recorded."""
+    pytest.importorskip("onnx")
+    model = _torch_model()
+    converted = _converted(model, memory_format=memory_format)
+    x = _input() if batched else _input()[0]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        torch.onnx.export(converted, (x,), str(tmp_path / "model.onnx"), dynamo=False)
+    assert _gemmconv_tracer_warnings(record) == []
+    if batched:  # onnxruntime's Conv takes a batch
+        with torch.no_grad():
+            _check_onnx(tmp_path / "model.onnx", x, model(x))
+
+
+@pytest.mark.parametrize(
+    "dims, padding, dilation", [(1, 1, 1), (2, "same", 2), (3, "valid", 1)],
+    ids=["1d", "2d-same", "3d"],
+)  # fmt: skip
+def test_jit_trace_of_the_functions_warns_nothing_from_gemmconv(dims, padding, dilation):
+    """'same' padding is resolved from the kernel's sizes, which tracing also hands out
+    as tensors; the trace records the pads torch's own convolution computes."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, *[9] * dims, generator=generator, requires_grad=True)
+    w = torch.randn(4, 3, *[4] * dims, generator=generator, requires_grad=True)
+    gemmconv_conv = getattr(gemmconv, f"conv{dims}d")
+    torch_conv = getattr(F, f"conv{dims}d")
+
+    def conv(x, w):
+        return gemmconv_conv(x, w, padding=padding, dilation=dilation)
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        traced = torch.jit.trace(conv, (x, w))
+        y = traced(x, w)
+        y.sum().backward()
+    assert _gemmconv_tracer_warnings(record) == []
+    torch.testing.assert_close(y, torch_conv(x, w, padding=padding, dilation=dilation))
+
+
+def test_jit_trace_raises_the_argument_checks_errors():
+    """Paused for the checks, the trace still refuses what torch refuses, and goes on
+    tracing nothing afterwards."""
+    x, w = torch.randn(1, 3, 8, 8), torch.randn(4, 2, 2, 2)
+    with pytest.raises(RuntimeError, match="input of shape \\(1, 3, 8, 8\\) has 3 channels"):
+        torch.jit.trace(lambda x, w: gemmconv.conv2d(x, w), (x, w))
+    assert not torch.jit.is_tracing()
 
 
 # ---- fx, the meta device, jit ------------------------------------------------------

@@ -129,6 +129,29 @@ def check_against_tensors(
     """The second half (after check_argument_kinds): the tensors' layouts, ranks,
     dtypes, devices and shapes, and the arguments' values against them, and the
     dtypes and layouts gemmconv does not compute in."""
+    if torch.jit.is_tracing():
+        _with_trace_paused(_check_against_tensors, dims, input, weight, bias, args)
+    else:
+        _check_against_tensors(dims, input, weight, bias, args)
+
+
+def _with_trace_paused(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` with jit tracing (torch.jit.trace, the TorchScript ONNX exporter)
+    paused. Tracing hands out sizes as tensors, and each Python comparison of one warns
+    (TracerWarning) though a check records nothing: paused, the sizes are plain ints,
+    as the op's own implementation sees them. The state is per thread, so no other
+    trace is touched."""
+    state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        return fn(*args)
+    finally:
+        torch._C._set_tracing_state(state)
+
+
+def _check_against_tensors(
+    dims: int, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: ConvArgs
+) -> None:
     fn = f"conv{dims}d"
     strides, pads, dilations, groups = args
     for name, t in (("input", input), ("weight", weight), ("bias", bias)):
@@ -333,6 +356,9 @@ def _resolved(args: ConvArgs, weight: torch.Tensor) -> ResolvedArguments:
     """``args`` with 'same' padding resolved from the kernel."""
     if args.padding is not None:
         return ResolvedArguments(args.stride, args.padding, args.dilation, args.groups, ())
+    if torch.jit.is_tracing():
+        # The pads are the kernel's, fixed constants of the trace (see _with_trace_paused).
+        return _with_trace_paused(_resolved, args, weight)
     totals = [d * (r - 1) for d, r in zip(args.dilation, weight.shape[2:])]
     extra = []
     for total in reversed(totals):
