@@ -258,10 +258,52 @@ def test_unknown_names_are_refused(capsys):
 
 def test_suite_has_the_issue_cases():
     names = [c.name for c in SUITE]
-    assert len(names) == 9 and len(set(names)) == 9
+    assert len(names) == 13 and len(set(names)) == 13
     point2d = suite_cases(["point2d"])[0]
     assert point2d.dtypes == ("bf16", "fp16", "fp32")
     assert point2d.full == Shape(9500, 3, 1280, (14, 14), (14, 14))
+
+
+# The classes that lost to cuDNN (issue 44), shapes of released models: Conv3d embeds
+# with a temporal kernel of 2, a (1, 2, 2) video-latent patchify and a 2x2 latent
+# patchify of 16 channels.
+RELEASED = {
+    "qwen2vl": Shape(8192, 3, 1280, (2, 14, 14), (2, 14, 14)),
+    "qwen3vl": Shape(8192, 3, 1152, (2, 16, 16), (2, 16, 16)),
+    "wan21_patchify": Shape(1, 16, 5120, (21, 60, 104), (1, 2, 2)),
+    "sd3_patchify": Shape(8, 16, 1536, (128, 128), (2, 2)),
+}
+
+
+def test_suite_has_the_released_models_that_lost_to_cudnn():
+    for case in suite_cases(list(RELEASED)):
+        assert case.full == RELEASED[case.name], case.name
+        # The tiny shape keeps the class: channels, kernel and rank.
+        assert (case.tiny.c, case.tiny.kernel) == (case.full.c, case.full.kernel), case.name
+        assert len(case.tiny.spatial) == len(case.full.spatial)
+
+
+def test_qwen3vl_case_follows_the_transformers_config():
+    config = pytest.importorskip("transformers").Qwen3VLVisionConfig()
+    (case,) = suite_cases(["qwen3vl"])
+    assert case.full.c == config.in_channels and case.full.k == config.hidden_size
+    assert case.full.kernel == (config.temporal_patch_size, config.patch_size, config.patch_size)
+
+
+def test_quick_cpu_run_covers_the_released_cases_in_both_layouts(tmp_path):
+    argv = ["--device", "cpu", "--quick", "--cases", ",".join(RELEASED), "--warmup", "0",
+            "--reps", "1", "--out", str(tmp_path), "--name", "new", "--no-plot"]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "new.json").read_text())["rows"]
+    assert len(rows) == len(RELEASED) * 2 * 3
+    assert {(r["case"], r["layout"], r["direction"]) for r in rows} == {
+        (name, layout, direction)
+        for name in RELEASED
+        for layout in ("cf", "cl")
+        for direction in ("fwd", "bwd_data", "bwd_weights")
+    }
+    for r in rows:
+        assert r["verified"] and all(c["ok"] for c in r["candidates"].values()), r["case"]
 
 
 def test_default_file_stem():
