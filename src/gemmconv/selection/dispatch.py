@@ -50,7 +50,7 @@ import torch
 from gemmconv.core import device_rates
 from gemmconv.core.device_rates import DeviceRates
 from gemmconv.core.precision import convolutions_allow_tf32
-from gemmconv.core.problem import DIRECTIONS, ConvProblem
+from gemmconv.core.problem import DIRECTIONS, ConvProblem, Direction
 from gemmconv.selection import calibrate
 from gemmconv.selection.explanation import Choice, Explanation, FindMode, slower_than
 from gemmconv.selection.finddb import DATABASE_ERRORS
@@ -165,14 +165,47 @@ def decide(
     if not estimates:
         raise RuntimeError(f"no solver applies to {problem.key()}: {_listing(rejected)}")
     best = min(estimates, key=estimates.__getitem__)  # min keeps the first of equals
+    reason = f"lowest estimate, {estimates[best]:.4g} ms"
+    tie = _forward_tie(problem, solvers, estimates, best, rates)
+    if tie is not None:
+        rejected[best] = [tie]
+        reason = f"the vendor's single call: {tie}"
+        best = "vendor"
     for sid, est in estimates.items():
-        if sid != best:
+        if sid != best and sid not in rejected:
             rejected[sid] = [slower_than("estimate", est, estimates[best], best)]
-    return Choice(
-        solver=best,
-        rejected=rejected,
-        estimates_ms=estimates,
-        reason=f"lowest estimate, {estimates[best]:.4g} ms",
+    return Choice(solver=best, rejected=rejected, estimates_ms=estimates, reason=reason)
+
+
+def _forward_tie(
+    problem: ConvProblem,
+    solvers: Sequence[Solver],
+    estimates: dict[str, float],
+    best: str,
+    rates: DeviceRates | None,
+) -> str | None:
+    """The tie rule for forwards, as the training road's for calls with gradients: on a
+    device whose host runs ahead of it (a GPU), a GEMM solver whose estimated saving
+    over the vendor is less than its own call's host time (Solver.host_ms, the measured
+    launch costs of the cost table) leaves the forward to the vendor's single call.
+    There a call is priced at the larger of device and host time, so the GEMM's host
+    work goes unpriced behind its device time, and a saving under it is a tie the
+    estimate cannot tell apart (ResNet's 1x1 forwards: estimated 6 us, measured -1 to
+    0 us a call on the H200, tests/data/h200_suite.json). On the CPU host time adds to
+    every estimate already. Returns why, or None where the GEMM keeps the forward."""
+    if problem.direction is not Direction.FORWARD or best == "vendor" or "vendor" not in estimates:
+        return None
+    rates = rates or device_rates.rates_for(problem.device_type)
+    if not rates.host_overlaps_device:
+        return None
+    solver = next(s for s in solvers if s.id == best)
+    saving_ms = estimates["vendor"] - estimates[best]
+    host_ms = solver.host_ms(problem, rates)
+    if saving_ms >= host_ms:
+        return None
+    return (
+        f"saves {saving_ms * 1000:.1f} us over the vendor by estimate, less than its "
+        f"call's host time ({host_ms * 1000:.1f} us)"
     )
 
 
