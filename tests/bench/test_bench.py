@@ -26,7 +26,8 @@ REQUIRED = {
     "case", "layout", "direction", "dtype", "solver", "vendor_ms", "linear_ms",
     "gemmconv_ms", "floor_ms", "rms_error", "immediate_solver", "immediate_gap",
     "extra_bytes", "largest_operand_bytes", "flop_floor_ms", "byte_floor_ms",
-    "api_ms", "vendor_api_ms", "linear_api_ms", "find_solver",
+    "api_ms", "vendor_api_ms", "linear_api_ms", "find_solver", "find_api_ms",
+    "find_api_solver",
 }  # fmt: skip
 
 
@@ -332,3 +333,34 @@ def test_gather_table_appears_when_rows_carry_gather_times(quick_run):
     }  # fmt: skip
     md = markdown(data, summary(data))
     assert "| point2d | cf | 0.0040 | 1.00 | 0.0010 | 4.00 |" in md
+
+
+def test_find_api_ms_is_the_public_call_in_find_mode(quick_run):
+    """Each row has find mode's public call, timed after find ran, beside the default's;
+    the report shows the column and its target line."""
+    _, out = quick_run
+    data = json.loads((out / "cpu.json").read_text())
+    for r in data["rows"]:
+        assert r["find_api_ms"] > 0, r["case"]
+        assert r["find_api_solver"] is None or r["find_api_solver"] in r["candidates"]
+    md = (out / "cpu.md").read_text()
+    assert "find's pick |" in md
+    assert "- find mode (find_api_ms): rows over 1.05 x the default selection's call:" in md
+
+
+@pytest.mark.parametrize("direction", list(Direction))
+def test_find_columns_find_in_a_database_of_their_own(direction):
+    """api_times(find=True) finds the row's problem and times its call in find mode,
+    storing nothing in the user's database (the default mode's later calls read it)."""
+    from gemmconv.bench.call_timing import api_times
+    from gemmconv.selection import dispatch, finddb
+
+    p = make_problem(Shape(2, 3, 8, (8, 8), (4, 4)), Layout.CHANNELS_LAST, torch.float32,
+                     torch.device("cpu"), direction)  # fmt: skip
+    columns = api_times(p, "cpu", reps=1, warmup=0, find=True)
+    assert columns["find_api_ms"] > 0 and columns["api_ms"] > 0
+    assert columns["find_api_solver"] is not None
+    with dispatch.find_mode("find"):
+        assert dispatch.decided(p).source == "find"
+    assert finddb.get_db().lookup(dispatch.database_key(p), finddb.identity_for("cpu")) is None
+    assert dispatch.current_find_mode() is dispatch.FindMode.DATABASE

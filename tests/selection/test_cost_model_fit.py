@@ -83,7 +83,7 @@ def test_the_training_call_rule_sides_with_the_measured_saving(case) -> None:
     for row in _cases()[case]:
         times = measured(row)
         choice = dispatch.decide(problem_of(row), [get_solver(s) for s in times], rates=H200)
-        estimated += eager._saving_over_vendor(choice)
+        estimated += eager._saving_over_vendor(choice, problem_of(row).direction)
         measured_saving += times["vendor"] - times[choice.solver]
     assert (estimated < node_ms) == (measured_saving < node_ms), (
         f"{case}: estimated saving {estimated * 1000:.0f} us, measured "

@@ -2,10 +2,11 @@
 
 For every case x layout x direction, in one process on one device, two kinds of time:
 
-What users pay (``api_ms``, ``vendor_api_ms``, ``linear_api_ms``): the public call of
-gemmconv with its default selection, of torch's F.conv* and of the reshape + F.linear
-rewrite, through autograd for a gradient, timed back to back with nothing hiding the
-host (gemmconv.bench.call_timing.api_times).
+What users pay (``api_ms``, ``vendor_api_ms``, ``linear_api_ms``, ``find_api_ms``): the
+public call of gemmconv with its default selection, of torch's F.conv* and of the
+reshape + F.linear rewrite, through autograd for a gradient, and gemmconv's in find
+mode after find has run (``find_api_solver`` its pick), timed back to back with nothing
+hiding the host (gemmconv.bench.call_timing.api_times).
 
 Device time (a diagnostic: a spin kernel queued ahead of each repetition hides the
 host, the L2 is flushed; time.perf_counter on the CPU):
@@ -246,7 +247,9 @@ def run_row(
         del out, sets
         immediate = dispatch.decide(p).solver
         gathers = measure_gathers(p, t, device, policy)
-        public = api_times(p, device, reps=api["reps"], block_ms=api["block_ms"], seed=seed)
+        public = api_times(
+            p, device, reps=api["reps"], block_ms=api["block_ms"], seed=seed, find=True
+        )
     del judge
     by_id = {m.solver: m for m in measured}
     if not by_id["vendor"].ok:
@@ -493,7 +496,7 @@ def _row_line(r: dict) -> str:
         f"vendor {r['vendor_ms']:.4f} linear {r['linear_ms']:.4f} "
         f"gemmconv {r['gemmconv_ms']:.4f} ({r['solver']}) floor {r['floor_ms']:.4f} "
         f"imm {r['immediate_solver']} | a call: gemmconv {r['api_ms']:.4f} vendor "
-        f"{r['vendor_api_ms']:.4f} linear {r['linear_api_ms']:.4f}"
+        f"{r['vendor_api_ms']:.4f} linear {r['linear_api_ms']:.4f} find {r['find_api_ms']:.4f}"
         + (f" FAILED: {','.join(failed)}" if failed else "")
     )
 
