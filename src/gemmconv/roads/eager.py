@@ -217,8 +217,10 @@ def training_road(problem: ConvProblem, need_dx: bool, need_dw: bool) -> Trainin
     torch's convolution, with its fused backward, where the forward and the needed
     backward directions chose the vendor, and where what the GEMM solvers among them
     save over it is less than gemmconv's autograd node costs the host
-    (DeviceRates.autograd_node_us); never against a forced solver or a saving nobody
-    estimated. Decides (or, in find modes, benchmarks) the directions it counts."""
+    (DeviceRates.autograd_node_us); never against a forced or tried solver or a saving
+    nobody estimated, and never against a backward GEMM that find timed in the public
+    call (its call, node paid, beat the vendor's). Decides (or, in find modes,
+    benchmarks) the directions it counts."""
     choices = {Direction.FORWARD: dispatch.choose(problem)}
     for direction, needed_here in (
         (Direction.BACKWARD_DATA, need_dx),
