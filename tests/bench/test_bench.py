@@ -344,7 +344,7 @@ def test_find_api_ms_is_the_public_call_in_find_mode(quick_run):
         assert r["find_api_ms"] > 0, r["case"]
         assert r["find_api_solver"] is None or r["find_api_solver"] in r["candidates"]
     md = (out / "cpu.md").read_text()
-    assert "find's pick |" in md
+    assert "| find | find's pick | kernels |" in md
     assert "- find mode (find_api_ms): rows over 1.05 x the default selection's call:" in md
 
 

@@ -328,8 +328,8 @@ def _api_table(results: dict) -> list[str]:
         "mode after find has run (find_api_ms; — where not measured), with find's pick.",
         "",
         "| case | layout | dir | dtype | gemmconv | vendor | linear | x vendor | x linear "
-        "| kernels | find | find's pick |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| find | find's pick | kernels |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in rows:
         vendor, linear = api_ratios(r)
@@ -339,8 +339,8 @@ def _api_table(results: dict) -> list[str]:
             f"| {r['api_ms']:.4f} | {r['vendor_api_ms']:.4f} "
             f"| {'n/a' if linear_ms is None else f'{linear_ms:.4f}'} | {vendor:.2f} "
             f"| {'n/a' if linear is None else f'{linear:.2f}'} "
-            f"| {_kernels_cell(r)} | {'—' if find_ms is None else f'{find_ms:.4f}'} "
-            f"| {r.get('find_api_solver') or '—'} |"
+            f"| {'—' if find_ms is None else f'{find_ms:.4f}'} "
+            f"| {r.get('find_api_solver') or '—'} | {_kernels_cell(r)} |"
         )
     return [*lines, ""]
 
