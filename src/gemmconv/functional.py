@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 import gemmconv.roads.autograd  # noqa: F401  (registers the forward op's backward)
+import gemmconv.roads.in_call  # noqa: F401  (gives find its candidates' public calls)
 from gemmconv.core.arguments import (
     IntOrTuple,
     Padding,

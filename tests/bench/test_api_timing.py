@@ -132,6 +132,7 @@ def test_quick_table_writes_every_row_with_same_run_ratios(quick_table):
         assert r["agrees"], r["rms_vs_torch"]
         assert r["speedup_vs_torch"] == pytest.approx(r["torch_ms"] / r["gemmconv_ms"])
         assert r["speedup_vs_linear"] == pytest.approx(r["linear_ms"] / r["gemmconv_ms"])
+        assert r["find_ms"] > 0  # gemmconv's call in find mode, beside the default's
         # On the CPU torch's own convolution is as fast as a GEMM on a many-pixel patch
         # embed (device_rates.CPU), and far behind one where each sample is one patch.
         expected = ("vendor",) if r["case"] == "tiny_vit_b16_b2" else ("patch", "point_output")

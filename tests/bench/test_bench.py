@@ -26,7 +26,8 @@ REQUIRED = {
     "case", "layout", "direction", "dtype", "solver", "vendor_ms", "linear_ms",
     "gemmconv_ms", "floor_ms", "rms_error", "immediate_solver", "immediate_gap",
     "extra_bytes", "largest_operand_bytes", "flop_floor_ms", "byte_floor_ms",
-    "api_ms", "vendor_api_ms", "linear_api_ms", "find_solver",
+    "api_ms", "vendor_api_ms", "linear_api_ms", "find_solver", "find_api_ms",
+    "find_api_solver",
 }  # fmt: skip
 
 
@@ -313,10 +314,52 @@ def test_unknown_names_are_refused(capsys):
 
 def test_suite_has_the_issue_cases():
     names = [c.name for c in SUITE]
-    assert len(names) == 9 and len(set(names)) == 9
+    assert len(names) == 13 and len(set(names)) == 13
     point2d = suite_cases(["point2d"])[0]
     assert point2d.dtypes == ("bf16", "fp16", "fp32")
     assert point2d.full == Shape(9500, 3, 1280, (14, 14), (14, 14))
+
+
+# The classes that lost to cuDNN (issue 44), shapes of released models: Conv3d embeds
+# with a temporal kernel of 2, a (1, 2, 2) video-latent patchify and a 2x2 latent
+# patchify of 16 channels.
+RELEASED = {
+    "qwen2vl": Shape(8192, 3, 1280, (2, 14, 14), (2, 14, 14)),
+    "qwen3vl": Shape(8192, 3, 1152, (2, 16, 16), (2, 16, 16)),
+    "wan21_patchify": Shape(1, 16, 5120, (21, 60, 104), (1, 2, 2)),
+    "sd3_patchify": Shape(8, 16, 1536, (128, 128), (2, 2)),
+}
+
+
+def test_suite_has_the_released_models_that_lost_to_cudnn():
+    for case in suite_cases(list(RELEASED)):
+        assert case.full == RELEASED[case.name], case.name
+        # The tiny shape keeps the class: channels, kernel and rank.
+        assert (case.tiny.c, case.tiny.kernel) == (case.full.c, case.full.kernel), case.name
+        assert len(case.tiny.spatial) == len(case.full.spatial)
+
+
+def test_qwen3vl_case_follows_the_transformers_config():
+    config = pytest.importorskip("transformers").Qwen3VLVisionConfig()
+    (case,) = suite_cases(["qwen3vl"])
+    assert case.full.c == config.in_channels and case.full.k == config.hidden_size
+    assert case.full.kernel == (config.temporal_patch_size, config.patch_size, config.patch_size)
+
+
+def test_quick_cpu_run_covers_the_released_cases_in_both_layouts(tmp_path):
+    argv = ["--device", "cpu", "--quick", "--cases", ",".join(RELEASED), "--warmup", "0",
+            "--reps", "1", "--out", str(tmp_path), "--name", "new", "--no-plot"]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "new.json").read_text())["rows"]
+    assert len(rows) == len(RELEASED) * 2 * 3
+    assert {(r["case"], r["layout"], r["direction"]) for r in rows} == {
+        (name, layout, direction)
+        for name in RELEASED
+        for layout in ("cf", "cl")
+        for direction in ("fwd", "bwd_data", "bwd_weights")
+    }
+    for r in rows:
+        assert r["verified"] and all(c["ok"] for c in r["candidates"].values()), r["case"]
 
 
 def test_default_file_stem():
@@ -345,3 +388,34 @@ def test_gather_table_appears_when_rows_carry_gather_times(quick_run):
     }  # fmt: skip
     md = markdown(data, summary(data))
     assert "| point2d | cf | 0.0040 | 1.00 | 0.0010 | 4.00 |" in md
+
+
+def test_find_api_ms_is_the_public_call_in_find_mode(quick_run):
+    """Each row has find mode's public call, timed after find ran, beside the default's;
+    the report shows the column and its target line."""
+    _, out = quick_run
+    data = json.loads((out / "cpu.json").read_text())
+    for r in data["rows"]:
+        assert r["find_api_ms"] > 0, r["case"]
+        assert r["find_api_solver"] is None or r["find_api_solver"] in r["candidates"]
+    md = (out / "cpu.md").read_text()
+    assert "| find | find's pick | kernels |" in md
+    assert "- find mode (find_api_ms): rows over 1.05 x the default selection's call:" in md
+
+
+@pytest.mark.parametrize("direction", list(Direction))
+def test_find_columns_find_in_a_database_of_their_own(direction):
+    """api_times(find=True) finds the row's problem and times its call in find mode,
+    storing nothing in the user's database (the default mode's later calls read it)."""
+    from gemmconv.bench.call_timing import api_times
+    from gemmconv.selection import dispatch, finddb
+
+    p = make_problem(Shape(2, 3, 8, (8, 8), (4, 4)), Layout.CHANNELS_LAST, torch.float32,
+                     torch.device("cpu"), direction)  # fmt: skip
+    columns = api_times(p, "cpu", reps=1, warmup=0, find=True)
+    assert columns["find_api_ms"] > 0 and columns["api_ms"] > 0
+    assert columns["find_api_solver"] is not None
+    with dispatch.find_mode("find"):
+        assert dispatch.decided(p).source == "find"
+    assert finddb.get_db().lookup(dispatch.database_key(p), finddb.identity_for("cpu")) is None
+    assert dispatch.current_find_mode() is dispatch.FindMode.DATABASE

@@ -29,7 +29,10 @@ that, so the cache does not flatter them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +43,7 @@ from gemmconv.bench.linear_patch_embed import linear_patch_embed, patch_orders
 from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.measuring.measure import operand_sets
 from gemmconv.measuring.timing import time_interleaved
+from gemmconv.selection import dispatch
 from gemmconv.solvers import ConvTensors
 
 CALL_KINDS = ("fwd", "bwd_data", "bwd_weights", "fwd_bwd", "fwd_wgrad")
@@ -143,26 +147,75 @@ def api_times(
     warmup: int = 2,
     seed: int = 0,
     block_ms: float | None = None,
-) -> dict[str, float | None]:
+    find: bool = False,
+) -> dict[str, float | str | None]:
     """The suite's user-facing columns for one row: ``api_ms`` (gemmconv),
     ``vendor_api_ms`` (torch) and ``linear_api_ms`` (the rewrite; None where it does
     not apply), each the median ms per call of the public call of ``kind`` (default:
     the problem's direction), measured side by side in one run, in blocks of about
-    ``block_ms`` (default: timing.DEFAULT_BLOCK_MS)."""
+    ``block_ms`` (default: timing.DEFAULT_BLOCK_MS). With ``find``, also
+    ``find_api_ms``: gemmconv's public call in find mode, after find has run (its
+    finds stored in a database of their own, so no later call in the default mode
+    reads them), timed in the same run, and ``find_api_solver``, find's pick for the
+    problem (None where the call did not decide it: the vendor's road)."""
     device = torch.device(device)
     kind = kind or DIRECTION_KINDS[p.direction]
     operands = operand_sets(p, device, seed, every_operand=True)
     calls = public_calls(p, kind, operands)
-    # One interleaved round is timed and thrown away first: on the H200 the first
-    # blocks after a row's operands are made ran up to 2.5x slow for every
-    # implementation alike (clocks and the allocator settling).
-    time_interleaved(calls, device, reps=1, warmup=warmup, block_ms=block_ms)
-    times = time_interleaved(calls, device, reps=reps, warmup=0, block_ms=block_ms)
-    return {
+    settings = {}
+    picked = None
+    if find:
+        with tempfile.TemporaryDirectory(prefix="gemmconv-find-") as folder:
+            path = os.path.join(folder, "find.sqlite")
+
+            def finding() -> contextlib.AbstractContextManager:
+                return find_selection(path)
+
+            # Building a backward call's graph finds its directions; a forward's first
+            # call finds it (in the warm-up below, inside the setting).
+            with finding():
+                calls["gemmconv_find"] = public_calls(p, kind, operands)["gemmconv"]
+            settings["gemmconv_find"] = finding
+            times = _interleaved_twice(calls, device, reps, warmup, block_ms, settings)
+            with finding():
+                choice = dispatch.decided(p)
+            picked = None if choice is None else choice.solver
+    else:
+        times = _interleaved_twice(calls, device, reps, warmup, block_ms, settings)
+    columns: dict[str, float | str | None] = {
         "api_ms": times["gemmconv"].median_ms,
         "vendor_api_ms": times["torch"].median_ms,
         "linear_api_ms": times["linear"].median_ms if "linear" in times else None,
     }
+    if find:
+        columns["find_api_ms"] = times["gemmconv_find"].median_ms
+        columns["find_api_solver"] = picked
+    return columns
+
+
+def _interleaved_twice(calls, device, reps, warmup, block_ms, settings) -> dict:
+    # One interleaved round is timed and thrown away first: on the H200 the first
+    # blocks after a row's operands are made ran up to 2.5x slow for every
+    # implementation alike (clocks and the allocator settling).
+    time_interleaved(calls, device, reps=1, warmup=warmup, block_ms=block_ms, settings=settings)
+    return time_interleaved(
+        calls, device, reps=reps, warmup=0, block_ms=block_ms, settings=settings
+    )
+
+
+@contextlib.contextmanager
+def find_selection(database: str) -> Iterator[None]:
+    """gemmconv's find mode, its finds stored in the find database at ``database``."""
+    saved = os.environ.get("GEMMCONV_DB")
+    os.environ["GEMMCONV_DB"] = database
+    try:
+        with dispatch.find_mode("find"):
+            yield
+    finally:
+        if saved is None:
+            del os.environ["GEMMCONV_DB"]
+        else:
+            os.environ["GEMMCONV_DB"] = saved
 
 
 def public_call_kernels(
@@ -184,6 +237,7 @@ __all__ = [
     "CALL_KINDS",
     "IMPLEMENTATIONS",
     "api_times",
+    "find_selection",
     "linear_applies",
     "public_call_kernels",
     "public_calls",

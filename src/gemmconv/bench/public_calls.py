@@ -17,13 +17,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
-from gemmconv.bench.call_timing import CALL_KINDS, linear_applies, public_calls, solvers_of
+from gemmconv.bench.call_timing import (
+    CALL_KINDS,
+    find_selection,
+    linear_applies,
+    public_calls,
+    solvers_of,
+)
 from gemmconv.bench.host_probe import cpu_model, host_fields, host_lines
 from gemmconv.bench.report import check_status, default_stem, targets_line
 from gemmconv.bench.suite import (
@@ -114,7 +121,17 @@ def run_row(
     operands = operand_sets(p, device, seed, every_operand=True)
     calls = public_calls(p, kind, operands)
     disagreement = disagreement_with_torch(calls)
-    times = time_interleaved(calls, device, reps=reps)
+    # gemmconv in find mode beside its default selection, its finds in a database of
+    # their own (call_timing.find_selection): the call after find has run.
+    with tempfile.TemporaryDirectory(prefix="gemmconv-find-") as folder:
+        path = os.path.join(folder, "find.sqlite")
+
+        def finding():
+            return find_selection(path)
+
+        with finding():
+            calls["gemmconv_find"] = public_calls(p, kind, operands)["gemmconv"]
+        times = time_interleaved(calls, device, reps=reps, settings={"gemmconv_find": finding})
     row = {
         "case": case.shown_name(quick),
         "title": case.title,
@@ -126,6 +143,7 @@ def run_row(
         "torch_ms": times["torch"].median_ms,
         "linear_ms": times["linear"].median_ms if "linear" in times else None,
         "gemmconv_ms": times["gemmconv"].median_ms,
+        "find_ms": times["gemmconv_find"].median_ms,
         "reps": reps,
         "solvers": solvers_of(p, operands[0]),
         "rms_vs_torch": disagreement,
@@ -252,11 +270,12 @@ def markdown(results: dict) -> str:
         "reshape + F.linear rewrite (gradients through autograd) and gemmconv.conv*, "
         "default selection. 'x torch' = torch ms / gemmconv ms and 'x linear' = linear ms / "
         "gemmconv ms: above 1 gemmconv is faster. Solver: forward / backward-data / "
-        "backward-weights as they apply to the row.",
+        "backward-weights as they apply to the row. 'find ms': gemmconv's call in find "
+        "mode, after find has run.",
         "",
         "| problem | layout | call | torch ms | linear ms | gemmconv ms | x torch | x linear "
-        "| solver |",
-        "|---|---|---|---:|---:|---:|---:|---:|---|",
+        "| solver | find ms |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in results["rows"]:
         lines.append(
@@ -264,7 +283,7 @@ def markdown(results: dict) -> str:
             f"| {KIND_TITLES[r['kind']]} | {_ms(r['torch_ms'])} "
             f"| {_ms(r['linear_ms'])} | {_ms(r['gemmconv_ms'])} "
             f"| {_ratio(r['speedup_vs_torch'])} | {_ratio(r['speedup_vs_linear'])} "
-            f"| {_solver_text(r)} |"
+            f"| {_solver_text(r)} | {_ms(r.get('find_ms'))} |"
         )
     slower = slower_rows(results)
     lines += [

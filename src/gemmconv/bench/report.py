@@ -20,6 +20,9 @@ from gemmconv.bench.kernel_count import MAX_KERNELS, launches
 # least API_LINEAR_GEOMEAN in geometric mean.
 API_NOT_SLOWER = 0.97
 API_LINEAR_GEOMEAN = 1.5
+# Find mode's public call (find_api_ms) at most this much slower than the default
+# selection's (api_ms): find decides on the call, so its pick never loses beyond noise.
+FIND_NOT_SLOWER = 1.05
 # Targets on device time, in ms for the absolute ones.
 NOT_SLOWER = 0.95
 FLOOR_GEOMEAN = 0.6
@@ -110,6 +113,13 @@ def summary(results: dict) -> dict:
         for r, vendor, linear in api
         if vendor < API_NOT_SLOWER or (linear is not None and linear < API_NOT_SLOWER)
     ]
+    find_slower = [
+        _label(r)
+        for r in rows
+        if r.get("find_api_ms") is not None
+        and r.get("api_ms") is not None
+        and r["find_api_ms"] > FIND_NOT_SLOWER * r["api_ms"]
+    ]
     slower = [
         _label(r)
         for r in rows
@@ -137,6 +147,8 @@ def summary(results: dict) -> dict:
         "api_linear_geomean": _geomean([linear for _, _, linear in api if linear is not None]),
         "api_vendor_geomean": _geomean([vendor for _, vendor, _ in api]),
         "api_slower_than_vendor_or_linear": api_slower,
+        "find_rows": sum(r.get("find_api_ms") is not None for r in rows),
+        "find_slower_than_default": find_slower,
         "floor_ratio_geomean": geomean,
         "floor_ratio_min": min(ratios) if ratios else None,
         "slower_than_vendor_or_linear": slower,
@@ -316,6 +328,12 @@ def markdown(results: dict, stats: dict) -> str:
             f"- what users pay (api_ms): rows under {API_NOT_SLOWER} x vendor or x linear: "
             f"{len(slower)}" + (f" ({', '.join(slower)})" if slower else "")
         )
+        if stats.get("find_rows"):
+            late = stats["find_slower_than_default"]
+            lines.append(
+                f"- find mode (find_api_ms): rows over {FIND_NOT_SLOWER} x the default "
+                f"selection's call: {len(late)}" + (f" ({', '.join(late)})" if late else "")
+            )
         lines.extend(_kernels_lines(stats))
     if g is not None:
         lines.append(
@@ -364,21 +382,23 @@ def _api_table(results: dict) -> list[str]:
         "nothing hiding the host, median ms per call; 'x vendor' and 'x linear' are their "
         "times over gemmconv's; 'kernels' is what one gemmconv call runs on the device "
         "(torch.profiler; — where not counted), with the launches in brackets where cuBLAS "
-        "ran its memset or split-K sum beside a GEMM.",
+        "ran its memset or split-K sum beside a GEMM; 'find' is gemmconv's call in find "
+        "mode after find has run (find_api_ms; — where not measured), with find's pick.",
         "",
         "| case | layout | dir | dtype | gemmconv | vendor | linear | x vendor | x linear "
-        "| kernels |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| find | find's pick | kernels |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in rows:
         vendor, linear = api_ratios(r)
-        linear_ms = r.get("linear_api_ms")
+        linear_ms, find_ms = r.get("linear_api_ms"), r.get("find_api_ms")
         lines.append(
             f"| {r['case']} | {r['layout']} | {r['direction']} | {r['dtype']} "
             f"| {r['api_ms']:.4f} | {r['vendor_api_ms']:.4f} "
             f"| {'n/a' if linear_ms is None else f'{linear_ms:.4f}'} | {vendor:.2f} "
             f"| {'n/a' if linear is None else f'{linear:.2f}'} "
-            f"| {_kernels_cell(r)} |"
+            f"| {'—' if find_ms is None else f'{find_ms:.4f}'} "
+            f"| {r.get('find_api_solver') or '—'} | {_kernels_cell(r)} |"
         )
     return [*lines, ""]
 

@@ -2,10 +2,11 @@
 
 For every case x layout x direction, in one process on one device, two kinds of time:
 
-What users pay (``api_ms``, ``vendor_api_ms``, ``linear_api_ms``): the public call of
-gemmconv with its default selection, of torch's F.conv* and of the reshape + F.linear
-rewrite, through autograd for a gradient, timed back to back with nothing hiding the
-host (gemmconv.bench.call_timing.api_times).
+What users pay (``api_ms``, ``vendor_api_ms``, ``linear_api_ms``, ``find_api_ms``): the
+public call of gemmconv with its default selection, of torch's F.conv* and of the
+reshape + F.linear rewrite, through autograd for a gradient, and gemmconv's in find
+mode after find has run (``find_api_solver`` its pick), timed back to back with nothing
+hiding the host (gemmconv.bench.call_timing.api_times).
 
 Device time (a diagnostic: a spin kernel queued ahead of each repetition hides the
 host, the L2 is flushed; time.perf_counter on the CPU):
@@ -116,6 +117,23 @@ def _case(name, title, n, c, k, spatial, kernel, dtypes=("bf16",), tiny_outs=Non
 SUITE: tuple[BenchCase, ...] = (
     _case("point2d", "point 2D", 9500, 3, 1280, (14, 14), (14, 14), ("bf16", "fp16", "fp32")),
     _case("point3d", "point 3D (Qwen2.5-VL)", 9500, 3, 1280, (2, 14, 14), (2, 14, 14)),
+    # Conv3d patch embeds with a temporal kernel of 2, one patch per sample (the batch is
+    # the patch count), the rows where channels-last-3d backward calls lost to cuDNN.
+    # Qwen2-VL: transformers' Qwen2VLVisionConfig, in_channels 3, patch_size 14,
+    # temporal_patch_size 2, embed_dim 1280; 8192 patches (a 1792x1792 image at 14-pixel
+    # patches, or a short video).
+    _case("qwen2vl", "Qwen2-VL Conv3d", 8192, 3, 1280, (2, 14, 14), (2, 14, 14)),
+    # Qwen3-VL: transformers' Qwen3VLVisionConfig, in_channels 3, patch_size 16,
+    # temporal_patch_size 2, hidden_size 1152; 8192 patches.
+    _case("qwen3vl", "Qwen3-VL Conv3d", 8192, 3, 1152, (2, 16, 16), (2, 16, 16)),
+    # Wan 2.1's video-latent patchify: diffusers' WanTransformer3DModel, in_channels 16,
+    # patch_size (1, 2, 2), inner dim 40 heads x 128 = 5120 (the 14B defaults; the 1.3B
+    # model has 1536); one 81-frame 480x832 clip, whose VAE latent is 16x21x60x104.
+    _case("wan21_patchify", "Wan 2.1 latent patchify", 1, 16, 5120, (21, 60, 104), (1, 2, 2)),
+    # SD3's 2x2 latent patchify: diffusers' SD3Transformer2DModel PatchEmbed, in_channels
+    # 16, patch_size 2, sample_size 128 (a 1024x1024 image); SD3-medium's released config
+    # has 24 heads x 64 = 1536 (the class defaults, 18 heads, give 1152); batch 8.
+    _case("sd3_patchify", "SD3 latent patchify", 8, 16, 1536, (128, 128), (2, 2)),
     _case("vit_b16", "ViT-B/16", 256, 3, 768, (224, 224), (16, 16)),
     _case("clip_l14_336", "CLIP ViT-L/14 336", 128, 3, 1024, (336, 336), (14, 14)),
     _case("sam_vit_h", "SAM ViT-H", 8, 3, 1280, (1024, 1024), (16, 16)),
@@ -244,7 +262,9 @@ def run_row(
         del out, sets
         immediate = dispatch.decide(p).solver
         gathers = measure_gathers(p, t, device, policy)
-        public = api_times(p, device, reps=api["reps"], block_ms=api["block_ms"], seed=seed)
+        public = api_times(
+            p, device, reps=api["reps"], block_ms=api["block_ms"], seed=seed, find=True
+        )
     del judge
     by_id = {m.solver: m for m in measured}
     if not by_id["vendor"].ok:
@@ -491,7 +511,7 @@ def _row_line(r: dict) -> str:
         f"vendor {r['vendor_ms']:.4f} linear {r['linear_ms']:.4f} "
         f"gemmconv {r['gemmconv_ms']:.4f} ({r['solver']}) floor {r['floor_ms']:.4f} "
         f"imm {r['immediate_solver']} | a call: gemmconv {r['api_ms']:.4f} vendor "
-        f"{r['vendor_api_ms']:.4f} linear {r['linear_api_ms']:.4f}"
+        f"{r['vendor_api_ms']:.4f} linear {r['linear_api_ms']:.4f} find {r['find_api_ms']:.4f}"
         + (f" FAILED: {','.join(failed)}" if failed else "")
     )
 

@@ -19,10 +19,15 @@ bench``) and the scripts under bench/ and bench/probes/ all measure solvers here
   and ``device_ms``, the kernels' own time with the host hidden behind a head start
   (``timing.time_ms``) — a diagnostic. On the CPU the host does the work itself, so
   the two are one measurement.
+- In the call users make (``InCall``): where the caller gives one, ``call_ms`` is of
+  the public call itself with the candidate tried for the problem (the forward, the
+  autograd node, the layout conversions around the solver, or torch's own road where
+  the vendor's call takes it), on every device; ``device_ms`` stays the bare run's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -73,9 +78,18 @@ def default_policy(device_type: str) -> TimingPolicy:
     return DEFAULT_POLICY.get(device_type, DEFAULT_POLICY["cpu"])
 
 
+# A candidate's calls as users make them: given a solver, a context inside which the
+# public call runs with that solver tried for the problem; it yields the calls (one per
+# operand set), or None where the problem's call cannot be made so (a road closed), and
+# the candidate is then timed bare. gemmconv.selection.dispatch builds one per find.
+Calls = Sequence[Callable[[], object]]
+InCall = Callable[[Solver], contextlib.AbstractContextManager[Calls | None]]
+
+
 @dataclasses.dataclass(frozen=True)
 class Measurement:
-    """One candidate's outcome: its two times, or why it was skipped."""
+    """One candidate's outcome: its two times, or why it was skipped. ``in_call``: its
+    call time is of the public call (InCall), not of its bare run."""
 
     solver: str
     call: Timing | None
@@ -84,6 +98,7 @@ class Measurement:
     verdict: Verdict | None = None
     extra_bytes: int | None = None
     skipped: str | None = None
+    in_call: bool = False
 
     @property
     def ok(self) -> bool:
@@ -237,16 +252,10 @@ def time_solver(
     one measurement is both."""
     first = operand_sets[0]
     device = _first_operand(first).device
-    run = solver.prepare(problem, first)
-    device_time = time_ms(
-        lambda: run(first),
-        device=device,
-        warmup=policy.warmup,
-        reps=policy.reps,
-        setup=setup,
-    )
+    device_time = bare_device_time(problem, solver, first, policy, setup=setup)
     if device.type != "cuda":
         return device_time, device_time
+    run = solver.prepare(problem, first)
     calls = [lambda t=t: run(t) for t in operand_sets]
     if problem.direction is not Direction.FORWARD:
         calls = [through_autograd(call, device) for call in calls]
@@ -254,6 +263,41 @@ def time_solver(
         {solver.id: calls}, device, reps=policy.call_reps, warmup=1, block_ms=policy.block_ms
     )[solver.id]
     return call_time, device_time
+
+
+def bare_device_time(
+    problem: ConvProblem,
+    solver: Solver,
+    tensors: ConvTensors,
+    policy: TimingPolicy,
+    *,
+    setup: Callable[[], object] | None = None,
+) -> Timing:
+    """The device time of the solver's prepared run on ``tensors`` (the host hidden
+    behind a head start on CUDA; the wall clock on the CPU)."""
+    run = solver.prepare(problem, tensors)
+    device = _first_operand(tensors).device
+    return time_ms(
+        lambda: run(tensors), device=device, warmup=policy.warmup, reps=policy.reps, setup=setup
+    )
+
+
+def public_call_time(
+    solver: Solver, in_call: InCall, device: torch.device, policy: TimingPolicy
+) -> Timing | None:
+    """The time of the public call with ``solver`` tried (``in_call``), back to back as
+    a user makes it (CUDA: rotating over the operand sets, ``policy.call_reps`` blocks;
+    the CPU: ``policy.reps`` calls after ``policy.warmup``); None where the call cannot
+    be made so."""
+    with in_call(solver) as calls:
+        if not calls:
+            return None
+        if device.type != "cuda":
+            first = calls[0]
+            return time_ms(first, device=device, warmup=policy.warmup, reps=policy.reps)
+        return time_interleaved(
+            {solver.id: calls}, device, reps=policy.call_reps, warmup=1, block_ms=policy.block_ms
+        )[solver.id]
 
 
 class _BackwardRunning(torch.autograd.Function):
@@ -376,11 +420,13 @@ def measure_solver(
     *,
     judge: Judge | None = None,
     peak_memory: bool = False,
+    in_call: InCall | None = None,
 ) -> Measurement:
     """Check ``solver`` on the first operand set (``run_checked``), then time it
-    (``time_solver``); with ``peak_memory``, also its extra memory at peak. A candidate
-    that raises, runs out of memory or fails the check is returned with the reason in
-    ``skipped``: it can never win, and it never ends the search."""
+    (``time_solver``, in the public call with ``in_call``); with ``peak_memory``, also
+    its extra memory at peak. A candidate that raises, runs out of memory or fails the
+    check is returned with the reason in ``skipped``: it can never win, and it never
+    ends the search."""
     workspace = solver.workspace_bytes(problem)
     verdict = None
     try:
@@ -390,14 +436,22 @@ def measure_solver(
         extra = None
         if peak_memory:
             extra = peak_extra_bytes(lambda: solver.run(problem, operand_sets[0]), out.device)
-        call, device = time_solver(problem, solver, operand_sets, policy)
+        public = None
+        if in_call is not None:
+            public = public_call_time(solver, in_call, out.device, policy)
+        if public is None:
+            call, device = time_solver(problem, solver, operand_sets, policy)
+        else:
+            call, device = public, bare_device_time(problem, solver, operand_sets[0], policy)
     except torch.cuda.OutOfMemoryError as e:
         torch.cuda.empty_cache()
         return Measurement(solver.id, None, None, workspace, verdict, skipped=f"out of memory: {e}")
     except Exception as e:  # a candidate's failure must not end the search
         why = f"{type(e).__name__}: {e}"
         return Measurement(solver.id, None, None, workspace, verdict, skipped=why)
-    return Measurement(solver.id, call, device, workspace, verdict, extra)
+    return Measurement(
+        solver.id, call, device, workspace, verdict, extra, in_call=public is not None
+    )
 
 
 def measure_solvers(
@@ -409,10 +463,12 @@ def measure_solvers(
     seed: int = 0,
     peak_memory: bool = False,
     progress: object | None = None,
+    in_call: InCall | None = None,
 ) -> list[Measurement]:
     """Measure every solver of ``solvers`` (all must apply to ``problem``) on the same
     operands, in order. ``verify`` judges each result against float64 and the vendor;
-    ``progress`` is an object with ``update(n)`` (a tqdm bar), advanced per candidate."""
+    ``progress`` is an object with ``update(n)`` (a tqdm bar), advanced per candidate;
+    ``in_call`` times each in the public call (measure_solver)."""
     device = problem_device(problem)
     policy = policy or default_policy(device.type)
     sets = operand_sets(problem, device, seed)
@@ -421,7 +477,16 @@ def measure_solvers(
     measured = []
     for solver in solvers:
         measured.append(
-            measure_solver(problem, solver, sets, out, policy, judge=judge, peak_memory=peak_memory)
+            measure_solver(
+                problem,
+                solver,
+                sets,
+                out,
+                policy,
+                judge=judge,
+                peak_memory=peak_memory,
+                in_call=in_call,
+            )  # fmt: skip
         )
         if progress is not None:
             progress.update(1)
@@ -437,6 +502,8 @@ def fastest(measured: Sequence[Measurement], by: str = "call_ms") -> Measurement
 
 __all__ = [
     "DEFAULT_POLICY",
+    "bare_device_time",
+    "InCall",
     "Judge",
     "Measurement",
     "TimingPolicy",
@@ -450,6 +517,7 @@ __all__ = [
     "peak_extra_bytes",
     "peak_rates",
     "problem_device",
+    "public_call_time",
     "result_like",
     "run_checked",
     "time_solver",

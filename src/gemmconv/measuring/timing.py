@@ -26,11 +26,12 @@ each may rotate over several operand sets.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -205,12 +206,21 @@ def time_interleaved(
     calls_per_rep: int | None = None,
     block_ms: float | None = None,
     shuffled: bool = True,
+    settings: Mapping[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
 ) -> dict[str, Timing]:
     """Per name, milliseconds per call: ``reps`` repetitions of a block of back-to-back
     calls (rotating over that name's callables, one per operand set), the names
     interleaved in interleaved_orders' order (``shuffled=False``: rotated). A block
     holds ``calls_per_rep`` calls, else as many as last about ``block_ms`` (default
-    DEFAULT_BLOCK_MS), judged from one synchronised pass."""
+    DEFAULT_BLOCK_MS), judged from one synchronised pass. ``settings`` maps a name to
+    a context its calls run in (a selection mode), entered around each of its blocks,
+    its warm-up and its sizing pass, never inside a block."""
+    settings = settings or {}
+
+    def setting(name: str) -> contextlib.AbstractContextManager:
+        made = settings.get(name)
+        return contextlib.nullcontext() if made is None else made()
+
     if reps < 1:
         raise ValueError(f"reps={reps}: expected at least 1")
     if warmup < 0:
@@ -218,34 +228,38 @@ def time_interleaved(
     device = torch.device(device)
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for fns in calls.values():
-        for _ in range(warmup):
-            for fn in fns:
-                fn()
+    for name, fns in calls.items():
+        with setting(name):
+            for _ in range(warmup):
+                for fn in fns:
+                    fn()
     target_ms = block_ms if block_ms is not None else DEFAULT_BLOCK_MS[device.type]
-    block = {name: calls_per_rep or _calls_per_block(fns, target_ms, sync)
-             for name, fns in calls.items()}  # fmt: skip
+    block = {}
+    for name, fns in calls.items():
+        with setting(name):
+            block[name] = calls_per_rep or _calls_per_block(fns, target_ms, sync)
     names = list(calls)
     marks: dict[str, list] = {name: [] for name in names}
     for order in interleaved_orders(names, reps, shuffled=shuffled):
         for name in order:
             fns, k = calls[name], block[name]
-            sync()  # the device is idle: no head start for the block
-            if cuda:
-                start, end = (
-                    torch.cuda.Event(enable_timing=True),
-                    torch.cuda.Event(enable_timing=True),
-                )
-                start.record()
-                for i in range(k):
-                    fns[i % len(fns)]()
-                end.record()
-                marks[name].append((start, end))
-            else:
-                begin = time.perf_counter()
-                for i in range(k):
-                    fns[i % len(fns)]()
-                marks[name].append((begin, time.perf_counter()))
+            with setting(name):
+                sync()  # the device is idle: no head start for the block
+                if cuda:
+                    start, end = (
+                        torch.cuda.Event(enable_timing=True),
+                        torch.cuda.Event(enable_timing=True),
+                    )
+                    start.record()
+                    for i in range(k):
+                        fns[i % len(fns)]()
+                    end.record()
+                    marks[name].append((start, end))
+                else:
+                    begin = time.perf_counter()
+                    for i in range(k):
+                        fns[i % len(fns)]()
+                    marks[name].append((begin, time.perf_counter()))
     sync()
     result = {}
     for name in names:

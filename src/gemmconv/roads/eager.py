@@ -22,6 +22,7 @@ and computes everything afresh.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.autograd.forward_ad as forward_ad
@@ -216,8 +217,10 @@ def training_road(problem: ConvProblem, need_dx: bool, need_dw: bool) -> Trainin
     torch's convolution, with its fused backward, where the forward and the needed
     backward directions chose the vendor, and where what the GEMM solvers among them
     save over it is less than gemmconv's autograd node costs the host
-    (DeviceRates.autograd_node_us); never against a forced solver or a saving nobody
-    estimated. Decides (or, in find modes, benchmarks) the directions it counts."""
+    (DeviceRates.autograd_node_us); never against a forced or tried solver or a saving
+    nobody estimated, and never against a backward GEMM that find timed in the public
+    call (its call, node paid, beat the vendor's). Decides (or, in find modes,
+    benchmarks) the directions it counts."""
     choices = {Direction.FORWARD: dispatch.choose(problem)}
     for direction, needed_here in (
         (Direction.BACKWARD_DATA, need_dx),
@@ -225,7 +228,7 @@ def training_road(problem: ConvProblem, need_dx: bool, need_dw: bool) -> Trainin
     ):
         if needed_here:
             choices[direction] = dispatch.choose(backward_problem(problem, direction))
-    savings = [_saving_over_vendor(choice) for choice in choices.values()]
+    savings = [_saving_over_vendor(choice, d) for d, choice in choices.items()]
     node_ms = device_rates.rates_for(problem.device_type).autograd_node_us / 1000
     saving_ms = None if None in savings else sum(savings)
     on_torch = saving_ms is not None and (not any(savings) or saving_ms < node_ms)
@@ -250,15 +253,19 @@ def training_notes(problem: ConvProblem, needs: list[tuple[bool, bool]]) -> list
     return notes
 
 
-def _saving_over_vendor(choice: dispatch.Choice) -> float | None:
+def _saving_over_vendor(choice: dispatch.Choice, direction: Direction) -> float | None:
     """How many ms ``choice`` saves over the vendor on its direction, by the times it
     was decided on (measured by find, else estimated); None where it was forced or
-    no time says."""
+    tried (dispatch.trial) or no time says. A backward direction's GEMM that find timed
+    in the public call (``Choice.in_call``) beat the vendor's call on the road the
+    vendor's takes, its node paid: it saves without bound, so the node serves."""
     if choice.solver == "vendor":
         return 0.0
     times = choice.times_ms or choice.estimates_ms
-    if choice.source == "forced" or choice.solver not in times or "vendor" not in times:
+    if choice.source in ("forced", "trial") or choice.solver not in times or "vendor" not in times:
         return None
+    if choice.in_call and choice.times_ms and direction is not Direction.FORWARD:
+        return math.inf
     return times["vendor"] - times[choice.solver]
 
 

@@ -39,23 +39,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from gemmconv.core import device_rates
 from gemmconv.core.device_rates import DeviceRates
 from gemmconv.core.precision import convolutions_allow_tf32
-from gemmconv.core.problem import DIRECTIONS, ConvProblem
+from gemmconv.core.problem import DIRECTIONS, ConvProblem, Direction
 from gemmconv.selection import calibrate
 from gemmconv.selection.explanation import Choice, Explanation, FindMode, slower_than
 from gemmconv.selection.finddb import DATABASE_ERRORS
 from gemmconv.solvers import SOLVERS, Solver, get_solver
 from gemmconv.solvers.base import determinism_state
+
+if TYPE_CHECKING:  # a type only: measuring loads when find first runs
+    from gemmconv.measuring.measure import InCall
 
 log = logging.getLogger("gemmconv.dispatch")
 
@@ -165,14 +169,47 @@ def decide(
     if not estimates:
         raise RuntimeError(f"no solver applies to {problem.key()}: {_listing(rejected)}")
     best = min(estimates, key=estimates.__getitem__)  # min keeps the first of equals
+    reason = f"lowest estimate, {estimates[best]:.4g} ms"
+    tie = _forward_tie(problem, solvers, estimates, best, rates)
+    if tie is not None:
+        rejected[best] = [tie]
+        reason = f"the vendor's single call: {tie}"
+        best = "vendor"
     for sid, est in estimates.items():
-        if sid != best:
+        if sid != best and sid not in rejected:
             rejected[sid] = [slower_than("estimate", est, estimates[best], best)]
-    return Choice(
-        solver=best,
-        rejected=rejected,
-        estimates_ms=estimates,
-        reason=f"lowest estimate, {estimates[best]:.4g} ms",
+    return Choice(solver=best, rejected=rejected, estimates_ms=estimates, reason=reason)
+
+
+def _forward_tie(
+    problem: ConvProblem,
+    solvers: Sequence[Solver],
+    estimates: dict[str, float],
+    best: str,
+    rates: DeviceRates | None,
+) -> str | None:
+    """The tie rule for forwards, as the training road's for calls with gradients: on a
+    device whose host runs ahead of it (a GPU), a GEMM solver whose estimated saving
+    over the vendor is less than its own call's host time (Solver.host_ms, the measured
+    launch costs of the cost table) leaves the forward to the vendor's single call.
+    There a call is priced at the larger of device and host time, so the GEMM's host
+    work goes unpriced behind its device time, and a saving under it is a tie the
+    estimate cannot tell apart (ResNet's 1x1 forwards: estimated 6 us, measured -1 to
+    0 us a call on the H200, tests/data/h200_suite.json). On the CPU host time adds to
+    every estimate already. Returns why, or None where the GEMM keeps the forward."""
+    if problem.direction is not Direction.FORWARD or best == "vendor" or "vendor" not in estimates:
+        return None
+    rates = rates or device_rates.rates_for(problem.device_type)
+    if not rates.host_overlaps_device:
+        return None
+    solver = next(s for s in solvers if s.id == best)
+    saving_ms = estimates["vendor"] - estimates[best]
+    host_ms = solver.host_ms(problem, rates)
+    if saving_ms >= host_ms:
+        return None
+    return (
+        f"saves {saving_ms * 1000:.1f} us over the vendor by estimate, less than its "
+        f"call's host time ({host_ms * 1000:.1f} us)"
     )
 
 
@@ -270,7 +307,11 @@ def _decide_by_find(problem: ConvProblem, estimated: Choice, store: bool) -> Cho
     from gemmconv.selection.find import find_best
 
     applicable = [get_solver(sid) for sid in estimated.estimates_ms]
-    result = find_best(problem, applicable, verify=find_verify_enabled())
+    in_call = None if _public_calls is None else _public_calls(problem)
+    if in_call is None:
+        result = find_best(problem, applicable, verify=find_verify_enabled())
+    else:
+        result = find_best(problem, applicable, verify=find_verify_enabled(), in_call=in_call)
     rejected = {k: v for k, v in estimated.rejected.items() if k not in estimated.estimates_ms}
     for cand in result.candidates:
         if cand.solver == result.best:
@@ -303,7 +344,85 @@ def _decide_by_find(problem: ConvProblem, estimated: Choice, store: bool) -> Cho
         source="find",
         times_ms=result.times_ms(),
         device_times_ms=result.device_times_ms(),
+        in_call=result.in_call,
     )
+
+
+# ---- trials: a candidate inside the call users make -----------------------------
+
+# Per problem on trial, the solver it runs; set only inside find (trial()). Process-wide
+# like the mode: a backward runs on the autograd engine's threads.
+_trials: dict[ConvProblem, str] = {}
+# The innermost trial's number, part of selection_key(), so that what the roads memoise
+# while a candidate is tried is that trial's own; None outside any trial.
+_trial_token: int | None = None
+_trial_numbers = itertools.count(1)
+# How many times choose() gave each trial's solver, by trial number.
+_trial_hits: dict[int, int] = {}
+
+
+@contextlib.contextmanager
+def trial(problem: ConvProblem, solver_id: str) -> Iterator[int]:
+    """Inside the block, ``choose(problem)`` gives ``solver_id`` (source "trial", nothing
+    cached, found or stored) and every other problem is decided as usual: find times a
+    candidate in the public call this way. Yields the trial's number (``trial_hits``
+    says whether the call reached the problem). What the roads memoised inside is
+    forgotten at the end (its keys hold the trial's number), so the trial leaves
+    nothing behind but the choices of other problems it decided."""
+    global _trial_token
+    number = next(_trial_numbers)
+    with _lock:
+        saved_solver, saved_token = _trials.get(problem), _trial_token
+        _trials[problem] = solver_id
+        _trial_token = number
+        _trial_hits[number] = 0
+    try:
+        yield number
+    finally:
+        with _lock:
+            if saved_solver is None:
+                del _trials[problem]
+            else:
+                _trials[problem] = saved_solver
+            _trial_token = saved_token
+            del _trial_hits[number]
+            for memo in _dependent_caches:
+                for key in [k for k in memo if _made_in_trial(k, number)]:
+                    del memo[key]
+
+
+def trial_hits(number: int) -> int:
+    """How many decisions trial ``number`` has made so far (0: the call never reached its
+    problem)."""
+    return _trial_hits.get(number, 0)
+
+
+def _made_in_trial(key: object, number: int) -> bool:
+    """Whether a memo's key ends with the selection_key() of trial ``number``."""
+    if not isinstance(key, tuple) or not key:
+        return False
+    last = key[-1]
+    return isinstance(last, tuple) and len(last) == _SELECTION_KEY_LENGTH and last[-1] == number
+
+
+def _trial_choice(problem: ConvProblem, solver_id: str) -> Choice:
+    if _trial_token is not None:
+        _trial_hits[_trial_token] = _trial_hits.get(_trial_token, 0) + 1
+    mode = current_find_mode().value
+    return Choice(solver_id, {}, {}, "tried in find's call", mode, "trial")
+
+
+# Where set, a function of a problem giving find its candidates' public calls
+# (measure.InCall), or None where the call cannot be made; the eager road sets it when
+# it is imported (gemmconv.roads.in_call), being the layer that makes the public call.
+_public_calls: Callable[[ConvProblem], InCall | None] | None = None
+
+
+def set_public_calls(builder: Callable[[ConvProblem], InCall | None] | None) -> None:
+    """Give find the public call of a problem with a candidate tried (None: find times
+    each candidate's bare run, from an autograd node for a backward direction)."""
+    global _public_calls
+    _public_calls = builder
 
 
 # ---- the cached entry points ----------------------------------------------------
@@ -344,9 +463,19 @@ _lock = threading.Lock()
 def choose(problem: ConvProblem, solver: str | None = None) -> Choice:
     """The cached choice for ``problem`` in the current selection state; ``solver``
     forces one."""
+    if _trials and solver is None:
+        tried = _trials.get(problem)
+        if tried is not None:
+            return _trial_choice(problem, tried)
     state = selection_state(solver)
     key = (problem, state)
     choice = _cache.get(key)
+    if choice is None and _trials and state.mode in (FindMode.FIND, FindMode.HYBRID):
+        # Another problem a tried call meets, undecided (the forward of a backward
+        # direction's graph): decided as the database mode would, measuring nothing and
+        # caching nothing, so one find never starts another, and the problem, if the
+        # user's calls meet it, is found then.
+        return _decide_in_mode(problem, FindMode.DATABASE, state.forced, state.disabled)
     if choice is None:
         # A device the cost table does not know is calibrated here, before selection,
         # so that estimating stays pure.
@@ -357,6 +486,12 @@ def choose(problem: ConvProblem, solver: str | None = None) -> Choice:
         level = logging.INFO if choice.solver == "vendor" else logging.DEBUG
         log.log(level, "%s [%s] -> %s", problem.key(), state.mode.value, choice)
     return choice
+
+
+def decided(problem: ConvProblem) -> Choice | None:
+    """The cached choice for ``problem`` in the current selection state, without deciding
+    one (None where none is cached)."""
+    return _cache.get((problem, selection_state()))
 
 
 def database_key(problem: ConvProblem) -> str:
@@ -391,7 +526,8 @@ def selection_key() -> tuple:
     """Everything besides the problem that ``choose(problem)`` and the solvers decide
     from, read raw: the block and process modes, the cudnn benchmark and TF32 flags,
     the determinism flag and the environment settings (``$GEMMCONV_FIND_MODE``,
-    ``$GEMMCONV_SOLVER``, ``$GEMMCONV_DISABLE``, ``$CUBLAS_WORKSPACE_CONFIG``).
+    ``$GEMMCONV_SOLVER``, ``$GEMMCONV_DISABLE``, ``$CUBLAS_WORKSPACE_CONFIG``) and
+    the number of the trial find is making (``trial``), None outside one.
 
     Equal keys give equal choices for a problem until ``clear_cache()``, so a caller
     may memoise per (problem metadata, key) what it derives from a choice (see
@@ -410,7 +546,11 @@ def selection_key() -> tuple:
         _read_setting(_SOLVER_RAW),
         _read_setting(_DISABLE_RAW),
         _read_setting(_WORKSPACE_RAW),
+        _trial_token,
     )
+
+
+_SELECTION_KEY_LENGTH = len(selection_key())
 
 
 # Memos of other modules built from choices; emptied with the choice cache.
@@ -575,6 +715,7 @@ __all__ = [
     "current_find_mode",
     "database_key",
     "decide",
+    "decided",
     "dependent_cache",
     "cuda_rates",
     "estimate",
@@ -584,6 +725,9 @@ __all__ = [
     "selection_key",
     "selection_state",
     "set_find_mode",
+    "set_public_calls",
     "solver_for",
     "sync_choices",
+    "trial",
+    "trial_hits",
 ]

@@ -35,7 +35,10 @@ class Choice:
     "forced", or "rank N" for a choice adopted from rank N by ``sync_choices()``. A
     find fills ``times_ms`` with each measured candidate's call time, which decided,
     and ``device_times_ms`` with its device time (a diagnostic;
-    gemmconv.measuring.measure says how each is taken)."""
+    gemmconv.measuring.measure says how each is taken). ``in_call``: those call times
+    are of the public call with each candidate tried (the forward, gemmconv's autograd
+    node or torch's own road, the layout conversions), not of its bare run. "trial" is
+    the source of a candidate tried inside find."""
 
     solver: str
     rejected: dict[str, list[str]]
@@ -45,6 +48,7 @@ class Choice:
     source: str = "estimate"
     times_ms: dict[str, float] = dataclasses.field(default_factory=dict)
     device_times_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    in_call: bool = False
 
     def __str__(self) -> str:
         return f"{self.solver} ({self.reason})"

@@ -2,8 +2,11 @@
 
 The candidates are measured by gemmconv.measuring.measure on the same fresh seeded random
 operands of the problem's shapes, layout, dtype and device. The winner is the fastest
-by what a call costs as a user makes it (back-to-back calls, ``call_ms``); the
-device time of each (``device_ms``) is kept beside it as a diagnostic. A candidate
+by what a call costs as a user makes it (back-to-back calls, ``call_ms``): with
+``in_call`` (gemmconv.selection.dispatch gives it where the eager road can make the call),
+the public call itself with the candidate tried, its forward, autograd node and layout
+conversions included; the device time of each (``device_ms``) is kept beside it as a
+diagnostic. A candidate
 that raises, runs out of memory, leaves an element unwritten or — when verification is
 asked for — fails it, is logged and skipped; it can never win.
 """
@@ -15,7 +18,13 @@ import logging
 from collections.abc import Sequence
 
 from gemmconv.core.problem import ConvProblem
-from gemmconv.measuring.measure import Measurement, TimingPolicy, fastest, measure_solvers
+from gemmconv.measuring.measure import (
+    InCall,
+    Measurement,
+    TimingPolicy,
+    fastest,
+    measure_solvers,
+)
 from gemmconv.solvers import Solver
 
 log = logging.getLogger("gemmconv.find")
@@ -29,6 +38,12 @@ class FindResult:
     best_device_ms: float
     workspace_bytes: int
     candidates: tuple[Measurement, ...]
+
+    @property
+    def in_call(self) -> bool:
+        """Whether every timed candidate was timed in the public call (InCall)."""
+        timed = [c for c in self.candidates if c.ok]
+        return bool(timed) and all(c.in_call for c in timed)
 
     def times_ms(self) -> dict[str, float]:
         """Call time per measured candidate."""
@@ -46,14 +61,17 @@ def find_best(
     verify: bool = False,
     policy: TimingPolicy | None = None,
     progress: object | None = None,
+    in_call: InCall | None = None,
 ) -> FindResult:
     """Measure every solver of ``solvers`` (all must apply to ``problem``) and return
     the fastest by call time. ``policy`` defaults to measure.default_policy of the
     problem's device; ``progress`` is an object with ``update(n)`` (a tqdm bar),
-    advanced once per candidate."""
+    advanced once per candidate; ``in_call`` times each in the public call."""
     if not solvers:
         raise ValueError(f"solvers=[]: find on {problem.key()} needs at least one candidate")
-    measured = measure_solvers(problem, solvers, policy=policy, verify=verify, progress=progress)
+    measured = measure_solvers(
+        problem, solvers, policy=policy, verify=verify, progress=progress, in_call=in_call
+    )
     for m in measured:
         if not m.ok:
             failed_check = m.verdict is not None and not m.verdict.ok
