@@ -253,10 +253,16 @@ def wrap(wrapper: str, model: torch.nn.Module, world: World) -> torch.nn.Module:
     if wrapper == "ddp":
         device_ids = [world.device.index] if world.device.type == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    from torch.distributed.device_mesh import init_device_mesh
+
     fully_shard = fully_shard_function()
+    # The world's own device: without a mesh fully_shard takes the accelerator where
+    # there is one, whatever the backend (gloo's CPU processes on a GPU machine, which
+    # then asked for a GPU per rank).
+    mesh = init_device_mesh(world.device.type, (world.size,))
     for block in getattr(model, "blocks", ()):
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

@@ -23,6 +23,52 @@ if not torch.cuda.is_available() or os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# Where Triton's interpreter cannot run gemmconv's kernels (Triton 3.6 with NumPy >= 2.4:
+# see interpreter_probe), on a machine with a CUDA device, whose gpu-marked tests run the
+# same kernels compiled: each interpreted launch skips its test, naming the releases.
+# Without a CUDA device those tests are the kernels' only check, so they fail instead.
+_interpreter_patch = pytest.MonkeyPatch()
+_INTERPRETER_REFUSAL = pytest.StashKey[str | None]()
+
+
+def _interpreter_refusal() -> str | None:
+    from gemmconv.kernels import triton_available
+
+    if not triton_available():
+        return None
+    from interpreter_probe import interpreter_refusal
+
+    return interpreter_refusal()
+
+
+def pytest_configure(config):
+    refusal = _interpreter_refusal()
+    config.stash[_INTERPRETER_REFUSAL] = refusal
+    if refusal is None or not torch.cuda.is_available():
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    reason = f"{refusal}; the gpu-marked tests run these kernels compiled on this machine"
+
+    def skip_the_test(self, *args, **kwargs):
+        pytest.skip(reason)
+
+    _interpreter_patch.setattr(InterpretedFunction, "run", skip_the_test)
+
+
+def pytest_unconfigure(config):
+    _interpreter_patch.undo()
+
+
+def pytest_report_header(config):
+    refusal = config.stash.get(_INTERPRETER_REFUSAL, None)
+    if refusal is None:
+        return None
+    if torch.cuda.is_available():
+        return f"{refusal}: tests that launch an interpreted kernel are skipped"
+    return f"{refusal}: tests that launch an interpreted kernel fail (no CUDA device here)"
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

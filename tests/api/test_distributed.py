@@ -75,10 +75,14 @@ def _worker(rank: int, port: int, modes: list[str], out_dir: str) -> None:
                 _train(torch.nn.parallel.DistributedDataParallel(model), x[shard], y[shard])
                 state = {k: v.detach().clone() for k, v in model.state_dict().items()}
             else:
+                from torch.distributed.device_mesh import init_device_mesh
                 from torch.distributed.fsdp import fully_shard
 
-                fully_shard(model.patch_embed)
-                fully_shard(model)
+                # A CPU mesh: without one fully_shard takes the accelerator where there
+                # is one, moving the model there and the inputs with it.
+                mesh = init_device_mesh("cpu", (WORLD,))
+                fully_shard(model.patch_embed, mesh=mesh)
+                fully_shard(model, mesh=mesh)
                 _train(model, x[shard], y[shard])
                 state = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
             # Wrapping may subclass the module (FSDP2 does); it must still be gemmconv's.

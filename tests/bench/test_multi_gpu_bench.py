@@ -95,6 +95,32 @@ def test_two_gloo_processes_run_the_script_end_to_end(tmp_path):
     assert "rank 1: " in output  # each rank's choices, printed
 
 
+def test_fsdp2_shards_over_a_mesh_of_the_worlds_device(monkeypatch):
+    """fully_shard without a mesh takes the accelerator where one is present, whatever
+    the process group's backend: gloo's CPU processes on a GPU machine asked for a GPU
+    per rank. The script passes a mesh of its world's device to every call."""
+    from torch.distributed import device_mesh
+
+    meshes, sharded = [], []
+    monkeypatch.setattr(
+        device_mesh, "init_device_mesh", lambda kind, shape: meshes.append((kind, shape)) or kind
+    )
+    monkeypatch.setattr(
+        multi_gpu,
+        "fully_shard_function",
+        lambda: lambda module, **kwargs: sharded.append((module, kwargs)),
+    )
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    for device in ("cpu", "cuda"):
+        meshes.clear()
+        sharded.clear()
+        world = multi_gpu.World(0, 2, torch.device(device))
+        assert multi_gpu.wrap("fsdp2", model, world) is model
+        assert meshes == [(device, (2,))]
+        assert sharded == [(m, {"mesh": device}) for m in (*model.blocks, model)]
+
+
 def test_bad_arguments_are_refused_by_name(capsys):
     for argv, message in [
         (["--steps", "4", "--timed", "4"], "--timed=4: expected 1 <= timed < --steps (4)"),

@@ -24,8 +24,10 @@ from gemmconv.terminal import progress
 
 from conftest import RecordingBar
 
+# The CPU path: --device auto would take a CUDA device where one is present (in bf16).
+CPU = ["--device", "cpu"]
 # A small patch-class problem: patch, im2col and vendor apply in every direction.
-PATCH = "-n 4 -c 3 -H 16 -W 16 -k 16 -y 2 -x 2 -u 2 -v 2 -i 2 --warmup 0".split()
+PATCH = [*CPU, *"-n 4 -c 3 -H 16 -W 16 -k 16 -y 2 -x 2 -u 2 -v 2 -i 2 --warmup 0".split()]
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
@@ -129,7 +131,9 @@ def test_time_and_verify_can_be_turned_off(capsys):
     ],
 )
 def test_one_two_and_three_dimensional_problems(capsys, flags, layout, key_part):
-    data = run_json(capsys, "conv", "-n", "2", "-c", "4", "-k", "8", "-i", "1", *flags.split())
+    data = run_json(
+        capsys, "conv", *CPU, "-n", "2", "-c", "4", "-k", "8", "-i", "1", *flags.split()
+    )
     assert data["layout"] == layout and data["ok"]
     assert all(d["problem"].startswith(key_part) for d in data["directions"])
 
@@ -146,14 +150,14 @@ def test_bias_and_dtype_flags(capsys):
 def test_channels_last_with_bias_in_every_direction(capsys, search):
     """The driver's random operands: the bias is a plain vector whatever the layout."""
     flags = "-n 2 -c 3 -H 8 -W 8 -k 4 -y 2 -x 2 -u 2 -v 2 -i 1 --warmup 0 --layout NHWC --bias"
-    data = run_json(capsys, "conv", *flags.split(), "-s", search)
+    data = run_json(capsys, "conv", *CPU, *flags.split(), "-s", search)
     assert data["ok"] and len(data["directions"]) == 3
     assert data["directions"][0]["problem"].endswith("-forward-b1")
     assert {d["source"] for d in data["directions"]} == {"find" if search == "1" else "estimate"}
 
 
 def test_dtype_auto_is_fp32_on_the_cpu(capsys):
-    assert run_json(capsys, "conv", *PATCH, "-F", "1", "--device", "cpu")["dtype"] == "fp32"
+    assert run_json(capsys, "conv", *PATCH, "-F", "1")["dtype"] == "fp32"
     # The default of conv and demo alike, so the headline case runs fp32 on the CPU.
     for command in ("conv", "demo"):
         assert cli.build_parser().parse_args([command]).dtype == "auto"
@@ -265,7 +269,7 @@ _TOO_LARGE = [
     (f"conv -t {_2_63}", "conv", f"argument -t/--time: {_2_63}"),
     (f"conv -F {_2_63}", "conv", f"argument -F/--forw: {_2_63}"),
     (f"conv -p {2**62}", "conv", f"the padded input H=32+2*{2**62}"),
-    (f"conv -n {2**62}", "conv", f"the input tensor {2**62}x3x32x32 (fp32, from -n/--batch"),
+    (f"conv -n {2**62} --device cpu", "conv", f"the input tensor {2**62}x3x32x32 (fp32, from -n"),
     (f"conv -H {2**63 - 1}", "conv", f"the input tensor 100x3x{2**63 - 1}x32"),
     (f"conv -k {2**63 - 1}", "conv", f"the weight tensor {2**63 - 1}x3x3x3"),
     (f"conv -c 1 -H 1 -W 1 -y 1 -x 1 -n {2**60} -k 8", "conv", f"the output tensor {2**60}x8x1x1"),
@@ -336,11 +340,11 @@ def test_bad_flags_give_one_line_and_exit_2(capsys, argv, prog, message):
 
 
 def test_a_forced_solver_that_does_not_apply_blames_the_flag(capsys, monkeypatch):
-    code, _, err = run(capsys, "conv", "-n", "2", "-S", "pointwise")
+    code, _, err = run(capsys, "conv", *CPU, "-n", "2", "-S", "pointwise")
     assert code == 2 and "-S/--solver" in err and "GEMMCONV_SOLVER" not in err
     assert "kernel (3, 3) is not 1x1" in err
     monkeypatch.setenv("GEMMCONV_SOLVER", "pointwise")
-    code, _, err = run(capsys, "conv", "-n", "2")
+    code, _, err = run(capsys, "conv", *CPU, "-n", "2")
     assert code == 2 and "GEMMCONV_SOLVER" in err
 
 
@@ -685,7 +689,7 @@ def test_tune_finds_every_problem_of_a_file(capsys, tmp_path):
     problems.write_text(
         "# patch embedding, forward only\n"
         + " ".join(PATCH[:-4])
-        + " -F 1\n\n-n 2 -c 8 -H 6 -W 6 -k 8 -y 1 -x 1 --layout NHWC  # pointwise\n"
+        + " -F 1\n\n-n 2 -c 8 -H 6 -W 6 -k 8 -y 1 -x 1 --layout NHWC --device cpu  # pointwise\n"
     )
     code, out, err = run(capsys, "tune", str(problems), "--json")
     assert code == 0, err
@@ -722,7 +726,7 @@ def test_tune_names_the_bad_line(capsys, tmp_path):
 
 
 def test_demo_presets_the_headline_case(capsys):
-    code, out, err = run(capsys, "demo", "-n", "16", "-i", "1", "--warmup", "0")
+    code, out, err = run(capsys, "demo", *CPU, "-n", "16", "-i", "1", "--warmup", "0")
     assert code == 0, err
     assert "N=16 C=3 14x14 -> K=1280, filter 14x14, stride 14x14" in out
     assert out.count("Verifies OK") == 3

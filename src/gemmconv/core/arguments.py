@@ -45,18 +45,25 @@ def _as_int(fn: str, name: str, value: Any, overflow: type[Exception] = ValueErr
     integer and TypeError for one inside a sequence)."""
     if isinstance(value, bool):
         raise TypeError(f"{fn}: {name}={value!r} is a bool; expected an integer")
+    # A value without __index__ is refused before operator.index sees it: under
+    # torch.compile, torch 2.11's dynamo raises operator.index's TypeError as its own
+    # InternalTorchDynamoError, which no except clause here catches.
+    if not isinstance(value, int) and not hasattr(value, "__index__"):
+        raise _not_an_integer(fn, name, value)
     try:
         result = operator.index(value)
     except TypeError:
-        raise TypeError(
-            f"{fn}: {name}={value!r} of type {type(value).__name__}; expected an integer"
-        ) from None
+        raise _not_an_integer(fn, name, value) from None
     if not INT64_MIN <= result <= INT64_MAX:
         raise overflow(
             f"{fn}: {name}={result} does not fit in 64 bits; expected an integer in "
             f"[-2**63, 2**63 - 1]"
         )
     return result
+
+
+def _not_an_integer(fn: str, name: str, value: Any) -> TypeError:
+    return TypeError(f"{fn}: {name}={value!r} of type {type(value).__name__}; expected an integer")
 
 
 def _int_tuple(fn: str, name: str, value: Any, dims: int) -> tuple[int, ...]:

@@ -9,6 +9,7 @@ when its transpose(1, 2) is contiguous, so 1-D convolutions keep their layout to
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -110,15 +111,34 @@ def output_layout(layout: Layout, dims: int, dtype: torch.dtype, device_type: st
 
     torch's backends differ: 1-D outputs are contiguous (but for that weight); cuDNN
     and the CPU's oneDNN path keep channels-last, but cuDNN never computes fp64
-    channels-last and the CPU's 3-D fp16/fp64 kernels only produce contiguous outputs.
+    channels-last, and a 3-D convolution that the CPU does not hand to oneDNN (fp64
+    always, fp16 and bf16 where the processor lacks them) gives a contiguous output.
     """
     if dims == 1:
         return Layout.CHANNELS_FIRST
     if dtype == torch.float64 and device_type == "cuda":
         return Layout.CHANNELS_FIRST
-    if dims == 3 and device_type == "cpu" and dtype in (torch.float16, torch.float64):
-        return Layout.CHANNELS_FIRST
+    if dims == 3 and device_type == "cpu" and layout is Layout.CHANNELS_LAST:
+        return _cpu_3d_output_layout(dtype, torch._C._get_mkldnn_enabled())
     return layout
+
+
+@functools.cache
+def _cpu_3d_output_layout(dtype: torch.dtype, onednn_enabled: bool) -> Layout:
+    """The layout the CPU gives a channels-last 3-D convolution in ``dtype``, asked of
+    torch's backend selection for a small one (batch 2, kernel 2: fp32's size rules
+    send it to oneDNN, as most problems). oneDNN takes fp16 only on processors with
+    AVX512-FP16 or AVX-NE-CONVERT (a Sapphire Rapids host, not an older one), bf16 on
+    those with AVX512 or AVX-NE-CONVERT, never fp64, and none while
+    torch.backends.mkldnn is disabled (``onednn_enabled``, part of the key)."""
+    if _select_conv_backend is None or _backend_memory_format is None:
+        # A torch without the question: its CPU's 3-D fp16/fp64 kernels are the slow ones.
+        slow = dtype in (torch.float16, torch.float64)
+        return Layout.CHANNELS_FIRST if slow else Layout.CHANNELS_LAST
+    x = empty_in((2, 2, 2, 2, 2), Layout.CHANNELS_LAST, dtype, torch.device("cpu"))
+    w = torch.empty((2, 2, 2, 2, 2), dtype=dtype)
+    asked = _torch_output_layout(x, w, None, (1, 1, 1), (0, 0, 0), (1, 1, 1), 1)
+    return Layout.CHANNELS_LAST if asked is None else asked
 
 
 def forward_output_layout(
