@@ -21,6 +21,7 @@ from gemmconv.solvers.im2col import Im2colSolver
 from gemmconv.solvers.patch import PatchSolver
 from gemmconv.solvers.vendor import VendorSolver, vendor_efficiency
 
+from find_counting import count_finds
 from h200_measurements import vendor_measured_competitive
 
 
@@ -38,18 +39,6 @@ def _gemm_sized_patch_problem() -> ConvProblem:
 
 def _applicable(problem: ConvProblem) -> set[str]:
     return {s.id for s in SOLVERS if s.is_applicable(problem)}
-
-
-def _count_finds(monkeypatch) -> list[ConvProblem]:
-    calls: list[ConvProblem] = []
-    real = find_module.find_best
-
-    def counting(problem, solvers, **kw):
-        calls.append(problem)
-        return real(problem, solvers, **kw)
-
-    monkeypatch.setattr(find_module, "find_best", counting)
-    return calls
 
 
 def _no_find(monkeypatch) -> None:
@@ -168,7 +157,7 @@ def test_rows_of_another_device_are_not_hits(monkeypatch):
 
 
 def test_find_times_every_applicable_solver_and_stores_the_winner(monkeypatch):
-    calls = _count_finds(monkeypatch)
+    calls = count_finds(monkeypatch)
     problem = _patch_problem(direction=Direction.BACKWARD_DATA)
     with gemmconv.find_mode("find"):
         choice = dispatch.choose(problem)
@@ -184,7 +173,7 @@ def test_find_times_every_applicable_solver_and_stores_the_winner(monkeypatch):
 
 
 def test_hybrid_uses_a_hit_else_finds(monkeypatch):
-    calls = _count_finds(monkeypatch)
+    calls = count_finds(monkeypatch)
     hit, miss = _patch_problem(), _patch_problem(direction=Direction.BACKWARD_WEIGHTS)
     _store(hit, "vendor")
     with gemmconv.find_mode("hybrid"):
@@ -196,7 +185,7 @@ def test_hybrid_uses_a_hit_else_finds(monkeypatch):
 
 
 def test_cudnn_benchmark_true_means_hybrid(monkeypatch):
-    calls = _count_finds(monkeypatch)
+    calls = count_finds(monkeypatch)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
     choice = dispatch.choose(_patch_problem())
     assert choice.mode == "hybrid" and choice.source == "find" and len(calls) == 1

@@ -20,6 +20,8 @@ from gemmconv.roads import eager, in_call, ops
 from gemmconv.selection import dispatch
 from gemmconv.solvers import SOLVERS, get_solver
 
+from find_counting import count_finds
+
 CPU = torch.device("cpu")
 
 
@@ -114,16 +116,7 @@ def test_a_trial_gives_its_solver_to_its_problem_only_and_leaves_nothing_behind(
 def test_a_trial_inside_find_starts_no_other_find(monkeypatch):
     """A backward direction's public call builds a forward: undecided, it is decided
     as the database mode would, not found (one find never starts another)."""
-    from gemmconv.selection import find as find_module
-
-    found: list[ConvProblem] = []
-    real = find_module.find_best
-
-    def counting(problem, solvers, **kw):
-        found.append(problem)
-        return real(problem, solvers, **kw)
-
-    monkeypatch.setattr(find_module, "find_best", counting)
+    found = count_finds(monkeypatch)
     problem = _problem(Direction.BACKWARD_DATA)
     with gemmconv.find_mode("find"):
         choice = dispatch.choose(problem)
