@@ -33,7 +33,7 @@ from gemmconv.core.arguments import handed_to_torch, resolve_arguments
 from gemmconv.core.memory_format import Layout
 from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.roads import ops
-from gemmconv.roads.autograd import vmap_safe_gradients
+from gemmconv.roads.autograd import under_vmap, vmap_safe_gradients
 from gemmconv.selection import dispatch
 from gemmconv.solvers.views import BATCH_AND_SPACE, bias_grad
 
@@ -459,9 +459,7 @@ class _EagerConvolution(torch.autograd.Function):
         input, weight, columns = ctx.saved_tensors
         call: _Call = ctx.call
         need_dx, need_dw, need_db, _ = ctx.needs_input_grad
-        if _is_legacy_batched(grad_output) or _functorch_transforms():
-            # Batched gradients (is_grads_batched, a vectorized jacobian, vmap over a
-            # backward): the solvers' out= and in-place ops have no batching rules.
+        if under_vmap(grad_output):
             dx, dw = vmap_safe_gradients(
                 grad_output, input, weight, call.input_size, call.weight_size,
                 call.conv_args, need_dx, need_dw,
@@ -496,7 +494,6 @@ class _EagerConvolution(torch.autograd.Function):
 # C apply itself and unwraps as the wrapper does.
 _apply_convolution = torch._C._FunctionBase.__dict__["apply"].__get__(None, _EagerConvolution)
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
-_is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 
 
 def _differentiable_gradients(call, grad_output, input, weight, need_dx, need_dw):
