@@ -24,11 +24,11 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
-import torch.autograd.forward_ad as forward_ad
 
 from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.measuring import measure
 from gemmconv.roads import eager
+from gemmconv.roads.transform_state import transforms_active
 from gemmconv.selection import dispatch
 from gemmconv.solvers import ConvTensors, Solver
 
@@ -41,10 +41,7 @@ def road_open() -> bool:
     """Whether the eager road takes calls now (as eager.convolve asks): nothing traces,
     intercepts or transforms them."""
     return not (
-        torch._C._is_tracing()
-        or torch._C._len_torch_dispatch_stack()
-        or torch._C._are_functorch_transforms_active()
-        or forward_ad._current_level >= 0
+        torch._C._is_tracing() or torch._C._len_torch_dispatch_stack() or transforms_active()
     )
 
 
