@@ -101,7 +101,7 @@ _FIND_COLUMNS = ("problem", *_IDENTITY_COLUMNS, "solver", "config", "time_ms", "
 _JSON_FIELDS = frozenset(_FIND_COLUMNS)
 
 # sqlite's primary result codes (the sqlite3 module names them from Python 3.11 on).
-_SQLITE_READONLY, _SQLITE_CORRUPT, _SQLITE_CANTOPEN, _SQLITE_NOTADB = 8, 11, 14, 26
+_SQLITE_BUSY, _SQLITE_READONLY, _SQLITE_CORRUPT, _SQLITE_CANTOPEN, _SQLITE_NOTADB = 5, 8, 11, 14, 26
 # What each means in sqlite's messages, for Pythons whose errors carry no code.
 _CODE_MESSAGES = {
     _SQLITE_READONLY: "readonly database",
@@ -456,7 +456,7 @@ class FindDb:
         except (OSError, sqlite3.Error) as e:
             return self._unusable(f"cannot open {self.path} ({e})")
         try:
-            self._adopt(conn)
+            self._adopt_when_free(conn)
         except _NotOurs as e:
             conn.close()
             return self._unusable(str(e))
@@ -483,6 +483,26 @@ class FindDb:
             conn.close()
             raise
         return conn
+
+    def _adopt_when_free(self, conn: sqlite3.Connection) -> None:
+        """``_adopt(conn)``, again while another process holds the file: switching it to
+        WAL is answered "database is locked" at once, past sqlite's busy handler, while
+        another process adopts it (four processes opening a new file together lost one
+        to an in-memory database under load), so a busy answer is waited out here, up
+        to the busy timeout, as sqlite waits out any other lock."""
+        deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+        pause = 0.001
+        while True:
+            try:
+                self._adopt(conn)
+                return
+            except sqlite3.OperationalError as e:
+                if _error_code(e) != _SQLITE_BUSY or time.monotonic() + pause > deadline:
+                    raise
+                if conn.in_transaction:
+                    conn.rollback()
+            time.sleep(pause)
+            pause = min(2 * pause, 0.1)
 
     def _adopt(self, conn: sqlite3.Connection) -> None:
         """Make ``conn``'s file ready for use: check that it is ours before anything is
