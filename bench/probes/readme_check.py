@@ -2,7 +2,9 @@
 each printed, so the README's comments can be checked against a GPU machine's output;
 then times how long `gemmconv conv` takes to stop after Ctrl-C (SIGINT) mid-run.
 
-    PYTHONPATH=src python3 bench/probes/readme_check.py
+    PYTHONPATH=src python3 bench/probes/readme_check.py [python] [driver] [tune] [interrupt]
+
+With no argument it runs all four parts, in that order.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def interrupt_delay(seconds_before: float = 8.0) -> None:
         print("=== Ctrl-C: still running 60 s after the signal", flush=True)
 
 
-def main() -> None:
+def main(parts: list[str]) -> None:
+    parts = parts or ["python", "driver", "tune", "interrupt"]
     env_path = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = (
         f"{ROOT / 'src'}{os.pathsep}{env_path}" if env_path else str(ROOT / "src")
@@ -69,17 +72,22 @@ def main() -> None:
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     with tempfile.TemporaryDirectory() as folder:
         work = Path(folder)
-        for number, block in enumerate(blocks):
+        for number, block in enumerate(blocks if "python" in parts else []):
             print(f"=== README python block {number}:\n{block.strip()[:400]}")
             script = work / f"block{number}.py"
             script.write_text(block)
             run([sys.executable, str(script)], 300, work)
         (work / "problems.txt").write_text(PROBLEMS)
-        for command in (*COMMANDS, "tune problems.txt"):
+        commands = [
+            *(COMMANDS if "driver" in parts else ()),
+            *(["tune problems.txt"] if "tune" in parts else []),
+        ]
+        for command in commands:
             print(f"=== gemmconv {command}")
             run(DRIVER + command.split(), 300, work)
-    interrupt_delay()
+    if "interrupt" in parts:
+        interrupt_delay()
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
