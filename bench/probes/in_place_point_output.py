@@ -1,6 +1,6 @@
 """Where point_output's CUDA gradients go wrong after in-place ops on y.
 
-On an H100 (bench/probes/in_place_cuda.py) dX, dW and db of point_output were all off
+On an H100 (the CUDA in-place test in tests/roads/test_in_place_and_batched.py) dX, dW and db of point_output were all off
 (rms_range 0.15) after ``y += 1; relu_(y)`` for the channels-first and token-major cases
 with a bias, not for channels-last without one: the gradient reaching the node looks
 wrong. This prints, per in-place op and with the bias on and off, how far the dY the
