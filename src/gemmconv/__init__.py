@@ -11,6 +11,9 @@ torch's arguments, results and output memory format.
 - ``gemmconv.nn.Conv1d``, ``gemmconv.nn.Conv2d`` and ``gemmconv.nn.Conv3d`` are drop-in
   subclasses of torch's modules; ``convert`` swaps them into a model in place and
   ``revert`` swaps them back (``gemmconv.convert``).
+- ``Float8Config`` configures the opt-in fp8 mode (``convert(model, fp8=...)``,
+  ``module.set_fp8``): the three GEMMs of a patch, point-output or 1x1 convolution in
+  fp8 on CUDA devices of compute capability 8.9 and up.
 - ``find_mode`` and ``set_find_mode`` choose how a solver is selected (a ``FindMode``);
   ``sync_choices`` gives every rank of a process group the same ``Choice``.
 - ``SOLVERS`` is the registry of solvers, in the order that breaks ties (``solver_ids``,
@@ -23,6 +26,7 @@ torch's arguments, results and output memory format.
 
 from gemmconv import nn
 from gemmconv.convert import ConversionReport, convert, revert
+from gemmconv.core.float8 import Float8Config
 from gemmconv.core.memory_format import Layout
 from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.core.version import __version__
@@ -42,6 +46,7 @@ __all__ = [
     "ConvProblem",
     "ConvTensors",
     "FindMode",
+    "Float8Config",
     "Direction",
     "Layout",
     "ModelProfile",

@@ -15,6 +15,11 @@ torch generates over the original; it is regenerated over the new base.
 weight out channels-last (channels_last_3d for Conv3d), in place: F.conv* returns a
 channels-last output for a channels-last weight, so a patch embed writes its tokens as
 rows [N*L, D] and the model's ``flatten(2).transpose(1, 2)`` is a view.
+
+``fp8=gemmconv.Float8Config()`` (or True) also runs each swapped convolution in fp8
+where fp8 applies (``module.set_fp8``); it touches nothing but convolutions, so
+torchao's ``convert_to_float8_training`` (which swaps only ``nn.Linear``) and it
+compose on one model, in either order.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 from torch.nn.modules.conv import _ConvNd
 from torch.nn.utils import parametrize
 
+from gemmconv.core.float8 import Float8Config, as_config
 from gemmconv.core.memory_format import (
     CHANNELS_LAST_FORMATS,
     check_weight_format,
@@ -38,6 +44,7 @@ from gemmconv.core.memory_format import (
 from gemmconv.core.problem import DIRECTIONS, ConvProblem
 from gemmconv.nn import GEMMCONV_CLASS, TORCH_CLASS
 from gemmconv.selection.dispatch import estimate, estimate_on_cuda
+from gemmconv.solvers import float8 as float8_run
 
 # include= / exclude=: glob pattern(s) on qualified module names, or a predicate.
 ModuleFilter = str | Sequence[str] | Callable[[str, torch.nn.Module], bool] | None
@@ -65,6 +72,10 @@ class SwappedConv:
     solvers_on_cuda: dict[str, tuple[str, ...]] = dataclasses.field(
         default_factory=dict, hash=False
     )
+    # What fp8= configured ("" when it was not given), and why fp8 cannot apply to
+    # this convolution whatever its input ("" when it can, on a capable GPU).
+    fp8: str = ""
+    fp8_not_applicable: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +111,13 @@ class ConversionReport:
             runs = _runs_text(s)
             if runs:
                 lines.append(f"           {runs}")
+            if s.fp8:
+                fp8 = (
+                    f"{s.fp8}; will not apply: {s.fp8_not_applicable}"
+                    if s.fp8_not_applicable
+                    else f"{s.fp8} (on CUDA, compute capability 8.9 and up)"
+                )
+                lines.append(f"           {fp8}")
         for s in self.skipped:
             lines.append(f"  left     {_display(s.name)}: {s.module_class}: {s.reason}")
         if any(s.solvers or s.solvers_on_cuda for s in self.swapped):
@@ -142,6 +160,7 @@ def convert(
     include: ModuleFilter = None,
     exclude: ModuleFilter = None,
     memory_format: torch.memory_format | None = None,
+    fp8: Float8Config | bool | None = None,
 ) -> ConversionReport:
     """Swap, in place, every GEMM-reducible torch Conv1d/2d/3d in ``model`` for gemmconv's.
 
@@ -165,9 +184,17 @@ def convert(
     its dtype, and what would run on CUDA: the cost model's picks (``"vendor"`` is
     torch's own convolution) over a range of input sizes, since convert() sees no
     input; ``module.solvers(x)`` or ``gemmconv.explain`` name the solver for an input.
+    ``fp8`` (a ``gemmconv.Float8Config``, or True for the default one) runs each
+    swapped convolution's three directions as fp8 GEMMs where fp8 applies: on CUDA
+    devices of compute capability 8.9 and up, for patch, point-output and stride-1
+    1x1 convolutions with out_channels a multiple of 16; elsewhere the module runs
+    as without it, and ``module.solvers(x)`` says why. The report names the swapped
+    convolutions fp8 can never apply to.
+
     Warns (UserWarning) where ``include`` matches no convolution.
     """
     memory_format = check_weight_format("convert", memory_format)
+    fp8_config = as_config(fp8, "convert(fp8)")
     matches_include = _matcher(include, "include")
     matches_exclude = _matcher(exclude, "exclude")
     include_patterns = _patterns(include, "include")
@@ -200,6 +227,11 @@ def convert(
         if key not in runs:
             runs[key] = _what_runs(module, weight)
         solvers, solvers_on_cuda = runs[key]
+        fp8_text = fp8_not_applicable = ""
+        if fp8_config is not None:
+            module._gemmconv_fp8 = fp8_config
+            fp8_text = fp8_config.describe()
+            fp8_not_applicable = "; ".join(_fp8_reasons(module))
         report.swapped.append(
             SwappedConv(
                 name=name,
@@ -214,6 +246,8 @@ def convert(
                 dtype=str(weight.dtype).removeprefix("torch."),
                 solvers=solvers,
                 solvers_on_cuda=solvers_on_cuda,
+                fp8=fp8_text,
+                fp8_not_applicable=fp8_not_applicable,
             )
         )
     _warn_unmatched_include(include, unmatched, included_any)
@@ -292,6 +326,17 @@ def _what_runs(
         return {d: tuple(dict.fromkeys(v)) for d, v in ids.items() if v}
 
     return (distinct(here) if estimate_here else {}), distinct(on_cuda)
+
+
+def _fp8_reasons(module: _ConvNd) -> list[str]:
+    """Why fp8 can apply to no input of ``module`` (a representative bf16 CUDA input
+    of 7 outputs a side stands in for all: the reasons depend on the module alone)."""
+    spatial = tuple(7 * s for s in module.stride)
+    problem = ConvProblem.from_sizes(
+        1, module.in_channels, module.out_channels, spatial, tuple(module.kernel_size),
+        tuple(module.stride), dtype=torch.bfloat16, device_type="cuda",
+    )  # fmt: skip
+    return float8_run.problem_reasons(problem)
 
 
 def revert(model: torch.nn.Module) -> list[str]:

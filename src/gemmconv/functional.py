@@ -29,8 +29,9 @@ from gemmconv.core.arguments import (
     handed_to_torch_reason,
     resolve_arguments,
 )
+from gemmconv.core.float8 import Float8Config, as_config
 from gemmconv.core.problem import ConvProblem
-from gemmconv.roads import decompositions, eager, func_transforms, onnx_symbolic
+from gemmconv.roads import decompositions, eager, float8, func_transforms, onnx_symbolic
 from gemmconv.roads.transform_state import transforms_active
 from gemmconv.selection.dispatch import Choice, explain_problem
 
@@ -119,6 +120,37 @@ def _conv(
     else:
         convolve = torch.ops.gemmconv.conv_forward
     return _convolve_resolved(convolve, dims, input, weight, bias, args)
+
+
+def _conv_fp8(
+    dims, input, weight, bias, stride, padding, dilation, groups, module, config: Float8Config
+) -> torch.Tensor:
+    """The convolution of a module configured for fp8 (``module.set_fp8``): the fp8
+    run where it applies (gemmconv.roads.float8), else ``_conv``, as without fp8."""
+    if (
+        has_torch_function_variadic(input, weight, bias)
+        or not (
+            isinstance(input, torch.Tensor)
+            and isinstance(weight, torch.Tensor)
+            and (bias is None or isinstance(bias, torch.Tensor))
+        )
+        or transforms_active()
+    ):
+        # fx's Proxy, __torch_function__ subclasses and torch.func transforms see the
+        # ordinary convolution, whose rules they have.
+        return _conv(dims, input, weight, bias, stride, padding, dilation, groups, module)
+    if torch._C._is_any_autocast_enabled():
+        # Cast as _conv would: under autocast the fp8 GEMMs write autocast's dtype.
+        input, weight, bias = _autocast(input, weight, bias)
+    decision = float8.decision_of(
+        dims, input, weight, bias, stride, padding, dilation, groups, config
+    )
+    if isinstance(decision, list):
+        return _conv(dims, input, weight, bias, stride, padding, dilation, groups, module)
+    _remember_off_the_road(module, input)
+    if input.dim() == dims + 1:
+        return float8.convolve(decision, input.unsqueeze(0), weight, bias).squeeze(0)
+    return float8.convolve(decision, input, weight, bias)
 
 
 def _traced_convolution(dims, input, weight, bias, stride, padding, dilation, groups):
@@ -270,11 +302,15 @@ def explain(
     padding: Padding = 0,
     dilation: IntOrTuple = 1,
     groups: int = 1,
+    *,
+    fp8: Float8Config | bool | None = None,
 ) -> dict[str, Choice]:
     """Which solver would run each direction for these ``conv1d/2d/3d`` arguments, and
-    why each other solver would not. Runs nothing in the immediate and database find
-    modes (in find and hybrid modes an undecided problem is benchmarked, as the
-    convolution itself would be).
+    why each other solver would not. With ``fp8`` (a ``gemmconv.Float8Config`` or True,
+    as a module's ``set_fp8`` takes it), ``.notes`` also says whether a module so
+    configured would run this call in fp8, and if not, why. Runs nothing in the
+    immediate and database find modes (in find and hybrid modes an undecided problem
+    is benchmarked, as the convolution itself would be).
 
     Returns a dict keyed by "forward", "backward_data" and "backward_weights" whose
     repr is a table; each value is a ``gemmconv.Choice`` with ``.solver`` (an id),
@@ -288,12 +324,37 @@ def explain(
     differ), and the table ends with them. Example:
     ``gemmconv.explain(x, w, stride=16)["forward"].solver``.
     """
+    config = as_config(fp8, "explain(fp8)")
     problem = problem_of(input, weight, bias, stride, padding, dilation, groups)
     explanation = explain_problem(problem)
     if any(t is not None and t.requires_grad for t in (input, weight, bias)):
         needs = [(input.requires_grad, weight.requires_grad)]
         explanation.notes = eager.training_notes(problem, needs)
+    if config is not None:
+        explanation.notes.append(fp8_note(input, weight, bias, stride, padding, dilation,
+                                          groups, config))  # fmt: skip
     return explanation
+
+
+def fp8_note(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: IntOrTuple,
+    padding: Padding,
+    dilation: IntOrTuple,
+    groups: int,
+    config: Float8Config,
+    where: str = "this call",
+) -> str:
+    """Whether a convolution configured with ``config`` runs these arguments in fp8, and
+    if not, why (a line of explain()'s and module.solvers()'s notes)."""
+    dims = weight.dim() - 2
+    input, weight, bias = _autocast(input, weight, bias)
+    decision = float8.decision_of(
+        dims, input, weight, bias, stride, padding, dilation, groups, config
+    )
+    return float8.explanation_note(config, decision, where)
 
 
 def problem_of(

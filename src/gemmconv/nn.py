@@ -9,6 +9,12 @@ padding modes pad first, exactly as torch does, then convolve with padding 0.
 input seen in eager mode, or for an example input; that is runtime state, never
 part of the state_dict.
 
+``set_fp8(gemmconv.Float8Config())`` (or ``gemmconv.convert(model, fp8=...)``) runs
+the convolution's three directions as fp8 GEMMs where fp8 applies (CUDA, compute
+capability 8.9 and up, a patch, point-output or 1x1 problem); elsewhere it runs as
+before and ``solvers()`` says why. The configuration is runtime state, never part
+of the state_dict.
+
 One keyword torch's constructors lack: ``memory_format=torch.channels_last``
 (``torch.channels_last_3d`` for Conv3d) lays the weight out channels-last. F.conv*
 returns a channels-last output for a channels-last weight, so a patch embed then
@@ -24,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from gemmconv import functional
+from gemmconv.core.float8 import Float8Config, as_config
 from gemmconv.core.memory_format import (
     CHANNELS_LAST_FORMATS,
     check_weight_format,
@@ -42,6 +49,8 @@ class _GemmConvMixin:
     _gemmconv_last_input: eager.SeenInput | None = None
     _gemmconv_dims = 0  # 1, 2 or 3, set per subclass
     _gemmconv_zero_padding: tuple[int, ...] = ()
+    # The fp8 configuration (set_fp8); None runs the ordinary path.
+    _gemmconv_fp8: Float8Config | None = None
 
     def __init__(self, *args, memory_format: torch.memory_format | None = None, **kwargs):
         """torch's constructor arguments, and ``memory_format``: torch.channels_last
@@ -63,7 +72,32 @@ class _GemmConvMixin:
         parameters = self._parameters
         weight = parameters["weight"] if "weight" in parameters else self.weight
         bias = parameters["bias"] if "bias" in parameters else self.bias
+        if self._gemmconv_fp8 is not None:
+            return self._fp8_forward(input, weight, bias)
         return self._conv_forward(input, weight, bias)
+
+    def _fp8_forward(
+        self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        input, padding = self._padded(input)
+        return functional._conv_fp8(
+            self._gemmconv_dims, input, weight, bias, self.stride, padding, self.dilation,
+            self.groups, self, self._gemmconv_fp8,
+        )  # fmt: skip
+
+    def set_fp8(self, config: Float8Config | bool | None = True) -> torch.nn.Module:
+        """Run this convolution in fp8 with ``config`` (a ``gemmconv.Float8Config``;
+        True: the default one), or as before with None or False. Where fp8 does not
+        apply to a call (off CUDA, compute capability below 8.9, a convolution that is
+        not a GEMM), the call runs the ordinary path; ``solvers(x)`` says why.
+        Returns the module."""
+        self._gemmconv_fp8 = as_config(config, f"{type(self).__name__}.set_fp8(config)")
+        return self
+
+    @property
+    def fp8_config(self) -> Float8Config | None:
+        """The fp8 configuration set by ``set_fp8`` or ``gemmconv.convert(fp8=...)``."""
+        return self._gemmconv_fp8
 
     def _padded(self, input: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | str]:
         """Non-'zeros' padding modes pad first and convolve unpadded, as torch does."""
@@ -113,7 +147,9 @@ class _GemmConvMixin:
             problem = functional.problem_of(
                 input, self.weight, self.bias, self.stride, padding, self.dilation, self.groups
             )
-            return self._explained(problem, [input.requires_grad])
+            return self._with_fp8_note(
+                self._explained(problem, [input.requires_grad]), input, padding, "this input"
+            )
         seen = self._gemmconv_last_input
         if seen is None:
             raise RuntimeError(
@@ -130,7 +166,21 @@ class _GemmConvMixin:
         problem = functional.problem_of(
             stand_in, weight, bias, self.stride, padding, self.dilation, self.groups
         )
-        return self._explained(problem, [False, True])
+        return self._with_fp8_note(
+            self._explained(problem, [False, True]), stand_in, padding, "the last input"
+        )
+
+    def _with_fp8_note(self, explanation, input, padding, where: str):
+        """The explanation with a note on fp8, where the module is configured for it."""
+        config = self._gemmconv_fp8
+        if config is not None:
+            weight = self.weight.detach().to(input.dtype)
+            bias = None if self.bias is None else self.bias.detach().to(input.dtype)
+            explanation.notes.append(functional.fp8_note(
+                input, weight, bias, self.stride, padding, self.dilation, self.groups, config,
+                where,
+            ))  # fmt: skip
+        return explanation
 
     def _explained(self, problem, input_needs: list[bool]) -> dict[str, Choice]:
         """The problem's choices, with notes on the training calls of these needs of
@@ -169,7 +219,8 @@ def _class_doc(torch_class: type[torch.nn.Module]) -> str:
         "convolution runs as one GEMM per direction when it is a matrix product (patch, "
         "1x1, strided 1x1) and through torch otherwise. ``module.solvers(x)`` says which "
         "solver runs each direction; ``gemmconv.convert(model)`` swaps torch's modules for "
-        "these in place and ``gemmconv.revert(model)`` swaps them back.\n\ntorch's "
+        "these in place and ``gemmconv.revert(model)`` swaps them back. ``set_fp8()`` runs "
+        "it in fp8 where fp8 applies.\n\ntorch's "
         # cleandoc: torch's docstring keeps its source indentation after the first line,
         # which under these unindented lines would read as a code block.
         "documentation:\n\n" + inspect.cleandoc(torch_class.__doc__ or "")

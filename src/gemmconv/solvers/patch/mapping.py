@@ -74,11 +74,19 @@ def patches(t: torch.Tensor, p: ConvProblem) -> torch.Tensor:
     """``t`` [N, C, S..] as a view [N, O1..Od, <patch>] where <patch> is (C, R1..Rd) or
     (R1..Rd, C), in the problem's column order. The remainder beyond O*R is cropped
     away, never read."""
+    return patch_view(t, p.output_spatial, p.kernel, channels_last_columns(p))
+
+
+def patch_view(
+    t: torch.Tensor, outputs: tuple[int, ...], kernel: tuple[int, ...], channels_last: bool
+) -> torch.Tensor:
+    """``patches`` from the geometry alone: ``outputs`` patches of ``kernel`` a side,
+    the patch's elements in (R1..Rd, C) order where ``channels_last``, else (C, R1..Rd)."""
     n, c = t.shape[:2]
-    d = p.dims
-    crop = tuple(slice(0, extent) for extent in covered_extent(p))
-    split = [v for o, r in zip(p.output_spatial, p.kernel) for v in (o, r)]
-    if channels_last_columns(p):
+    d = len(kernel)
+    crop = tuple(slice(0, o * r) for o, r in zip(outputs, kernel))
+    split = [v for o, r in zip(outputs, kernel) for v in (o, r)]
+    if channels_last:
         view = t.movedim(1, -1)[(slice(None), *crop)].view(n, *split, c)
         order = (0, *(1 + 2 * i for i in range(d)), *(2 + 2 * i for i in range(d)), 2 * d + 1)
     else:

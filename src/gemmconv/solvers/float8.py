@@ -1,0 +1,399 @@
+"""The fp8 run of a GEMM-reducible convolution: its three GEMMs through torch._scaled_mm.
+
+With the patch mapping (patch/mapping.py: patch, point-output and 1x1 problems,
+whose column matrix is a reordering of x):
+
+- forward:          y    = cols @ W^T     (cols [M, ld], W [K, ld])
+- backward-data:    dcol = dY @ W,         scattered back into dx by the mapping
+- backward-weights: dW   = dY^T @ cols
+
+Each operand is quantized straight from the tensor the model holds into an fp8
+buffer laid out as cuBLASLt wants it (``a`` row-major, ``b`` column-major, the
+reduction padded with zeros to a multiple of 16: 588 -> 592): the cast itself is
+the gather, the transpose and the padding, so no bf16 copy of an operand is made.
+The scale is taken from the current absolute maximum (torchao's recipe): one per
+operand ("tensorwise") or one per row along the reduction ("rowwise"); the GEMM
+gets their inverses and accumulates in fp32, writing the input's dtype.
+
+Not a registered solver: fp8 changes the numbers a convolution computes, so it runs
+only where a module asks for it (gemmconv.roads.float8), never by the cost model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from gemmconv.core.float8 import AMAX_EPS, FP8_ALIGNMENT, Float8Config
+from gemmconv.core.memory_format import Layout, empty_in
+from gemmconv.core.problem import ConvProblem, Direction, dtype_name
+from gemmconv.solvers.patch.mapping import (
+    column_layout,
+    covered_extent,
+    patch_class_reasons,
+    patch_view,
+    result_layout,
+)
+from gemmconv.solvers.views import (
+    bias_grad,
+    rows_view,
+    store_weight_rows,
+    try_view,
+    weight_rows,
+    zero_outside,
+)
+
+INF = float("inf")
+_FP8_MAX = {
+    torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max,
+    torch.float8_e5m2: torch.finfo(torch.float8_e5m2).max,
+}
+# The dtypes a convolution runs fp8 from: its results come back in the same dtype.
+# fp64 stays exact: a model in fp64 asked for it.
+_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+
+def problem_reasons(p: ConvProblem) -> list[str]:
+    """Why the fp8 run cannot compute ``p`` (empty when it can)."""
+    reasons = []
+    mapping = patch_class_reasons(p)
+    if mapping:
+        reasons.append(
+            "not a patch, point-output or stride-1 1x1 convolution (" + "; ".join(mapping) + ")"
+        )
+    if p.dtype not in _DTYPES:
+        reasons.append(f"dtype {dtype_name(p.dtype)}: fp8 runs from fp16, bf16 or fp32")
+    if p.k % FP8_ALIGNMENT:
+        reasons.append(
+            f"out_channels {p.k} is not a multiple of {FP8_ALIGNMENT} (cuBLASLt's fp8 GEMMs "
+            "need the result's columns and dY's reduction in multiples of 16)"
+        )
+    if 0 in (p.n, p.c, p.k):
+        reasons.append(f"empty problem (N={p.n}, C={p.c}, K={p.k})")
+    return reasons
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    """What the run reads of its problem, as plain values found once: torch.compile
+    traces the run, and the problem's cached properties and layout rules take locks
+    and caches that dynamo cannot trace."""
+
+    n: int
+    c: int
+    k: int
+    outputs: tuple[int, ...]
+    kernel: tuple[int, ...]
+    covered: tuple[int, ...]
+    input_shape: tuple[int, ...]
+    output_shape: tuple[int, ...]
+    m: int
+    kred: int
+    ld: int
+    result_layout: Layout
+    # The column order (channels-last: (r.., c)) of the forward and weight gradient,
+    # which gather x, and of backward-data, which scatters into dx.
+    x_order_last: bool
+    dx_order_last: bool
+
+    @classmethod
+    def of(cls, p: ConvProblem) -> _Geometry:
+        pd = p.with_direction(Direction.BACKWARD_DATA)
+        return cls(
+            n=p.n, c=p.c, k=p.k, outputs=p.output_spatial, kernel=p.kernel,
+            covered=covered_extent(p), input_shape=p.input_shape, output_shape=p.output_shape,
+            m=p.gemm_m, kred=p.gemm_k, ld=_round_up(p.gemm_k, FP8_ALIGNMENT),
+            result_layout=result_layout(p),
+            x_order_last=column_layout(p) is Layout.CHANNELS_LAST,
+            dx_order_last=column_layout(pd) is Layout.CHANNELS_LAST,
+        )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Run:
+    """The fp8 run of one forward problem ``problem`` (and its two backward
+    directions) with ``config``. Stateless: every call quantizes its operands anew."""
+
+    problem: ConvProblem
+    config: Float8Config
+    geometry: _Geometry = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "geometry", _Geometry.of(self.problem))
+
+    # ---- geometry -------------------------------------------------------------
+
+    @property
+    def rowwise(self) -> bool:
+        return self.config.scaling == "rowwise"
+
+    def _patches(self, t: torch.Tensor, last: bool) -> torch.Tensor:
+        g = self.geometry
+        return patch_view(t, g.outputs, g.kernel, last)
+
+    def _patch_dims(self) -> tuple[int, ...]:
+        """The dimensions of a patch in the view ``patch_view`` gives ([N, O.., patch..])."""
+        d = len(self.geometry.kernel)
+        return tuple(range(1 + d, 2 + 2 * d))
+
+    def _pixel_dims(self) -> tuple[int, ...]:
+        return tuple(range(0, 1 + len(self.geometry.kernel)))
+
+    def _weight_in_order(self, dest: torch.Tensor, last: bool) -> torch.Tensor:
+        """``dest`` [K, Kred] (any strides) seen with the weight's logical shape
+        [K, C, R..], the reduction in the column order (channels-last: ``last``)."""
+        g = self.geometry
+        if not last:
+            return dest.view(g.k, g.c, *g.kernel)
+        return dest.view(g.k, *g.kernel, g.c).movedim(-1, 1)
+
+    def _dy_as_rows(self, dest: torch.Tensor) -> torch.Tensor:
+        """``dest`` [M, K] seen with dY's logical shape [N, K, O..]."""
+        g = self.geometry
+        return dest.view(g.n, *g.outputs, g.k).movedim(-1, 1)
+
+    def _columns_of(self, per_weight: torch.Tensor, last: bool) -> torch.Tensor:
+        """A [1, C, R..] per-reduction-element tensor as [1, Kred] in the column order."""
+        if not last:
+            return per_weight.reshape(1, -1)
+        return per_weight.movedim(1, -1).reshape(1, -1)
+
+    # ---- scales ---------------------------------------------------------------
+
+    def _scale(self, t: torch.Tensor, fp8: torch.dtype, dims: tuple[int, ...] | None):
+        """fp8_max / amax in fp32: of all of ``t`` (dims None), as a [1] tensor, or over
+        ``dims`` with them kept. A dimensioned fp32 scale makes the multiply in
+        _quantize run in fp32 whatever t's dtype, as torchao's cast does."""
+        if dims is None:
+            amax = torch.linalg.vector_norm(t, INF).reshape(1)
+        else:
+            amax = torch.linalg.vector_norm(t, INF, dim=dims, keepdim=True)
+        scale = _FP8_MAX[fp8] / amax.float().clamp(min=AMAX_EPS)
+        if self.config.round_scales_to_power_of_2:
+            scale = torch.exp2(torch.floor(torch.log2(scale)))
+        return scale
+
+    @staticmethod
+    def _quantized(
+        source: torch.Tensor,
+        scale: torch.Tensor,
+        fp8: torch.dtype,
+        used: tuple[int, int],
+        padded: tuple[int, int],
+        arrange: Callable[[torch.Tensor], torch.Tensor],
+        unarrange: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The fp8 GEMM operand of ``source * scale``: ``arrange`` lays a tensor shaped
+        like ``source`` out as the ``used`` [R, C] matrix, and ``unarrange`` is its
+        inverse (a view of such a matrix shaped like ``source``); the matrix sits at
+        the top left of a ``padded`` buffer whose other entries are zeros.
+
+        The product is computed in fp32 and rounded once to fp8; |source * scale| <=
+        fp8_max (1 + 2^-23) by the scale's construction, which rounds to fp8_max, so no
+        clamp is needed. In eager mode one kernel writes it straight into the buffer
+        (no fp32 temporary, the gather and transpose done by the cast); under
+        torch.compile the same is written functionally, for inductor to fuse (it
+        cannot lower a write into a slice of an fp8 buffer)."""
+        (r, c), (rows, cols) = used, padded
+        if torch.compiler.is_compiling():
+            matrix = arrange(source * scale)
+            return F.pad(matrix, (0, cols - c, 0, rows - r)).to(fp8)
+        buffer = torch.empty(rows, cols, dtype=fp8, device=source.device)
+        raw = buffer.view(torch.uint8)  # fp8 zero is the byte 0
+        if c < cols:
+            raw[:, c:].zero_()
+        if r < rows:
+            raw[r:, :c].zero_()
+        torch.mul(source, scale, out=unarrange(buffer[:r, :c]))
+        return buffer
+
+    def _padded_scale(self, inverse: torch.Tensor) -> torch.Tensor:
+        """A [1, Kred] per-column inverse scale padded to [1, ld] (the padding's columns
+        are zeros; any finite scale will do)."""
+        g = self.geometry
+        if g.kred == g.ld:
+            return inverse
+        return torch.cat([inverse, inverse.new_ones(1, g.ld - g.kred)], dim=1)
+
+    # ---- the GEMM -------------------------------------------------------------
+
+    def _mm(self, a, b, inv_a, inv_b, dtype, bias=None, out=None) -> torch.Tensor:
+        """a @ b dequantized, in ``dtype`` (+ bias), in ``out`` where given. Rowwise
+        scaling has bf16 results only (cuBLASLt's kernels): cast after for others."""
+        mm_dtype = torch.bfloat16 if self.rowwise else dtype
+        fused_bias = (
+            bias
+            if bias is not None and not self.rowwise and bias.dtype == dtype
+            and dtype in (torch.float16, torch.bfloat16)
+            else None
+        )  # fmt: skip
+        direct = (
+            out is not None
+            and mm_dtype == dtype
+            and out.is_contiguous()
+            and (bias is None or fused_bias is not None)
+        )
+        kwargs = {"out": out} if direct else {}
+        result = torch._scaled_mm(
+            a, b, scale_a=inv_a, scale_b=inv_b, bias=fused_bias, out_dtype=mm_dtype,
+            use_fast_accum=False, **kwargs,
+        )  # fmt: skip
+        if direct:
+            return out
+        if result.dtype != dtype:
+            result = result.to(dtype)
+        if bias is not None and fused_bias is None:
+            result = result.add_(bias)
+        if out is not None:
+            out.copy_(result)
+            return out
+        return result
+
+    # ---- the operands -------------------------------------------------------
+
+    def _columns(self, source, scale, fp8, transposed: bool) -> torch.Tensor:
+        """x's patches ``source`` as cols [M, ld], or as cols^T [ld, M'] for the weight
+        gradient, whose reduction M is padded too."""
+        g = self.geometry
+        shape = source.shape
+        if not transposed:
+            return self._quantized(
+                source, scale, fp8, (g.m, g.kred), (g.m, g.ld),
+                lambda t: t.reshape(g.m, g.kred), lambda d: d.view(shape),
+            )  # fmt: skip
+        return self._quantized(
+            source, scale, fp8, (g.kred, g.m), (g.ld, _round_up(g.m, FP8_ALIGNMENT)),
+            lambda t: t.reshape(g.m, g.kred).t(), lambda d: d.t().view(shape),
+        )  # fmt: skip
+
+    def _weight(self, w, scale, fp8, last: bool, transposed: bool) -> torch.Tensor:
+        """The weight as W [K, ld] (forward) or W^T [ld, K] (backward-data), its
+        reduction in the column order (channels-last: ``last``)."""
+        g = self.geometry
+        order = Layout.CHANNELS_LAST if last else Layout.CHANNELS_FIRST
+        if not transposed:
+            return self._quantized(
+                w, scale, fp8, (g.k, g.kred), (g.k, g.ld),
+                lambda t: weight_rows(t, order), lambda d: self._weight_in_order(d, last),
+            )  # fmt: skip
+        return self._quantized(
+            w, scale, fp8, (g.kred, g.k), (g.ld, g.k),
+            lambda t: weight_rows(t, order).t(), lambda d: self._weight_in_order(d.t(), last),
+        )  # fmt: skip
+
+    def _gradient(self, dy, scale, transposed: bool) -> torch.Tensor:
+        """dY as rows [M, K] (backward-data) or as dY^T [K, M'] (backward-weights)."""
+        g, fp8 = self.geometry, self.config.grad_dtype
+        if not transposed:
+            return self._quantized(
+                dy, scale, fp8, (g.m, g.k), (g.m, g.k),
+                lambda t: t.movedim(1, -1).reshape(g.m, g.k), self._dy_as_rows,
+            )  # fmt: skip
+        return self._quantized(
+            dy, scale, fp8, (g.k, g.m), (g.k, _round_up(g.m, FP8_ALIGNMENT)),
+            lambda t: t.movedim(1, -1).reshape(g.m, g.k).t(), lambda d: self._dy_as_rows(d.t()),
+        )  # fmt: skip
+
+    # ---- forward --------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None):
+        """y, and the scales the backward reuses (x's and w's, tensorwise)."""
+        g, fp8 = self.geometry, self.config.forward_dtype
+        source = self._patches(x, g.x_order_last)  # [N, O.., patch..], the column order
+        sx = self._scale(source, fp8, self._patch_dims() if self.rowwise else None)
+        cols = self._columns(source, sx, fp8, transposed=False)
+        sw = self._scale(w, fp8, tuple(range(1, w.dim())) if self.rowwise else None)
+        wq = self._weight(w, sw, fp8, g.x_order_last, transposed=False)
+        if self.rowwise:
+            inv_x, inv_w = sx.reciprocal().reshape(-1, 1), sw.reciprocal().reshape(1, -1)
+        else:
+            inv_x, inv_w = sx.reciprocal(), sw.reciprocal()
+        y = empty_in(g.output_shape, g.result_layout, x.dtype, x.device)
+        target = None if torch.compiler.is_compiling() else rows_view(y)
+        if target is not None:
+            self._mm(cols, wq.t(), inv_x, inv_w, x.dtype, bias, out=target)
+            return y, (sx, sw)
+        # Channels-first y with several pixels per sample: the rows are transposed into
+        # it (no batched fp8 GEMM writes each sample's [K, P] block).
+        y_rows = self._mm(cols, wq.t(), inv_x, inv_w, x.dtype, bias)
+        y.copy_(self._dy_as_rows(y_rows))
+        return y, (sx, sw)
+
+    # ---- backward -------------------------------------------------------------
+
+    def backward_data(self, dy: torch.Tensor, w: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+        """dx: dcol = dY @ W scattered into dx's patch positions, the rest zeros."""
+        g, cfg = self.geometry, self.config
+        sdy = self._scale(dy, cfg.grad_dtype, (1,) if self.rowwise else None)
+        gq = self._gradient(dy, sdy, transposed=False)
+        if self.rowwise:
+            sw = self._scale(w, cfg.forward_dtype, (0,))  # per reduction element, over K
+        # b = W [K, ld] column-major: stored as W^T [ld, K].
+        wt = self._weight(w, sw, cfg.forward_dtype, g.dx_order_last, transposed=True)
+        if self.rowwise:
+            inv_dy = sdy.reciprocal().reshape(-1, 1)
+            inv_w = self._padded_scale(self._columns_of(sw.reciprocal(), g.dx_order_last))
+        else:
+            inv_dy, inv_w = sdy.reciprocal(), sw.reciprocal()
+        dx = empty_in(g.input_shape, g.result_layout, dy.dtype, dy.device)
+        zero_outside(dx, g.covered)
+        view = self._patches(dx, g.dx_order_last)
+        in_place = g.ld == g.kred and not torch.compiler.is_compiling()
+        target = try_view(view, g.m, g.kred) if in_place else None
+        if target is not None and target.is_contiguous():
+            # dx's memory is the column matrix (point-output, or a 1x1 in its own order).
+            self._mm(gq, wt.t(), inv_dy, inv_w, dy.dtype, out=target)
+            return dx
+        dcol = self._mm(gq, wt.t(), inv_dy, inv_w, dy.dtype)
+        view.copy_(dcol[:, : g.kred].view(view.shape))
+        return dx
+
+    def backward_weights(
+        self, dy: torch.Tensor, x: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
+        """dW = dY^T @ cols, as [K, ld] from dY^T [K, M'] and cols^T [ld, M'] (the
+        reduction M padded to M' with zeros), stored in ``weight``'s strides."""
+        g, cfg = self.geometry, self.config
+        dy_dims = (0, *range(2, dy.dim()))
+        sdy = self._scale(dy, cfg.grad_dtype, dy_dims if self.rowwise else None)
+        gt = self._gradient(dy, sdy, transposed=True)  # a = dY^T, row-major
+        source = self._patches(x, g.x_order_last)
+        if self.rowwise:
+            sx = self._scale(source, cfg.forward_dtype, self._pixel_dims())
+        # b = cols [M', ld] column-major: stored as cols^T [ld, M'].
+        ct = self._columns(source, sx, cfg.forward_dtype, transposed=True)
+        if self.rowwise:
+            inv_dy = sdy.reciprocal().reshape(-1, 1)
+            inv_x = self._padded_scale(sx.reciprocal().reshape(1, -1))
+        else:
+            inv_dy, inv_x = sdy.reciprocal(), sx.reciprocal()
+        dw_rows = self._mm(gt, ct.t(), inv_dy, inv_x, dy.dtype)
+        dw = torch.empty_like(weight, dtype=dy.dtype)
+        order = Layout.CHANNELS_LAST if g.x_order_last else Layout.CHANNELS_FIRST
+        store_weight_rows(dw, dw_rows[:, : g.kred], order)
+        return dw
+
+    def backward_bias(self, dy: torch.Tensor) -> torch.Tensor:
+        return bias_grad(dy, self.geometry.k)
+
+
+def gemm_shapes(p: ConvProblem) -> dict[str, tuple[int, int, int]]:
+    """(M, K, N) of each direction's fp8 GEMM, the reductions padded: for the probe's
+    and explain's text."""
+    ld = _round_up(p.gemm_k, FP8_ALIGNMENT)
+    m = p.gemm_m
+    return {
+        "forward": (m, ld, p.k),
+        "backward_data": (m, p.k, ld),
+        "backward_weights": (p.k, _round_up(m, FP8_ALIGNMENT), ld),
+    }
+
+
+__all__ = ["Float8Run", "gemm_shapes", "problem_reasons"]
