@@ -292,7 +292,7 @@ def explain(
     explanation = explain_problem(problem)
     if any(t is not None and t.requires_grad for t in (input, weight, bias)):
         needs = [(input.requires_grad, weight.requires_grad)]
-        explanation.notes = eager.training_notes(problem, needs)
+        explanation.notes += eager.training_notes(problem, needs)
     return explanation
 
 
