@@ -84,6 +84,7 @@ SELECTION_ENV = (
     "GEMMCONV_SOLVER",
     "GEMMCONV_DISABLE",
     "GEMMCONV_FIND_VERIFY",
+    "GEMMCONV_BATCH_INVARIANT",
 )
 
 
@@ -91,7 +92,9 @@ SELECTION_ENV = (
 def isolated_selection(tmp_path, monkeypatch):
     """Every test selects from a clean slate: a private find database (the test's
     tmp_path/find.sqlite, never the user's), no selection variables, no find mode left
-    set, cudnn.benchmark off (so the default mode is database), no cached choices."""
+    set, batch invariance off, cudnn.benchmark off (so the default mode is database), no
+    cached choices."""
+    from gemmconv.core import invariance
     from gemmconv.selection import dispatch, finddb
 
     monkeypatch.setenv("GEMMCONV_DB", str(tmp_path / "find.sqlite"))
@@ -100,6 +103,7 @@ def isolated_selection(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     finddb.reset_db()
     dispatch.set_find_mode(None)
+    monkeypatch.setattr(invariance, "setting", (None, None))
     dispatch.clear_cache()
     yield
     dispatch.clear_cache()

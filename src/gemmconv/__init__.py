@@ -16,6 +16,9 @@ torch's arguments, results and output memory format.
   fp8 on CUDA devices of compute capability 8.9 and up.
 - ``find_mode`` and ``set_find_mode`` choose how a solver is selected (a ``FindMode``);
   ``sync_choices`` gives every rank of a process group the same ``Choice``.
+- ``batch_invariant()`` (a context manager), ``set_batch_invariant(True)`` and
+  ``$GEMMCONV_BATCH_INVARIANT=1`` make a sample's forward output the same bits whatever
+  the batch it runs in; ``explain`` says where a convolution cannot be made so.
 - ``SOLVERS`` is the registry of solvers, in the order that breaks ties (``solver_ids``,
   ``get_solver``); ``ConvProblem`` with its ``Direction`` and ``Layout`` describes one
   call, and ``verify`` checks a result for it (``ConvTensors``) against float64,
@@ -27,6 +30,7 @@ torch's arguments, results and output memory format.
 from gemmconv import nn
 from gemmconv.convert import ConversionReport, convert, revert
 from gemmconv.core.float8 import Float8Config
+from gemmconv.core.invariance import batch_invariant, set_batch_invariant
 from gemmconv.core.memory_format import Layout
 from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.core.version import __version__
@@ -52,6 +56,7 @@ __all__ = [
     "ModelProfile",
     "Verdict",
     "__version__",
+    "batch_invariant",
     "conv1d",
     "decompositions",
     "conv2d",
@@ -60,6 +65,7 @@ __all__ = [
     "explain",
     "find_mode",
     "get_solver",
+    "set_batch_invariant",
     "set_find_mode",
     "nn",
     "profile",

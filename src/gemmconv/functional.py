@@ -329,7 +329,7 @@ def explain(
     explanation = explain_problem(problem)
     if any(t is not None and t.requires_grad for t in (input, weight, bias)):
         needs = [(input.requires_grad, weight.requires_grad)]
-        explanation.notes = eager.training_notes(problem, needs)
+        explanation.notes += eager.training_notes(problem, needs)
     if config is not None:
         explanation.notes.append(fp8_note(input, weight, bias, stride, padding, dilation,
                                           groups, config))  # fmt: skip

@@ -189,7 +189,7 @@ class _GemmConvMixin:
         need_dw = self.weight.requires_grad
         bias_needs = self.bias is not None and self.bias.requires_grad
         needs = [(dx, need_dw) for dx in input_needs if dx or need_dw or bias_needs]
-        explanation.notes = eager.training_notes(problem, needs)
+        explanation.notes += eager.training_notes(problem, needs)
         return explanation
 
 

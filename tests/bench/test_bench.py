@@ -27,7 +27,8 @@ REQUIRED = {
     "gemmconv_ms", "floor_ms", "rms_error", "immediate_solver", "immediate_gap",
     "extra_bytes", "largest_operand_bytes", "flop_floor_ms", "byte_floor_ms",
     "api_ms", "vendor_api_ms", "linear_api_ms", "find_solver", "find_api_ms",
-    "find_api_solver",
+    "find_api_solver", "invariant_api_ms", "invariant_default_api_ms", "invariance_cost",
+    "invariant_solver", "invariant",
 }  # fmt: skip
 
 
@@ -99,6 +100,27 @@ def test_every_row_has_what_users_pay_beside_device_time(quick_run):
     assert "- what users pay (api_ms): rows under 0.97 x vendor or x linear: " in targets
     assert "launches more than 3 kernels (cuBLAS" in targets
     assert "sum counted with their GEMM): not counted" in targets
+
+
+def test_forward_rows_have_the_invariance_cost(quick_run):
+    """Each forward row times the public call with gemmconv.batch_invariant() on beside
+    the default call; the report has a section on it with the 10% target."""
+    _, out = quick_run
+    data = json.loads((out / "cpu.json").read_text())
+    for r in data["rows"]:
+        if r["direction"] != "fwd":
+            assert r["invariance_cost"] is None and r["invariant_api_ms"] is None
+            continue
+        assert min(r["invariant_api_ms"], r["invariant_default_api_ms"]) > 0, r
+        assert r["invariance_cost"] == pytest.approx(
+            r["invariant_api_ms"] / r["invariant_default_api_ms"]
+        )
+        assert r["invariant"] is True, r  # every quick case is GEMM-reducible in bf16..fp32
+        assert r["invariant_solver"] in ("patch", "point_output", "pointwise", "strided_pointwise")
+    md = (out / "cpu.md").read_text()
+    section = md[md.index("## What batch invariance costs") : md.index("## Targets")]
+    assert section.count("\n| point2d |") == 6
+    assert "- rows over 1.1 x the default call: " in section
 
 
 def test_api_targets_are_counted_on_the_rows():
@@ -182,7 +204,8 @@ def test_markdown_table_and_optional_plot(quick_run):
     _, out = quick_run
     md = (out / "cpu.md").read_text()
     data = json.loads((out / "cpu.json").read_text())
-    assert md.count("\n| point2d |") == 2 * 18  # the public-call table and the device table
+    # The public-call table and the device table, and the invariance table's forwards.
+    assert md.count("\n| point2d |") == 2 * 18 + 6
     assert "## Targets" in md and "geometric mean of floor/gemmconv" in md
     assert "QUICK" in md
     assert data["summary"]["rows"] == len(data["rows"])

@@ -332,9 +332,9 @@ def test_decisions_are_cached_per_problem_mode_and_solver_set(monkeypatch):
     decided = []
     real = dispatch._decide_in_mode
 
-    def counting(problem, mode, forced, disabled):
-        decided.append((mode, forced, disabled))
-        return real(problem, mode, forced, disabled)
+    def counting(problem, mode, forced, disabled, *more):
+        decided.append((mode, forced, disabled, *more))
+        return real(problem, mode, forced, disabled, *more)
 
     monkeypatch.setattr(dispatch, "_decide_in_mode", counting)
     problem = _patch_problem()
@@ -348,9 +348,13 @@ def test_decisions_are_cached_per_problem_mode_and_solver_set(monkeypatch):
     dispatch.choose(problem)
     dispatch.choose(problem)
     assert len(decided) == 4
+    with gemmconv.batch_invariant():  # the batch-invariance switch is part of the state
+        dispatch.choose(problem)
+        dispatch.choose(problem)
+    assert len(decided) == 5
     dispatch.clear_cache()
     dispatch.choose(problem)
-    assert len(decided) == 5
+    assert len(decided) == 6
 
 
 def test_every_decision_is_logged_and_vendor_fallback_at_info(monkeypatch, caplog):

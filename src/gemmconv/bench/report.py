@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from gemmconv.bench.host_probe import host_lines
+from gemmconv.bench.invariance_cost import invariance_section
 from gemmconv.bench.kernel_count import MAX_KERNELS, launches
 
 # Targets on what users pay: every row's public call at least this fast as cuDNN's and
@@ -311,7 +312,8 @@ def markdown(results: dict, stats: dict) -> str:
                 f"| {r['case']} | {r['layout']} | {g['torch_ms']:.4f} | {g['torch_tbs']:.2f} "
                 f"| {g['triton_ms']:.4f} | {g['triton_tbs']:.2f} |"
             )
-    lines += ["", "## Targets", ""]
+    lines += ["", *invariance_section(results)]
+    lines += ["## Targets", ""]
     g = stats["floor_ratio_geomean"]
     if g is None:
         lines.append(f"- no rows were run: {_no_rows_reason(results)}")

@@ -243,6 +243,7 @@ def run_row(
     memory, call time and device time), the rewrite, the floor, and the public calls of
     gemmconv (default selection), torch and the rewrite (gemmconv.bench.call_timing)."""
     from gemmconv.bench.call_timing import api_times
+    from gemmconv.bench.invariance_cost import invariance_times
 
     dtype = DTYPES[dtype_key]
     p = make_problem(shape, layout, dtype, device, direction)
@@ -265,6 +266,8 @@ def run_row(
         public = api_times(
             p, device, reps=api["reps"], block_ms=api["block_ms"], seed=seed, find=True
         )
+        invariance = invariance_times(p, device, reps=api["reps"], block_ms=api["block_ms"],
+                                      seed=seed)  # fmt: skip
     del judge
     by_id = {m.solver: m for m in measured}
     if not by_id["vendor"].ok:
@@ -311,6 +314,7 @@ def run_row(
         "candidates": {m.solver: _candidate_record(m) for m in measured},
         "gather": gathers,
         **public,
+        **invariance,
         # Counted after every row's timings (run_suite), named so a row over the
         # target says which launch to remove.
         "api_kernels": None,

@@ -240,7 +240,11 @@ def whole_row_alignment(g: PatchGeometry, element_size: int, *row_strides: int) 
         nested = ((r3, s3, 1), (r2, s2, r3), (r1, s1, r3 * r2), (g.c, sc, r3 * r2 * r1))
     if any(size > 1 and stride != dense for size, stride, dense in nested):
         return 0
-    return vector_elements(element_size, g.reduction, g.strides[0], *row_strides)
+    # One sample's stride is never stepped over (row 0 only), and torch leaves a size-1
+    # dimension's stride free: it must not change the tiles, or a sample alone could run
+    # other tiles than in a batch (gemmconv.batch_invariant).
+    sample_stride = g.strides[0] if g.n > 1 else g.reduction
+    return vector_elements(element_size, g.reduction, sample_stride, *row_strides)
 
 
 def vector_elements(element_size: int, *extents: int) -> int:

@@ -21,6 +21,14 @@ The mode comes from, first to last: ``find_mode(...)`` (a context manager),
 ``$GEMMCONV_DISABLE=<id,...>`` removes solvers from consideration;
 ``$GEMMCONV_FIND_VERIFY=1`` verifies each find candidate and drops failing ones.
 
+Under ``gemmconv.batch_invariant()`` (gemmconv.core.invariance) a forward is chosen
+among the solvers whose forward is batch-invariant on the device
+(``Solver.invariance_reasons``), in every mode; the others are listed as not chosen,
+with why. Where none applies, the forward is chosen as without the switch, its
+choice's reason says it is not batch-invariant and why, and a UserWarning says so
+once per problem (whatever its batch size). Find-database rows found under the switch
+are kept apart from the others (``database_key``).
+
 Each problem is decided once per process for a given (mode, forced, disabled) and
 cached, so steady-state calls pay no selection cost. Every decision is logged on the
 ``gemmconv.selection.dispatch`` logger (DEBUG; a fallback to the vendor path at INFO).
@@ -43,12 +51,13 @@ import itertools
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from gemmconv.core import device_rates
+from gemmconv.core import device_rates, invariance
 from gemmconv.core.device_rates import DeviceRates
 from gemmconv.core.precision import convolutions_allow_tf32
 from gemmconv.core.problem import DIRECTIONS, ConvProblem, Direction
@@ -233,12 +242,26 @@ def _decide_in_mode(
     forced: str | None,
     disabled: frozenset[str],
     rates: DeviceRates | None = None,
+    invariant: bool = False,
+    warn: bool = True,
 ) -> Choice:
+    invariant = invariant and problem.direction is Direction.FORWARD
     if forced is not None:
-        return _decide_forced(problem, forced, mode)
+        choice = _decide_forced(problem, forced, mode)
+        if invariant:
+            reasons = get_solver(forced).invariance_reasons(problem)
+            if reasons:
+                why = f"{forced} is forced and {'; '.join(reasons)}"
+                return _not_invariant(problem, choice, why, warn)
+        return choice
     candidates = [s for s in SOLVERS if s.id not in disabled]
     off = {sid: ["disabled by GEMMCONV_DISABLE"] for sid in sorted(disabled)}
+    variant: str | None = None
+    if invariant:
+        candidates, off, variant = _invariant_candidates(problem, candidates, off)
     estimated = decide(problem, candidates, rates, rejected=off)
+    if variant is not None:
+        estimated = _not_invariant(problem, estimated, variant, warn)
     estimated = dataclasses.replace(estimated, mode=mode.value)
     if mode is FindMode.IMMEDIATE:
         return estimated
@@ -269,6 +292,63 @@ def _decide_in_mode(
         return dataclasses.replace(estimated, reason=f"{estimated.reason}; no find while capturing")
     # A find restricted by GEMMCONV_DISABLE is not the true best: it is not stored.
     return _decide_by_find(problem, estimated, store=not disabled)
+
+
+def _invariant_candidates(
+    problem: ConvProblem, candidates: list[Solver], off: dict[str, list[str]]
+) -> tuple[list[Solver], dict[str, list[str]], str | None]:
+    """Under gemmconv.batch_invariant(): the candidates whose forward of ``problem`` is
+    batch-invariant, and the others added to ``off`` with why; where no such candidate
+    applies, every candidate as without the switch, and why none is invariant."""
+    invariant, variant_off = [], dict(off)
+    for solver in candidates:
+        reasons = solver.invariance_reasons(problem)
+        if not reasons:
+            invariant.append(solver)
+        elif solver.is_applicable(problem):
+            variant_off[solver.id] = [f"not batch-invariant: {r}" for r in reasons]
+        else:
+            invariant.append(solver)  # refused for its own reasons, which decide() lists
+    if any(not s.invariance_reasons(problem) and s.is_applicable(problem) for s in invariant):
+        return invariant, variant_off, None
+    named = [s.id for s in candidates if not s.invariance_reasons(problem)]
+    # Solvers invariant on this device in general, but not for this problem: by reason.
+    refusals: dict[str, list[str]] = {}
+    for solver in candidates:
+        if problem.device_type in solver.batch_invariant_devices and solver.is_applicable(problem):
+            for reason in solver.invariance_reasons(problem):
+                refusals.setdefault(reason, []).append(solver.id)
+    details = [f"{', '.join(ids)}: {reason}" for reason, ids in refusals.items()]
+    if named:
+        details.append(f"{', '.join(named)} do not take it")
+    why = "no batch-invariant solver applies" + (f" ({'; '.join(details)})" if details else "")
+    return candidates, off, why
+
+
+# Problems (as keyed without their batch size) already warned about as not
+# batch-invariant: each is warned about once a process.
+_warned_variant: set[str] = set()
+
+
+def _not_invariant(problem: ConvProblem, choice: Choice, why: str, warn: bool = True) -> Choice:
+    """``choice`` for a forward that gemmconv.batch_invariant() cannot make invariant:
+    its reason says so and why, and (``warn``) a UserWarning says it once per problem."""
+    chosen = get_solver(choice.solver).invariance_reasons(problem)
+    detail = why
+    if chosen and not why.startswith(f"{choice.solver} "):
+        detail = f"{why}; {choice.solver}: {'; '.join(chosen)}"
+    text = f"NOT batch-invariant: {detail}"
+    geometry = dataclasses.replace(problem, n=1).key()
+    if warn and geometry not in _warned_variant:
+        _warned_variant.add(geometry)
+        warnings.warn(
+            f"gemmconv.batch_invariant is on but the forward of {problem.key()} cannot be "
+            f"made batch-invariant: {detail}; it runs {choice.solver}, whose output for a "
+            "sample may depend on the batch",
+            UserWarning,
+            stacklevel=2,
+        )
+    return dataclasses.replace(choice, reason=f"{choice.reason}; {text}")
 
 
 def _capturing(problem: ConvProblem) -> bool:
@@ -440,6 +520,7 @@ class SelectionState(NamedTuple):
     disabled: frozenset[str]
     allow_tf32: bool
     determinism: tuple[bool, bool]
+    batch_invariant: bool = False
 
 
 def selection_state(solver: str | None = None) -> SelectionState:
@@ -453,7 +534,14 @@ def selection_state(solver: str | None = None) -> SelectionState:
             f"solver {forced!r} is forced and also listed in GEMMCONV_DISABLE; "
             "expected one or the other"
         )
-    return SelectionState(mode, forced, disabled, convolutions_allow_tf32(), determinism_state())
+    return SelectionState(
+        mode,
+        forced,
+        disabled,
+        convolutions_allow_tf32(),
+        determinism_state(),
+        invariance.batch_invariant_enabled(),
+    )
 
 
 _cache: dict[tuple[ConvProblem, SelectionState], Choice] = {}
@@ -475,12 +563,16 @@ def choose(problem: ConvProblem, solver: str | None = None) -> Choice:
         # direction's graph): decided as the database mode would, measuring nothing and
         # caching nothing, so one find never starts another, and the problem, if the
         # user's calls meet it, is found then.
-        return _decide_in_mode(problem, FindMode.DATABASE, state.forced, state.disabled)
+        return _decide_in_mode(
+            problem, FindMode.DATABASE, state.forced, state.disabled, None, state.batch_invariant
+        )
     if choice is None:
         # A device the cost table does not know is calibrated here, before selection,
         # so that estimating stays pure.
         calibrate.prepare(problem.device_type)
-        choice = _decide_in_mode(problem, state.mode, state.forced, state.disabled)
+        choice = _decide_in_mode(
+            problem, state.mode, state.forced, state.disabled, None, state.batch_invariant
+        )
         with _lock:
             _cache[key] = choice
         level = logging.INFO if choice.solver == "vendor" else logging.DEBUG
@@ -497,10 +589,14 @@ def decided(problem: ConvProblem) -> Choice | None:
 def database_key(problem: ConvProblem) -> str:
     """The find-database key of ``problem``: its own key, and for an fp32 problem on
     CUDA the math mode its convolutions run in (TF32 or full fp32), which changes the
-    winner and so must not share a row."""
+    winner and so must not share a row; a forward found under gemmconv.batch_invariant()
+    ends in "-invariant" (its winner is among the invariant solvers only)."""
+    key = problem.key()
     if problem.dtype == torch.float32 and problem.device_type == "cuda":
-        return f"{problem.key()}-{'tf32' if convolutions_allow_tf32() else 'ieee'}"
-    return problem.key()
+        key = f"{key}-{'tf32' if convolutions_allow_tf32() else 'ieee'}"
+    if problem.direction is Direction.FORWARD and invariance.batch_invariant_enabled():
+        key = f"{key}-invariant"
+    return key
 
 
 def solver_for(problem: ConvProblem, solver: str | None = None) -> Solver:
@@ -511,12 +607,18 @@ def solver_for(problem: ConvProblem, solver: str | None = None) -> Solver:
 # a tenth of os.environ.get, which matters on a path taken by every eager call.
 _ENVIRON = getattr(os.environ, "_data", None)
 _ENCODE = getattr(os.environ, "encodekey", None)
-_SETTINGS = ("GEMMCONV_FIND_MODE", "GEMMCONV_SOLVER", "GEMMCONV_DISABLE", "CUBLAS_WORKSPACE_CONFIG")
+_SETTINGS = (
+    "GEMMCONV_FIND_MODE",
+    "GEMMCONV_SOLVER",
+    "GEMMCONV_DISABLE",
+    "CUBLAS_WORKSPACE_CONFIG",
+    invariance.ENV,
+)
 if _ENVIRON is None or _ENCODE is None:
     _read_setting, _RAW_SETTINGS = os.environ.get, _SETTINGS
 else:
     _read_setting, _RAW_SETTINGS = _ENVIRON.get, tuple(map(_ENCODE, _SETTINGS))
-_FIND_MODE_RAW, _SOLVER_RAW, _DISABLE_RAW, _WORKSPACE_RAW = _RAW_SETTINGS
+_FIND_MODE_RAW, _SOLVER_RAW, _DISABLE_RAW, _WORKSPACE_RAW, _INVARIANT_RAW = _RAW_SETTINGS
 _cudnn_benchmark = torch._C._get_cudnn_benchmark
 _cudnn_allow_tf32 = torch._C._get_cudnn_allow_tf32
 _deterministic = torch._C._get_deterministic_algorithms
@@ -525,9 +627,11 @@ _deterministic = torch._C._get_deterministic_algorithms
 def selection_key() -> tuple:
     """Everything besides the problem that ``choose(problem)`` and the solvers decide
     from, read raw: the block and process modes, the cudnn benchmark and TF32 flags,
-    the determinism flag and the environment settings (``$GEMMCONV_FIND_MODE``,
-    ``$GEMMCONV_SOLVER``, ``$GEMMCONV_DISABLE``, ``$CUBLAS_WORKSPACE_CONFIG``) and
-    the number of the trial find is making (``trial``), None outside one.
+    the determinism flag, the batch-invariance switch (gemmconv.core.invariance: its
+    block and process settings) and the environment settings
+    (``$GEMMCONV_FIND_MODE``, ``$GEMMCONV_SOLVER``, ``$GEMMCONV_DISABLE``,
+    ``$CUBLAS_WORKSPACE_CONFIG``, ``$GEMMCONV_BATCH_INVARIANT``) and the number of the
+    trial find is making (``trial``), None outside one.
 
     Equal keys give equal choices for a problem until ``clear_cache()``, so a caller
     may memoise per (problem metadata, key) what it derives from a choice (see
@@ -546,6 +650,8 @@ def selection_key() -> tuple:
         _read_setting(_SOLVER_RAW),
         _read_setting(_DISABLE_RAW),
         _read_setting(_WORKSPACE_RAW),
+        invariance.setting,
+        _read_setting(_INVARIANT_RAW),
         _trial_token,
     )
 
@@ -578,10 +684,23 @@ def explain_problem(problem: ConvProblem) -> Explanation:
     Runs nothing in immediate and database modes; in find and hybrid modes a problem
     not yet decided is benchmarked, as the convolution itself would be."""
     explanation = Explanation({d.value: choose(problem.with_direction(d)) for d in DIRECTIONS})
+    if invariance.batch_invariant_enabled():
+        explanation.notes.append(invariance_note(explanation[Direction.FORWARD.value]))
     if problem.device_type != "cuda":
         explanation.on_cuda = estimate_on_cuda(problem)
         explanation.cuda_rates = cuda_rates().name
     return explanation
+
+
+def invariance_note(forward: Choice) -> str:
+    """The sentence explain() ends with under gemmconv.batch_invariant(): whether the
+    forward's output is batch-invariant, and if not, why."""
+    marker = "; NOT batch-invariant: "
+    if marker in forward.reason:
+        return (f"batch_invariant is on: the forward ({forward.solver}) is NOT batch-invariant: "
+                f"{forward.reason.split(marker, 1)[1]}")  # fmt: skip
+    return (f"batch_invariant is on: the forward ({forward.solver}) is batch-invariant: a "
+            "sample's output is the same bits in any batch")  # fmt: skip
 
 
 def estimate(problem: ConvProblem) -> Choice:
@@ -589,7 +708,9 @@ def estimate(problem: ConvProblem) -> Choice:
     (forced and disabled solvers included): what the cost model says, whatever the
     mode. Pure: reads no find database, measures nothing, caches nothing."""
     state = selection_state()
-    return _decide_in_mode(problem, FindMode.IMMEDIATE, state.forced, state.disabled)
+    return _decide_in_mode(
+        problem, FindMode.IMMEDIATE, state.forced, state.disabled, None, state.batch_invariant
+    )
 
 
 def cuda_rates() -> DeviceRates:
@@ -608,9 +729,16 @@ def estimate_on_cuda(problem: ConvProblem) -> dict[str, Choice]:
     speak of the device this process runs on. Pure, as ``estimate``."""
     on_cuda = dataclasses.replace(problem, device_type="cuda")
     rates = cuda_rates()
+    invariant = invariance.batch_invariant_enabled()
     return {
         d.value: _decide_in_mode(
-            on_cuda.with_direction(d), FindMode.IMMEDIATE, None, frozenset(), rates
+            on_cuda.with_direction(d),
+            FindMode.IMMEDIATE,
+            None,
+            frozenset(),
+            rates,
+            invariant,
+            warn=False,
         )
         for d in DIRECTIONS
     }

@@ -19,6 +19,7 @@ from typing import ClassVar
 import torch
 
 from gemmconv.core.device_rates import DeviceRates, rates_for
+from gemmconv.core.invariance import batch_invariant_enabled
 from gemmconv.core.memory_format import Layout
 from gemmconv.core.precision import conv_gemm_precision, convolutions_allow_tf32
 from gemmconv.core.problem import DIRECTIONS, ConvProblem, Direction, dtype_name
@@ -83,6 +84,11 @@ class Solver:
     # multiplies: the eager road then runs that GEMM on the columns the forward kept
     # (ColumnKeepingForward) instead of gathering them again.
     weight_gradient_multiplies_columns: ClassVar[bool] = False
+    # Devices on which its forward is batch-invariant under gemmconv.batch_invariant(): a
+    # sample's output the same bits whatever the batch size and the sample's place in
+    # it (fixed tiles and reduction order, nothing chosen by the row count). The
+    # tests (tests/solvers/test_batch_invariance.py) hold every solver to it.
+    batch_invariant_devices: ClassVar[frozenset[str]] = frozenset()
 
     # ---- applicability ------------------------------------------------------
 
@@ -117,6 +123,28 @@ class Solver:
                 "(torch.use_deterministic_algorithms is on)"
             ]
         return []
+
+    def invariance_reasons(self, problem: ConvProblem) -> list[str]:
+        """Why this solver's forward of ``problem`` would not be batch-invariant (empty:
+        it is), for the selection under gemmconv.batch_invariant()."""
+        if problem.device_type in self.batch_invariant_devices:
+            if problem.device_type == "cpu":
+                from gemmconv.solvers.invariant import cpu_reasons
+
+                return cpu_reasons(problem)
+            return []
+        if problem.device_type == "cuda" and self.uses_cublas:
+            return ["its GEMM runs on cuBLAS, which picks tile shapes and split-K by the row count"]
+        return ["its forward is not batch-invariant"]
+
+    def runs_invariant(self, problem: ConvProblem) -> bool:
+        """Whether this run of ``problem`` takes the solver's batch-invariant form: a
+        forward on a device it declares, while gemmconv.batch_invariant() is on."""
+        return (
+            problem.direction is Direction.FORWARD
+            and problem.device_type in self.batch_invariant_devices
+            and batch_invariant_enabled()
+        )
 
     def operand_elements(self, problem: ConvProblem) -> dict[str, int]:
         """Elements of each tensor the solver's GEMMs read or write (their views reach

@@ -48,6 +48,10 @@ def _pad(x: torch.Tensor, p: ConvProblem) -> torch.Tensor:
 class Im2colSolver(Solver):
     id = "im2col"
 
+    def invariance_reasons(self, p: ConvProblem) -> list[str]:
+        # Its batched GEMM over groups is the library's choice by shape.
+        return ["its batched GEMM (any convolution, as columns) is not batch-invariant"]
+
     def problem_reasons(self, p: ConvProblem) -> list[str]:
         if any(o < 1 for o in p.output_spatial):
             return [f"output spatial size {p.output_spatial} is empty"]

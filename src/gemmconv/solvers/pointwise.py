@@ -17,12 +17,15 @@ import torch
 
 from gemmconv.core.memory_format import Layout
 from gemmconv.core.precision import (
+    convolutions_allow_tf32,
     fp32_workspace_chunk_bytes,
     reduce_batched_products,
     reduction_mm,
 )
-from gemmconv.core.problem import ConvProblem, Direction
+from gemmconv.core.problem import ConvProblem, Direction, dtype_name
+from gemmconv.kernels import triton_available
 from gemmconv.solvers.base import ConvTensors, Solver
+from gemmconv.solvers.invariant import store_invariant_rows
 from gemmconv.solvers.views import (
     result_buffer,
     rows,
@@ -30,12 +33,16 @@ from gemmconv.solvers.views import (
     store_rows,
 )
 
+# The dtypes the implicit patch GEMM's tl.dot takes.
+IMPLICIT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 # Upper bound for the fp32 partial products of a channels-first weight gradient.
 WGRAD_PARTIALS_CAP = 64 << 20
 
 
 class PointwiseSolver(Solver):
     id = "pointwise"
+    # On the CPU its forward runs the invariant GEMM (solvers/invariant.py).
+    batch_invariant_devices = frozenset({"cpu"})
 
     def problem_reasons(self, p: ConvProblem) -> list[str]:
         reasons = []
@@ -107,6 +114,8 @@ class PointwiseSolver(Solver):
     # ---- the three directions ----------------------------------------------
 
     def prepare(self, p: ConvProblem, tensors: ConvTensors):
+        if self.runs_invariant(p):
+            return super().prepare(p, tensors)  # the run itself: forward() takes that form
         if not self.subsample_is_copied(p):
             from gemmconv.solvers import pointwise_prepared
 
@@ -119,12 +128,21 @@ class PointwiseSolver(Solver):
         x = self.source(t.input, p)
         y = result_buffer(p, x, out)
         w = t.weight.reshape(p.k, p.c)
+        if self.runs_invariant(p):
+            return self.invariant_forward(p, x, w, t.bias, y)
         if p.layout is Layout.CHANNELS_LAST:
             store_rows(y, rows(x), w.t(), t.bias)
         else:
             x3 = x.reshape(p.n, p.c, -1)
             store_batched(y, w.expand(p.n, p.k, p.c), x3, t.bias)
         return y
+
+    def invariant_forward(
+        self, p: ConvProblem, x: torch.Tensor, w: torch.Tensor, bias, y: torch.Tensor
+    ) -> torch.Tensor:
+        """y from the pixels ``x`` reads (the source), batch-invariant: on the CPU the
+        invariant GEMM over x's rows [pixels, C] (solvers/invariant.py)."""
+        return store_invariant_rows(y, rows(x), w, bias)
 
     def backward_data(
         self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None
@@ -159,6 +177,31 @@ class PointwiseSolver(Solver):
 
 class StridedPointwiseSolver(PointwiseSolver):
     id = "strided_pointwise"
+    # On CUDA its forward runs the implicit patch GEMM (kernels/patch_gemm.py) on the
+    # subsampled view, a 1x1 patch problem: fixed tiles, no split-K.
+    batch_invariant_devices = frozenset({"cpu", "cuda"})
+
+    def invariance_reasons(self, p: ConvProblem) -> list[str]:
+        if p.device_type != "cuda":
+            return super().invariance_reasons(p)
+        reasons = []
+        if not triton_available():
+            reasons.append("its invariant form on CUDA is a Triton kernel; triton is not installed")
+        if p.dtype not in IMPLICIT_DTYPES:
+            reasons.append(f"its Triton kernel takes fp16, bf16 or fp32, not {dtype_name(p.dtype)}")
+        return reasons
+
+    def invariant_forward(
+        self, p: ConvProblem, x: torch.Tensor, w: torch.Tensor, bias, y: torch.Tensor
+    ) -> torch.Tensor:
+        if p.device_type != "cuda":
+            return super().invariant_forward(p, x, w, bias, y)
+        from gemmconv.kernels.patch_gemm import patch_gemm_forward
+
+        return patch_gemm_forward(
+            x, w.contiguous(), bias, (1,) * p.dims, p.input_layout is Layout.CHANNELS_LAST, y,
+            allow_tf32=convolutions_allow_tf32(),
+        )  # fmt: skip
 
     def stride_reasons(self, p: ConvProblem) -> list[str]:
         if all(u == 1 for u in p.stride):

@@ -48,6 +48,12 @@ class VendorSolver(Solver):
     # torch.use_deterministic_algorithms, as F.conv* does.
     uses_cublas = False
 
+    def invariance_reasons(self, problem: ConvProblem) -> list[str]:
+        return [
+            "torch's convolution picks its algorithm by the batch size (cuDNN, oneDNN); "
+            "gemmconv does not fix its reduction order"
+        ]
+
     def work_ms(self, problem: ConvProblem, rates: DeviceRates) -> float:
         return super().work_ms(problem, rates) / vendor_efficiency(problem, rates)
 

@@ -21,6 +21,7 @@ import torch
 from gemmconv.core.precision import reduction_mm
 from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors
+from gemmconv.solvers.invariant import store_invariant_rows
 from gemmconv.solvers.patch import prepared, rows_path
 from gemmconv.solvers.patch.columns import ColumnSource
 from gemmconv.solvers.patch.cost import output_rows_bytes, torch_permute_slowdown, uncovered_bytes
@@ -139,6 +140,8 @@ class ColumnGemmSolver(PatchFamilySolver):
         y = result_buffer(p, x, out)
         ld = self.reduction_width(p)
         wm = padded_weight_rows(t.weight, column_layout(p), ld)
+        if self.runs_invariant(p):
+            return store_invariant_rows(y, self.columns.gather(x, p, ld), wm, t.bias)
         y3 = batched_view(y) if rows_view(y) is None else None
         if y3 is None:
             store_rows(y, self.columns.gather(x, p, ld), wm.t(), t.bias)

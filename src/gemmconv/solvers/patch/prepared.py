@@ -25,6 +25,7 @@ from gemmconv.core.memory_format import empty_in
 from gemmconv.core.precision import reduction_mm_of
 from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors
+from gemmconv.solvers.invariant import store_invariant_rows
 from gemmconv.solvers.patch import rows_path
 from gemmconv.solvers.patch.mapping import (
     column_layout,
@@ -74,7 +75,10 @@ def prepare(solver, p: ConvProblem, t: ConvTensors) -> Runner | None:
     meta = meta_operands(t)
     if p.direction is Direction.FORWARD:
         result = ResultBuffer(p, meta.input)
-        forward = _forward(solver, p, ld, meta, result)
+        if solver.runs_invariant(p):
+            forward = _invariant_forward(solver, p, ld, meta, result)
+        else:
+            forward = _forward(solver, p, ld, meta, result)
         return None if forward is None else ColumnKeepingForward(p, ld, forward, result.stride)
     views = _output_views(solver, p, meta.grad_output)
     if views is None:
@@ -142,6 +146,21 @@ def _forward(solver, p: ConvProblem, ld: int, t: ConvTensors, result: ResultBuff
         else:
             torch.addmm(bias, col, wm.t(), out=y_rows(y))
         return y, col
+
+    return forward
+
+
+def _invariant_forward(solver, p: ConvProblem, ld: int, t: ConvTensors, result: ResultBuffer):
+    """The batch-invariant forward (solvers/invariant.py): the same columns, multiplied
+    in fixed-shape row chunks; y and the columns, as _forward's run returns them."""
+    columns = solver.columns.prepared_gather(t.input, p, ld)
+    weight_rows = _weight_rows(p, ld, t.weight)
+
+    def forward(
+        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        col = columns(x)
+        return store_invariant_rows(result(x), col, weight_rows(weight), bias), col
 
     return forward
 

@@ -19,6 +19,8 @@ class PatchSolver(ColumnGemmSolver):
 
     id = "patch"
     columns = VIEW_COLUMNS
+    # On the CPU its forward runs the invariant GEMM (solvers/invariant.py).
+    batch_invariant_devices = frozenset({"cpu"})
 
 
 class PointOutputSolver(PatchSolver):
@@ -53,6 +55,13 @@ class PaddedPatchSolver(ColumnGemmSolver):
         if padded_reduction(p) != p.gemm_k:
             return []
         return [f"reduction {p.gemm_k} x {p.element_size} bytes is already 16-byte aligned"]
+
+    def invariance_reasons(self, p: ConvProblem) -> list[str]:
+        # Its zero columns change the GEMM's reduction length, and so the library's
+        # blocking of it: where the unpadded solvers also apply, which one a batch size
+        # chose would change the bits.
+        return [f"its padded reduction ({padded_reduction(p)} for {p.gemm_k}) is summed "
+                "otherwise than the unpadded solvers'"]  # fmt: skip
 
     def estimate_ms(self, p: ConvProblem, rates: DeviceRates | None = None) -> float:
         estimate = super().estimate_ms(p, rates)
@@ -90,3 +99,6 @@ class ImplicitPatchSolver(ImplicitGemmSolver):
     # Triton GEMMs only; the split weight-gradient reduction sums fp32 partials in a
     # fixed order (no atomics), so it is reproducible.
     uses_cublas = False
+    # Its forward's tiles and reduction order are fixed by the dtype and the geometry,
+    # never by the row count (kernels/patch_gemm.forward_launch), and it has no split-K.
+    batch_invariant_devices = frozenset({"cuda"})

@@ -1,0 +1,250 @@
+"""gemmconv.batch_invariant(): a sample's forward output is the same bits whatever the
+batch it runs in, for every GEMM-reducible problem class, dtype and layout.
+
+Each case computes a full batch once, then batches of 1, 7 and 64 samples drawn from it
+at other positions (its head, its tail, a shuffled pick, a sample alone in fresh
+memory) and compares every sample of them with torch.equal against the full batch's.
+The CPU solvers run here; the CUDA forms (the implicit patch GEMM, the strided 1x1 on
+it) run in Triton's interpreter in fp32 and fp16 here and compiled in
+tests/solvers/test_gpu_batch_invariance.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gemmconv
+from gemmconv.core.memory_format import Layout
+from gemmconv.core.problem import ConvProblem
+from gemmconv.selection import dispatch
+from gemmconv.solvers import SOLVERS, ConvTensors, get_solver
+from gemmconv.solvers.invariant import invariant_rows_gemm, rows_chunk
+
+FULL = 96
+BATCHES = (1, 7, 64)
+
+# (label, C, K, spatial, kernel, stride, the solver gemmconv picks on the CPU)
+CASES = [
+    ("patch1d", 3, 5, (12,), (4,), (4,)),
+    ("patch2d", 4, 6, (8, 9), (2, 3), (2, 3)),
+    ("patch3d", 3, 5, (4, 6, 4), (2, 3, 2), (2, 3, 2)),
+    ("sd3_patchify", 16, 24, (8, 8), (2, 2), (2, 2)),
+    ("point_output", 3, 6, (7, 7), (7, 7), (7, 7)),
+    ("point_output_cropped", 3, 6, (9, 8), (7, 7), (7, 7)),
+    ("pointwise", 8, 6, (5, 5), (1, 1), (1, 1)),
+    ("strided_pointwise", 8, 6, (9, 9), (1, 1), (2, 2)),
+    ("strided_pointwise3d", 4, 6, (5, 7, 6), (1, 1, 1), (2, 3, 2)),
+]
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+LAYOUTS = (Layout.CHANNELS_FIRST, Layout.CHANNELS_LAST)
+
+
+def _conv(dims: int):
+    return {1: gemmconv.conv1d, 2: gemmconv.conv2d, 3: gemmconv.conv3d}[dims]
+
+
+def _in_layout(t: torch.Tensor, layout: Layout) -> torch.Tensor:
+    if layout is Layout.CHANNELS_FIRST:
+        return t.contiguous()
+    return t.movedim(1, -1).contiguous().movedim(-1, 1)
+
+
+def _operands(c, k, spatial, kernel, dtype, layout, full=FULL):
+    g = torch.Generator().manual_seed(hash((c, k, spatial, kernel)) % 2**31)
+    x = _in_layout(torch.randn(full, c, *spatial, generator=g).to(dtype), layout)
+    w = _in_layout(torch.randn(k, c, *kernel, generator=g).to(dtype), layout)
+    b = torch.randn(k, generator=g).to(dtype)
+    return x, w, b
+
+
+def _picks(batch: int, full: int = FULL) -> list[torch.Tensor]:
+    """Index sets of ``batch`` samples at other positions than in the full batch."""
+    g = torch.Generator().manual_seed(batch)
+    picks = [torch.arange(full - batch, full), torch.randperm(full, generator=g)[:batch]]
+    if batch > 1:
+        picks.append(torch.arange(batch).flip(0))
+    return picks
+
+
+def assert_batch_invariant(run, x: torch.Tensor, layout: Layout) -> None:
+    """Every sample of every smaller batch equals its own row of the full batch."""
+    full = run(x)
+    for batch in BATCHES:
+        for pick in _picks(batch, x.shape[0]):
+            part = run(_in_layout(x[pick], layout))
+            for j, i in enumerate(pick.tolist()):
+                assert torch.equal(part[j], full[i]), (batch, j, i)
+    alone = run(_in_layout(x[5:6].clone(), layout))  # fresh memory, another alignment
+    assert torch.equal(alone[0], full[5])
+    sliced = run(x[33:34])  # a view into the full batch's memory
+    assert torch.equal(sliced[0], full[33])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: v.value)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_public_call_is_batch_invariant(case, dtype, layout):
+    label, c, k, spatial, kernel, stride = case
+    x, w, b = _operands(c, k, spatial, kernel, dtype, layout)
+    conv = _conv(len(spatial))
+    with gemmconv.batch_invariant():
+        forward = gemmconv.explain(x, w, b, stride=stride)["forward"]
+        assert not get_solver(forward.solver).invariance_reasons(
+            ConvProblem.from_tensors(x, w, b, stride)
+        ), forward
+        assert "NOT batch-invariant" not in forward.reason
+        assert_batch_invariant(lambda t: conv(t, w, b, stride=stride), x, layout)
+        y = conv(x, w, b, stride=stride)
+    # The invariant form computes the convolution: torch's within the dtype's rounding.
+    reference = torch.nn.functional.__dict__[f"conv{len(spatial)}d"](
+        x.double(), w.double(), b.double(), stride=stride
+    )
+    tolerance = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}[dtype]
+    torch.testing.assert_close(y.double(), reference, atol=tolerance, rtol=tolerance)
+    assert (
+        y.stride()
+        == torch.nn.functional.__dict__[f"conv{len(spatial)}d"](x, w, b, stride=stride).stride()
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_invariant_with_gradients_and_modules(case):
+    """The eager road's autograd node and the nn modules keep the invariant forward (a
+    call needing gradients must not move to torch's convolution), and their gradients
+    stay right."""
+    label, c, k, spatial, kernel, stride = case
+    dims = len(spatial)
+    x, w, b = _operands(c, k, spatial, kernel, torch.float32, Layout.CHANNELS_FIRST)
+    module = {1: gemmconv.nn.Conv1d, 2: gemmconv.nn.Conv2d, 3: gemmconv.nn.Conv3d}[dims](
+        c, k, kernel, stride=stride
+    )
+    with torch.no_grad():
+        module.weight.copy_(w)
+        module.bias.copy_(b)
+    with gemmconv.batch_invariant():
+        assert_batch_invariant(module, x, Layout.CHANNELS_FIRST)
+        xg = x[:7].clone().requires_grad_(True)
+        y = module(xg)
+        assert torch.equal(y.detach(), module(x[:7]).detach())
+        y.sum().backward()
+    reference = x[:7].clone().requires_grad_(True)
+    torch.nn.functional.__dict__[f"conv{dims}d"](reference, w, b, stride=stride).sum().backward()
+    torch.testing.assert_close(xg.grad, reference.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_invariant_rows_gemm_every_row_count(dtype):
+    """The invariant GEMM gives each row the same bits for every row count, the
+    counts BLAS takes other paths for (1 to 12 rows, tails) and past a chunk."""
+    g = torch.Generator().manual_seed(0)
+    kred, kout = 48, 20
+    chunk = rows_chunk(kred, kout)
+    total = chunk + 37
+    a = torch.randn(total, kred, generator=g).to(dtype)
+    wm = torch.randn(kout, kred, generator=g).to(dtype)
+    bias = torch.randn(kout, generator=g).to(dtype)
+    full = invariant_rows_gemm(a, wm, bias, a.new_empty(total, kout))
+    for m in (*range(1, 14), 31, 64, chunk - 1, chunk, chunk + 1):
+        for start in (0, 3, total - m):
+            out = invariant_rows_gemm(a[start : start + m], wm, bias, a.new_empty(m, kout))
+            assert torch.equal(out, full[start : start + m]), (m, start)
+    strided = a.new_empty(kout, total).t()  # an out that is not dense rows
+    assert torch.equal(invariant_rows_gemm(a, wm, bias, strided), full)
+    torch.testing.assert_close(
+        full.double(), torch.addmm(bias.double(), a.double(), wm.double().t()),
+        atol=1e-1 if dtype != torch.float32 else 1e-4, rtol=1e-2,
+    )  # fmt: skip
+
+
+def test_rows_chunk_depends_on_widths_only():
+    assert rows_chunk(768, 768) == 256
+    assert rows_chunk(16, 64) > rows_chunk(768, 768)
+    assert rows_chunk(1, 1) == 1 << 14
+
+
+def test_declared_solvers_form():
+    """Which solvers declare an invariant forward, per device: the CPU column GEMMs and
+    pointwise solvers; on CUDA the Triton kernels (never cuBLAS, the vendor or im2col)."""
+    declared = {s.id: s.batch_invariant_devices for s in SOLVERS}
+    assert declared == {
+        "point_output": {"cpu"},
+        "pointwise": {"cpu"},
+        "strided_pointwise": {"cpu", "cuda"},
+        "patch": {"cpu"},
+        "patch_padded": frozenset(),
+        "patch_triton": frozenset(),
+        "patch_implicit": {"cuda"},
+        "im2col": frozenset(),
+        "vendor": frozenset(),
+    }
+    for solver in SOLVERS:
+        if "cuda" not in solver.batch_invariant_devices:
+            p = ConvProblem.from_sizes(2, 3, 4, (4, 4), 2, 2, device_type="cuda")
+            assert solver.invariance_reasons(p), solver.id
+
+
+# ---- the CUDA forms, in Triton's interpreter ------------------------------------
+
+
+def _row_by_row_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """The interpreter's tl.dot, each row of the tile its own vector-matrix product: the
+    interpreter's own np.matmul of the whole tile is a CPU BLAS call that sums a row by
+    its place in the tile, which no GPU's matrix instructions do; with this one the test
+    proves what the kernel decides, that every row meets the same operands in the same
+    reduction steps whatever the batch."""
+    import numpy as np
+    from triton.runtime.interpreter import TensorHandle
+
+    a_data, b_data = a.data, b.data
+    rows = [np.matmul(a_data[i], b_data, dtype=d.data.dtype) for i in range(a_data.shape[0])]
+    return TensorHandle(np.stack(rows) + d.data, d.dtype.scalar)
+
+
+@pytest.fixture
+def row_by_row_dot(monkeypatch):
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    monkeypatch.setattr(InterpreterBuilder, "create_dot", _row_by_row_dot)
+
+
+INTERPRETED_CASES = [
+    ("patch2d", 4, 6, (8, 9), (2, 3), (2, 3)),
+    ("point_output", 3, 6, (4, 4), (4, 4), (4, 4)),
+    ("pointwise", 8, 6, (3, 3), (1, 1), (1, 1)),
+    ("strided_pointwise", 8, 6, (5, 5), (1, 1), (2, 2)),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: v.value)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=("float32", "float16"))
+@pytest.mark.parametrize("case", INTERPRETED_CASES, ids=lambda c: c[0])
+def test_cuda_forms_in_the_interpreter(case, dtype, layout, row_by_row_dot):
+    """The solver CUDA picks under the switch, run on CPU tensors (the Triton kernel
+    interpreted): batch-invariant with its fixed tiles."""
+    label, c, k, spatial, kernel, stride = case
+    full = 70
+    x, w, b = _operands(c, k, spatial, kernel, dtype, layout, full=full)
+    p = ConvProblem.from_tensors(x, w, b, stride)
+    on_cuda = ConvProblem.from_sizes(
+        p.n, p.c, p.k, p.spatial, p.kernel, p.stride, layout=p.layout, dtype=dtype,
+        device_type="cuda", has_bias=True,
+    )  # fmt: skip
+    with gemmconv.batch_invariant():
+        choice = dispatch.estimate(on_cuda)
+        solver = get_solver(choice.solver)
+        assert solver.id in ("patch_implicit", "strided_pointwise"), choice
+
+        def run(t: torch.Tensor) -> torch.Tensor:
+            q = ConvProblem.from_sizes(
+                t.shape[0], c, k, spatial, kernel, stride, layout=p.layout, dtype=dtype,
+                device_type="cuda", has_bias=True,
+            )  # fmt: skip
+            return solver.run(q, ConvTensors(input=t, weight=w, bias=b))
+
+        assert_batch_invariant(run, x, layout)
+        y = run(x)
+    reference = torch.nn.functional.__dict__[f"conv{len(spatial)}d"](
+        x.double(), w.double(), b.double(), stride=stride
+    )
+    torch.testing.assert_close(y.double(), reference, atol=2e-2, rtol=2e-2)
