@@ -199,15 +199,16 @@ def test_fp8_numerics_per_problem_class(case, layout, fp8_on_cpu, nan_empty):
     _run_and_check(case, torch.bfloat16, layout, gemmconv.Float8Config(), "cpu")
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        gemmconv.Float8Config(scaling="rowwise"),
-        gemmconv.Float8Config(grad_dtype=torch.float8_e5m2),
-        gemmconv.Float8Config(round_scales_to_power_of_2=True),
-    ],
-    ids=["rowwise", "e5m2_grads", "pow2_scales"],
-)
+# The recipes besides the default (tensorwise, e4m3 gradients), each checked apart.
+RECIPES = [
+    gemmconv.Float8Config(scaling="rowwise"),
+    gemmconv.Float8Config(grad_dtype=torch.float8_e5m2),
+    gemmconv.Float8Config(round_scales_to_power_of_2=True),
+]
+RECIPE_IDS = ["rowwise", "e5m2_grads", "pow2_scales"]
+
+
+@pytest.mark.parametrize("config", RECIPES, ids=RECIPE_IDS)
 @pytest.mark.parametrize("case", ["patch_2d", "point_output_3d", "pointwise"])
 def test_fp8_recipes(case, config, fp8_on_cpu, nan_empty):
     _run_and_check(case, torch.bfloat16, "channels_last", config, "cpu", seed=1)
@@ -472,15 +473,7 @@ def test_fp8_numerics_on_cuda(case, layout, nan_empty):
 
 @pytest.mark.gpu
 @needs_cuda_fp8
-@pytest.mark.parametrize(
-    "config",
-    [
-        gemmconv.Float8Config(scaling="rowwise"),
-        gemmconv.Float8Config(grad_dtype=torch.float8_e5m2),
-        gemmconv.Float8Config(round_scales_to_power_of_2=True),
-    ],
-    ids=["rowwise", "e5m2_grads", "pow2_scales"],
-)
+@pytest.mark.parametrize("config", RECIPES, ids=RECIPE_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_fp8_recipes_on_cuda(config, dtype, nan_empty):
     road.clear_decisions()
