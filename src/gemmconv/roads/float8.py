@@ -79,12 +79,15 @@ def _decision_index(
     padding: object,
     dilation: object,
     groups: object,
-    config: Float8Config,
+    config_fields: tuple,
 ) -> int | tuple[str, ...]:
     """The index in _RUNS of the fp8 run of a call with operands of this metadata (a
     batched input, or an unbatched one), or why fp8 does not apply; raises F.conv*'s
     errors for a call torch would refuse. Kept per metadata; a constant to
-    torch.compile, which calls it while tracing from the metadata alone."""
+    torch.compile, which calls it while tracing from the metadata alone. The config
+    comes as its fields: torch 2.11's dynamo cannot hand a frozen dataclass instance to
+    such a function ("can't reconstruct arbitrary frozen dataclass instances")."""
+    config = Float8Config(*config_fields)
     key = (dims, tuple(input_shape), tuple(input_strides), dtype, device, tuple(weight_shape),
            tuple(weight_strides), weight_dtype, bias_dtype, stride, padding, dilation, groups,
            config)  # fmt: skip
@@ -145,7 +148,8 @@ def decision_of(
     found = _decision_index(
         dims, input.shape, input.stride(), input.dtype, input.device, weight.shape,
         weight.stride(), weight.dtype, None if bias is None else bias.dtype, stride, padding,
-        dilation, groups, config,
+        dilation, groups, (config.forward_dtype, config.grad_dtype, config.scaling,
+                           config.round_scales_to_power_of_2),
     )  # fmt: skip
     return _RUNS[found] if isinstance(found, int) else list(found)
 
