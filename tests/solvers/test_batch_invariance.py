@@ -81,31 +81,33 @@ def assert_batch_invariant(run, x: torch.Tensor, layout: Layout) -> None:
     assert torch.equal(sliced[0], full[33])
 
 
+def check_invariant_forward(x, w, b, stride, layout: Layout, tolerance: float) -> None:
+    """Under batch_invariant(): an invariant solver is chosen, every sample is bitwise
+    itself in any batch (assert_batch_invariant), and the result is torch's convolution
+    in float64 within ``tolerance``, with torch's strides."""
+    torch_conv = torch.nn.functional.__dict__[f"conv{x.dim() - 2}d"]
+    conv = _conv(x.dim() - 2)
+    with gemmconv.batch_invariant():
+        forward = gemmconv.explain(x, w, b, stride=stride)["forward"]
+        problem = ConvProblem.from_tensors(x, w, b, stride)
+        assert not get_solver(forward.solver).invariance_reasons(problem), forward
+        assert "NOT batch-invariant" not in forward.reason
+        assert_batch_invariant(lambda t: conv(t, w, b, stride=stride), x, layout)
+        y = conv(x, w, b, stride=stride)
+    reference = torch_conv(x.double(), w.double(), b.double(), stride=stride)
+    torch.testing.assert_close(y.double(), reference, atol=tolerance, rtol=tolerance)
+    assert y.stride() == torch_conv(x, w, b, stride=stride).stride()
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: v.value)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
 def test_public_call_is_batch_invariant(case, dtype, layout):
     label, c, k, spatial, kernel, stride = case
     x, w, b = _operands(c, k, spatial, kernel, dtype, layout)
-    conv = _conv(len(spatial))
-    with gemmconv.batch_invariant():
-        forward = gemmconv.explain(x, w, b, stride=stride)["forward"]
-        assert not get_solver(forward.solver).invariance_reasons(
-            ConvProblem.from_tensors(x, w, b, stride)
-        ), forward
-        assert "NOT batch-invariant" not in forward.reason
-        assert_batch_invariant(lambda t: conv(t, w, b, stride=stride), x, layout)
-        y = conv(x, w, b, stride=stride)
     # The invariant form computes the convolution: torch's within the dtype's rounding.
-    reference = torch.nn.functional.__dict__[f"conv{len(spatial)}d"](
-        x.double(), w.double(), b.double(), stride=stride
-    )
     tolerance = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}[dtype]
-    torch.testing.assert_close(y.double(), reference, atol=tolerance, rtol=tolerance)
-    assert (
-        y.stride()
-        == torch.nn.functional.__dict__[f"conv{len(spatial)}d"](x, w, b, stride=stride).stride()
-    )
+    check_invariant_forward(x, w, b, stride, layout, tolerance)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_batch_invariance import CASES, LAYOUTS, _conv, _in_layout, assert_batch_invariant
+from test_batch_invariance import CASES, LAYOUTS, _conv, _in_layout, check_invariant_forward
 
 import gemmconv
-from gemmconv.core.problem import ConvProblem
-from gemmconv.solvers import get_solver
 
 pytestmark = pytest.mark.gpu
 
@@ -31,18 +29,8 @@ def _cuda_operands(c, k, spatial, kernel, dtype, layout, full):
 
 def _check(c, k, spatial, kernel, stride, dtype, layout, full):
     x, w, b = _cuda_operands(c, k, spatial, kernel, dtype, layout, full)
-    conv = _conv(len(spatial))
-    with gemmconv.batch_invariant():
-        forward = gemmconv.explain(x, w, b, stride=stride)["forward"]
-        problem = ConvProblem.from_tensors(x, w, b, stride)
-        assert not get_solver(forward.solver).invariance_reasons(problem), forward
-        assert_batch_invariant(lambda t: conv(t, w, b, stride=stride), x, layout)
-        y = conv(x, w, b, stride=stride)
-    reference = torch.nn.functional.__dict__[f"conv{len(spatial)}d"](
-        x.double(), w.double(), b.double(), stride=stride
-    )
     tolerance = {torch.float32: 1e-2, torch.float16: 2e-2, torch.bfloat16: 1e-1}[dtype]
-    torch.testing.assert_close(y.double(), reference, atol=tolerance, rtol=tolerance)
+    check_invariant_forward(x, w, b, stride, layout, tolerance)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: v.value)
