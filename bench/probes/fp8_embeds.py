@@ -11,15 +11,17 @@
     gemmconv bf16 on the same card.
 (b) 300 steps of timm's vit_small_patch16_224 on synthetic CIFAR-like data at 224
     (10 classes, each a fixed random low-frequency image plus noise; same seed), bf16
-    autocast, AdamW, with the patch embed in fp8 and in bf16: both loss curves, the
-    final losses as the mean of the last 20 steps and their ratio (target: within 1%),
-    as JSON and, where matplotlib is installed, a PNG figure.
+    autocast, AdamW with warm-up, cosine and clipping, with the patch embed in bf16, in
+    fp8 (``--scaling``), and in bf16 again with the first batch nudged by 1e-3 (how far
+    two runs drift on their own): the loss curves, the final losses as the mean of the
+    last 20 steps and their ratios (target: fp8 within 1% of bf16), as JSON and, where
+    matplotlib is installed, a PNG figure.
 
 Each result line is printed and appended to DIR/fp8_embeds.jsonl as it finishes;
 ``--json PATH`` also writes the timing rows as one JSON document at the end.
 
     PYTHONPATH=src python3 bench/probes/fp8_embeds.py --out DIR [--steps 300] [--reps 30]
-        [--skip-training] [--skip-timing] [--json PATH]
+        [--scaling rowwise] [--skip-training] [--skip-timing] [--json PATH]
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=30, help="timed repetitions per variant")
     parser.add_argument("--steps", type=int, default=300, help="training steps per run")
     parser.add_argument("--batch", type=int, default=64, help="training batch size")
+    parser.add_argument("--scaling", choices=("tensorwise", "rowwise"), default="tensorwise",
+                        help="the fp8 run's scaling (Float8Config.scaling)")  # fmt: skip
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--skip-training", action="store_true")
     args = parser.parse_args(argv)
@@ -178,7 +182,15 @@ def synthetic_batches(steps: int, batch: int, seed: int = 0):
         yield images, labels
 
 
-def train(fp8: bool, args) -> list[float]:
+def train(fp8, args, nudge: float = 0.0) -> list[float]:
+    """Losses of one run: a fresh ViT-S/16 (seed 0), the patch embed converted with
+    ``fp8`` (False, or a Float8Config), AdamW with a linear warm-up over the first tenth
+    of the steps, then cosine, gradients clipped to norm 1 (a ViT recipe: without the
+    warm-up both runs sat flat and then diverged from each other at the same step on an
+    H100, bench/results/fp8_loss_h100.png). ``nudge`` is added to the first batch's
+    images: a bf16 run nudged by 1e-3 shows how far two runs drift on their own."""
+    import math
+
     import timm
 
     import gemmconv
@@ -187,14 +199,26 @@ def train(fp8: bool, args) -> list[float]:
     model = timm.create_model("vit_small_patch16_224", num_classes=10).cuda()
     gemmconv.convert(model, include="patch_embed.proj", fp8=fp8)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.05)
+    warmup = max(1, args.steps // 10)
+
+    def rate(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, args.steps - warmup)))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
     losses = []
-    for images, labels in synthetic_batches(args.steps, args.batch):
+    for step, (images, labels) in enumerate(synthetic_batches(args.steps, args.batch)):
+        if step == 0 and nudge:
+            images = images + nudge
         images, labels = images.cuda(non_blocking=True), labels.cuda(non_blocking=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = F.cross_entropy(model(images), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        schedule.step()
         losses.append(loss.item())
     if fp8:
         note = model.patch_embed.proj.solvers().notes[-1]
@@ -203,11 +227,14 @@ def train(fp8: bool, args) -> list[float]:
 
 
 def training_run(args, log: Log) -> dict:
+    import gemmconv
+
     curves = {}
-    for fp8 in (False, True):
-        name = "fp8" if fp8 else "bf16"
+    runs = (("bf16", False, 0.0), ("fp8", gemmconv.Float8Config(scaling=args.scaling), 0.0),
+            ("bf16_nudged", False, 1e-3))  # fmt: skip
+    for name, fp8, nudge in runs:
         start = time.perf_counter()
-        curves[name] = train(fp8, args)
+        curves[name] = train(fp8, args, nudge)
         seconds = time.perf_counter() - start
         log(
             f"training {name} patch embed: {args.steps} steps in {seconds:.1f} s, "
@@ -224,6 +251,8 @@ def training_run(args, log: Log) -> dict:
         "final_loss_mean_last": window,
         "final_loss": final,
         "fp8_over_bf16": ratio,
+        "bf16_nudged_over_bf16": final["bf16_nudged"] / final["bf16"],
+        "scaling": args.scaling,
         "within_1_percent": abs(ratio - 1) <= 0.01,
         "losses": curves,
         "device": torch.cuda.get_device_name(),
@@ -248,7 +277,9 @@ def training_run(args, log: Log) -> dict:
         ax.plot(losses, label=f"{name} patch embed (last-{window} mean {final[name]:.4f})")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy")
-    ax.set_title(f"vit_small_patch16_224, bf16 autocast, AdamW; {torch.cuda.get_device_name()}")
+    ax.set_title(
+        f"vit_small_patch16_224, bf16 autocast, AdamW, warm-up; {torch.cuda.get_device_name()}"
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.out / "fp8_training.png", dpi=120)
