@@ -442,3 +442,25 @@ def test_find_columns_find_in_a_database_of_their_own(direction):
         assert dispatch.decided(p).source == "find"
     assert finddb.get_db().lookup(dispatch.database_key(p), finddb.identity_for("cpu")) is None
     assert dispatch.current_find_mode() is dispatch.FindMode.DATABASE
+
+
+def test_find_columns_time_a_graph_built_after_find_decided(monkeypatch):
+    """A backward call's graph is built once and retained: the find-mode graph that is
+    timed must be built once find has decided the row's problem, not during its trials
+    (whose forward may keep what the final pick does not use)."""
+    from gemmconv.bench import call_timing
+    from gemmconv.selection import dispatch
+
+    p = make_problem(Shape(2, 3, 8, (8, 8), (4, 4)), Layout.CHANNELS_LAST, torch.float32,
+                     torch.device("cpu"), Direction.BACKWARD_WEIGHTS)  # fmt: skip
+    decided_at_build = []
+    build = call_timing.public_calls
+
+    def recording(problem, kind, operands):
+        if dispatch.current_find_mode() is dispatch.FindMode.FIND:
+            decided_at_build.append(dispatch.decided(p) is not None)
+        return build(problem, kind, operands)
+
+    monkeypatch.setattr(call_timing, "public_calls", recording)
+    call_timing.api_times(p, "cpu", reps=1, warmup=0, find=True)
+    assert decided_at_build and decided_at_build[-1], decided_at_build

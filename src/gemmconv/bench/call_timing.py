@@ -171,9 +171,14 @@ def api_times(
             def finding() -> contextlib.AbstractContextManager:
                 return find_selection(path)
 
-            # Building a backward call's graph finds its directions; a forward's first
-            # call finds it (in the warm-up below, inside the setting).
+            # The first build and call find the problem's directions (building a
+            # backward call's graph runs its forward; its first call the backward). A
+            # graph kept from that build would replay what the trials left (a forward
+            # that kept no columns for dW, say), which no user's next step replays, so
+            # the timed calls are built again once find has decided.
             with finding():
+                for call in public_calls(p, kind, operands)["gemmconv"]:
+                    call()
                 calls["gemmconv_find"] = public_calls(p, kind, operands)["gemmconv"]
             settings["gemmconv_find"] = finding
             times = _interleaved_twice(calls, device, reps, warmup, block_ms, settings)
