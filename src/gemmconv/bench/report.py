@@ -12,6 +12,7 @@ import math
 import re
 from pathlib import Path
 
+from gemmconv.bench.fp8_rows import FP8_TARGET, fp8_section, under_target
 from gemmconv.bench.host_probe import host_lines
 from gemmconv.bench.invariance_cost import invariance_section
 from gemmconv.bench.kernel_count import MAX_KERNELS, launches
@@ -162,6 +163,8 @@ def summary(results: dict) -> dict:
             _label(r): r["api_kernel_names"] for r in over_launches if r.get("api_kernel_names")
         },
         "absolute": absolute,
+        "fp8_rows_run": sum(bool(r.get("applies")) for r in results.get("fp8_rows") or []),
+        "fp8_under_target": under_target(results),
     }
 
 
@@ -204,6 +207,9 @@ def unmet_targets(stats: dict) -> tuple[int, list[str]]:
             check(not stats[key], rows_text(stats[key], what))
     for label, a in stats["absolute"].items():
         check(a["met"], f"{label} {a['gemmconv_ms']:.4f} ms > {a['target_ms']} ms")
+    if stats.get("fp8_rows_run"):
+        slow = stats["fp8_under_target"]
+        check(not slow, rows_text(slow, f"with fp8 under {FP8_TARGET} x gemmconv bf16"))
     return checked, unmet
 
 
@@ -313,6 +319,7 @@ def markdown(results: dict, stats: dict) -> str:
                 f"| {g['triton_ms']:.4f} | {g['triton_tbs']:.2f} |"
             )
     lines += ["", *invariance_section(results)]
+    lines += fp8_section(results)
     lines += ["## Targets", ""]
     g = stats["floor_ratio_geomean"]
     if g is None:

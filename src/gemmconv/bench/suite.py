@@ -491,6 +491,11 @@ def run_suite(
             torch.cuda.empty_cache()
         if on_row is not None:
             on_row(results)
+    if not results["truncated"]:
+        from gemmconv.bench.fp8_rows import fp8_rows
+
+        api = timing["api"]
+        results["fp8_rows"] = fp8_rows(cases, device, quick, api["reps"], api["block_ms"], log)
     # After every timing: a profile can leave the device's instrumentation on and the
     # host slower for the rest of the process (bench/NOTES.md), which no timing may see.
     for row, p, row_seed in run:
