@@ -182,37 +182,30 @@ def synthetic_batches(steps: int, batch: int, seed: int = 0):
         yield images, labels
 
 
-def train(fp8, args, nudge: float = 0.0) -> list[float]:
-    """Losses of one run: a fresh ViT-S/16 (seed 0), the patch embed converted with
-    ``fp8`` (False, or a Float8Config), AdamW with a linear warm-up over the first tenth
-    of the steps, then cosine, gradients clipped to norm 1 (a ViT recipe: without the
-    warm-up both runs sat flat and then diverged from each other at the same step on an
-    H100, bench/results/fp8_loss_h100.png). ``nudge`` is added to the first batch's
-    images: a bf16 run nudged by 1e-3 shows how far two runs drift on their own."""
+def train_loop(model, batches, steps: int, device: str, lr: float, nudge: float = 0.0):
+    """Losses of ``steps`` steps of ``model`` on ``batches`` under bf16 autocast: AdamW
+    with a linear warm-up over the first tenth of the steps, then cosine, gradients
+    clipped to norm 1 (a ViT recipe: without the warm-up both runs sat flat and then
+    parted at the same step on an H100, bench/results/fp8_loss_h100.png). ``nudge`` is
+    added to the first batch's images: a bf16 run nudged by 1e-3 shows how far two runs
+    drift on their own. Shared with bench/probes/fp8_training_cpu.py."""
     import math
 
-    import timm
-
-    import gemmconv
-
-    torch.manual_seed(0)
-    model = timm.create_model("vit_small_patch16_224", num_classes=10).cuda()
-    gemmconv.convert(model, include="patch_embed.proj", fp8=fp8)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.05)
-    warmup = max(1, args.steps // 10)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
+    warmup = max(1, steps // 10)
 
     def rate(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, args.steps - warmup)))
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
     losses = []
-    for step, (images, labels) in enumerate(synthetic_batches(args.steps, args.batch)):
+    for step, (images, labels) in enumerate(batches):
         if step == 0 and nudge:
             images = images + nudge
-        images, labels = images.cuda(non_blocking=True), labels.cuda(non_blocking=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        images, labels = images.to(device), labels.to(device)
+        with torch.autocast(device, dtype=torch.bfloat16):
             loss = F.cross_entropy(model(images), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -220,6 +213,21 @@ def train(fp8, args, nudge: float = 0.0) -> list[float]:
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
+    return losses
+
+
+def train(fp8, args, nudge: float = 0.0) -> list[float]:
+    """Losses of one run: a fresh ViT-S/16 (seed 0), the patch embed converted with
+    ``fp8`` (False, or a Float8Config), trained by train_loop."""
+    import timm
+
+    import gemmconv
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_small_patch16_224", num_classes=10).cuda()
+    gemmconv.convert(model, include="patch_embed.proj", fp8=fp8)
+    batches = synthetic_batches(args.steps, args.batch)
+    losses = train_loop(model, batches, args.steps, "cuda", 3e-4, nudge)
     if fp8:
         note = model.patch_embed.proj.solvers().notes[-1]
         assert "runs all three directions" in note, note

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 
 import torch
 import torch.nn.functional as F
+from fp8_embeds import train_loop  # beside this file, in bench/probes
 
 import gemmconv
 from gemmconv.core import float8 as core_float8
@@ -26,46 +26,27 @@ from gemmconv.core import float8 as core_float8
 IMAGE, PATCH, CLASSES = 64, 8, 10
 
 
-def batches(steps: int, batch: int, nudge: float = 0.0):
+def batches(steps: int, batch: int):
     """10 classes, each a fixed random 8x8 colour image upsampled, plus noise."""
     g = torch.Generator().manual_seed(0)
     prototypes = F.interpolate(torch.rand(CLASSES, 3, 8, 8, generator=g), size=IMAGE,
                                mode="bilinear")  # fmt: skip
-    for step in range(steps):
+    for _ in range(steps):
         labels = torch.randint(0, CLASSES, (batch,), generator=g)
         images = prototypes[labels] + 0.5 * torch.randn(batch, 3, IMAGE, IMAGE, generator=g)
-        if step == 0 and nudge:
-            images = images + nudge
         yield images, labels
 
 
-def train(fp8: bool, steps: int, batch: int, nudge: float = 0.0) -> list[float]:
+def train(fp8, steps: int, batch: int, nudge: float = 0.0) -> list[float]:
     import timm
 
     torch.manual_seed(0)
     model = timm.create_model("vit_tiny_patch16_224", img_size=IMAGE, patch_size=PATCH,
                               depth=6, num_classes=CLASSES)  # fmt: skip
     gemmconv.convert(model, include="patch_embed.proj", fp8=fp8)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
-    warmup = steps // 10
-
-    def rate(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup)))
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
-    losses = []
-    for images, labels in batches(steps, batch, nudge):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(images), labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
+    losses = train_loop(model, batches(steps, batch), steps, "cpu", 1e-3, nudge)
     if fp8:
+        images = next(batches(1, 1))[0]
         note = model.patch_embed.proj.solvers(images).notes[-1]
         assert "runs all three directions" in note, note
     return losses
