@@ -6,6 +6,7 @@
 #   bash bench/probes/gpu_stages.sh probe     # launch cost, CUDA-graph step, host profiles of rows
 #   bash bench/probes/gpu_stages.sh compiled  # the compiled training step, split by kernel
 #   bash bench/probes/gpu_stages.sh suite     # the suite (about 3 min of rows)
+#   bash bench/probes/gpu_stages.sh fp8       # fp8 and batch-invariance GPU tests, the fp8 probe
 #   bash bench/probes/gpu_stages.sh models    # the end-to-end table (about 3 min)
 #   bash bench/probes/gpu_stages.sh gap       # backward-data public calls against call times
 #   bash bench/probes/gpu_stages.sh rows      # the rows path's in-place GEMM: tests, device time
@@ -16,7 +17,7 @@
 set -u
 : "${OUT:?set OUT to the folder for the results}"
 export PYTHONPATH=src
-stage=${1:?stage: tests, probe, compiled, suite, suite-in-place, models, gap, rows, precision, node or ab}
+stage=${1:?stage: tests, probe, compiled, suite, fp8, suite-in-place, models, gap, rows, precision, node or ab}
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 # A copied tree can report an older HEAD than the files it holds (an H200's copy
 # reported 6ce0d30 while holding 22a735c's files): a digest of src/'s Python files says which code ran (the same command in
@@ -59,8 +60,18 @@ suite)
     # 110 s of rows left 9 of 66 unrun on a slow host (the run at 316a61b); 140 ran all,
     # and 99 s did on an H100 at 1e09e80. The kernel counts (one profiled call a row)
     # follow the timed rows, outside the budget: rows and counts took 127 s on an H100
-    # at f8a6778 with a budget of 125.
-    python3 -m gemmconv bench --out "$OUT/suite" --time-budget 160 >"$OUT/suite.log" 2>&1
+    # at f8a6778 with a budget of 125. With the four new cases, find's and the
+    # invariance columns, 90 rows took 156 s on an H100 at f0db2a3, the fp8 rows after.
+    python3 -m gemmconv bench --out "$OUT/suite" --time-budget 210 --no-plot >"$OUT/suite.log" 2>&1
+    ;;
+fp8)
+    # The fp8 and batch-invariance GPU tests took 35 s with -n 12 on an H100 at f0db2a3;
+    # the probe (timings and three 300-step ViT-S/16 runs) about 2.5 min.
+    python3 -m pytest -q -rfE -p no:cacheprovider -m gpu -n 12 tests/api/test_fp8.py \
+        tests/solvers/test_gpu_batch_invariance.py tests/bench/test_fp8_rows.py \
+        >"$OUT/fp8_tests.log" 2>&1
+    echo "pytest exit $?" >>"$OUT/fp8_tests.log"
+    timeout 240 python3 bench/probes/fp8_embeds.py --out "$OUT/fp8" >/dev/null 2>>"$OUT/fp8_tests.log"
     ;;
 suite-in-place)
     # The suite with the rows path's in-place GEMMs on in every direction and size in
@@ -166,7 +177,7 @@ ab)
     done
     ;;
 *)
-    echo "stage=$stage: expected tests, probe, compiled, suite, suite-in-place, models, gap," \
+    echo "stage=$stage: expected tests, probe, compiled, suite, fp8, suite-in-place, models, gap," \
         "rows, precision, node or ab" >&2
     exit 2
     ;;

@@ -68,3 +68,17 @@ def test_the_suite_writes_the_fp8_rows(tmp_path, fp8_on_cpu):
     assert [r["case"] for r in results["fp8_rows"]] == ["vit_b16"]
     assert results["fp8_rows"][0]["applies"] is True
     assert "## fp8 patch embeds" in (tmp_path / "cpu.md").read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a CUDA device of compute capability 8.9 or later",
+)
+def test_the_fp8_rows_run_on_cuda():
+    road_float8.clear_decisions()
+    rows = fp8_rows.fp8_rows(CASES, torch.device("cuda"), quick=True, reps=2, block_ms=1.0,
+                             log=lambda line: None)  # fmt: skip
+    for row in rows:
+        assert row["applies"] is True, row["note"]
+        assert set(row["ms"]) == set(fp8_rows.VARIANTS) and row["fp8_speedup"] > 0
