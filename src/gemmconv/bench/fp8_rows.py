@@ -13,6 +13,7 @@ times nothing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -35,7 +36,7 @@ def _modules(shape, dims: int, device: torch.device) -> dict[str, torch.nn.Modul
     generator = torch.Generator().manual_seed(0)
     weight = (
         torch.randn(shape.k, shape.c, *kernel, generator=generator)
-        / (shape.c * torch.tensor(kernel).prod().item()) ** 0.5
+        / (shape.c * math.prod(kernel)) ** 0.5
     )
 
     def made() -> torch.nn.Module:
