@@ -1,21 +1,18 @@
 """The fp8 patch embed on a GPU: its speed through the public call, and a training run.
 
-(a) Forward + backward (module call, then loss.backward()) of Qwen2-VL's embed
-    (Conv3d(3, 1280, (2, 14, 14), stride=(2, 14, 14), bias=False) on [8192, 3, 2, 14,
-    14] bf16) and ViT-B/16 at batch 256 (Conv2d(3, 768, 16, 16) on [256, 3, 224, 224]
-    bf16), the input and the weight needing gradients, in: gemmconv bf16, gemmconv fp8
-    (set_fp8), torch's Conv (cuDNN), and the reshape + F.linear rewrite; each gemmconv
-    row also with the weight channels-last (convert(memory_format=...)), which gives
-    rows-major y and lets the fp8 GEMM write y in place. Median of interleaved
-    repetitions (CUDA events around each call and its backward), with the ratio to
-    gemmconv bf16 on the same card.
+(a) Per fp8 case of the suite (gemmconv.bench.fp8_rows: Qwen2-VL's Conv3d embed at
+    8192 patches, ViT-B/16 at batch 256; bf16, channels-first input): the suite's fp8
+    row (gemmconv fp8, gemmconv bf16, torch's convolution and the reshape + linear
+    rewrite, forward+backward in a steady stream of public calls); the same four
+    modules under torch.compile; and one profiled step of gemmconv fp8 and bf16, its
+    device time split into GEMM kernels and the rest (a diagnostic).
 (b) 300 steps of timm's vit_small_patch16_224 on synthetic CIFAR-like data at 224
-    (10 classes, each a fixed random low-frequency image plus noise; same seed), bf16
-    autocast, AdamW with warm-up, cosine and clipping, with the patch embed in bf16, in
-    fp8 (``--scaling``), and in bf16 again with the first batch nudged by 1e-3 (how far
-    two runs drift on their own): the loss curves, the final losses as the mean of the
-    last 20 steps and their ratios (target: fp8 within 1% of bf16), as JSON and, where
-    matplotlib is installed, a PNG figure.
+    (10 classes, each a fixed random low-frequency image plus noise, a share of the
+    labels random; same seed), bf16 autocast, AdamW with warm-up, cosine and clipping,
+    with the patch embed in bf16, in fp8 (``--scaling``), and in bf16 again with the
+    first batch nudged by 1e-3 (how far two runs drift on their own): the loss curves,
+    the final losses as the mean of the last 20 steps and their ratios (target: fp8
+    within 1% of bf16), as JSON and, where matplotlib is installed, a PNG figure.
 
 Each result line is printed and appended to DIR/fp8_embeds.jsonl as it finishes;
 ``--json PATH`` also writes the timing rows as one JSON document at the end.
@@ -36,16 +33,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SHAPES = {
-    "qwen2vl_embed_8192": dict(
-        cls=torch.nn.Conv3d, c=3, k=1280, kernel=(2, 14, 14), bias=False,
-        input=(8192, 3, 2, 14, 14),
-    ),
-    "vit_b16_b256": dict(
-        cls=torch.nn.Conv2d, c=3, k=768, kernel=(16, 16), bias=True, input=(256, 3, 224, 224),
-    ),
-}  # fmt: skip
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -57,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scaling", choices=("tensorwise", "rowwise"), default="tensorwise",
                         help="the fp8 run's scaling (Float8Config.scaling)")  # fmt: skip
     parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the timing "
+                        "code (with the fp8 run let onto the CPU)")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="the suite's tiny shapes")
     parser.add_argument("--skip-training", action="store_true")
     args = parser.parse_args(argv)
     for name in ("reps", "steps", "batch"):
@@ -81,105 +71,134 @@ class Log:
 # ---- (a) timing ----------------------------------------------------------------
 
 
-def _variants(shape: dict):
-    """name -> (module, input maker): the same weights in every variant."""
-    import gemmconv
-    from gemmconv.bench.linear_patch_embed import LinearPatchEmbed
+def _cases():
+    from gemmconv.bench.fp8_rows import CASES
+    from gemmconv.bench.suite import suite_cases
 
-    torch.manual_seed(0)
-    base = shape["cls"](shape["c"], shape["k"], shape["kernel"], stride=shape["kernel"],
-                        bias=shape["bias"]).cuda().to(torch.bfloat16)  # fmt: skip
-    last = torch.channels_last if len(shape["kernel"]) == 2 else torch.channels_last_3d
-
-    def copy(convert=None, fp8=False, weight_last=False):
-        m = shape["cls"](shape["c"], shape["k"], shape["kernel"], stride=shape["kernel"],
-                         bias=shape["bias"]).cuda().to(torch.bfloat16)  # fmt: skip
-        m.load_state_dict(base.state_dict())
-        if convert == "gemmconv":
-            gemmconv.convert(m, fp8=fp8, memory_format=last if weight_last else None)
-        elif convert == "rewrite":
-            m = LinearPatchEmbed(m)
-        return m
-
-    return {
-        "torch (cuDNN)": copy(),
-        "reshape+linear": copy("rewrite"),
-        "gemmconv bf16": copy("gemmconv"),
-        "gemmconv fp8": copy("gemmconv", fp8=True),
-        "gemmconv bf16, weight channels-last": copy("gemmconv", weight_last=True),
-        "gemmconv fp8, weight channels-last": copy("gemmconv", fp8=True, weight_last=True),
-    }
+    return suite_cases(CASES)
 
 
-def _step(module, x, dy):
-    y = module(x)
-    y.backward(dy)
+def time_rows(args, log: Log) -> list[dict]:
+    """Per case: the suite's fp8 row (eager, a steady stream of public calls), the same
+    four modules under torch.compile, and one profiled step of each gemmconv variant
+    split into GEMM and other kernels (device time: a diagnostic)."""
+    from gemmconv.bench.call_timing import _interleaved_twice
+    from gemmconv.bench.fp8_rows import VARIANTS, _modules, _step, fp8_row
 
-
-def time_shapes(args, log: Log) -> list[dict]:
-    rows = []
-    for name, shape in SHAPES.items():
-        variants = _variants(shape)
-        x = torch.randn(shape["input"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    device, rows = torch.device(args.device), []
+    for case in _cases():
+        eager = fp8_row(case, device, args.quick, args.reps, None)
+        record = {"case": case.name, "mode": "eager", **eager, **_where()}
+        rows.append(record)
+        log(f"{case.name} eager: {_times_text(eager)}", record)
+        if not eager.get("applies"):
+            continue
+        shape = case.tiny if args.quick else case.full
+        modules = _modules(shape, len(shape.kernel), device)
+        x = torch.randn(shape.n, shape.c, *shape.spatial, device=device,
+                        dtype=torch.bfloat16, requires_grad=True)  # fmt: skip
         with torch.no_grad():
-            dy = torch.randn_like(next(iter(variants.values()))(x))
-        for module in variants.values():  # warm: plans, cuBLASLt heuristics
-            for _ in range(3):
-                _step(module, x, dy)
-        fp8_module = variants["gemmconv fp8"]
-        note = fp8_module.solvers(x).notes[-1]
-        log(f"{name}: {note}", {"shape": name, "fp8_note": note})
-        times: dict[str, list[float]] = {v: [] for v in variants}
-        for _ in range(args.reps):
-            for variant, module in variants.items():  # interleaved
-                x.grad = None
-                for p in module.parameters():
-                    p.grad = None
-                start, end = (
-                    torch.cuda.Event(enable_timing=True),
-                    torch.cuda.Event(enable_timing=True),
-                )
-                torch.cuda.synchronize()
-                start.record()
-                _step(module, x, dy)
-                end.record()
-                end.synchronize()
-                times[variant].append(start.elapsed_time(end))
-        base = statistics.median(times["gemmconv bf16"])
-        base_last = statistics.median(times["gemmconv bf16, weight channels-last"])
-        for variant, samples in times.items():
-            ms = statistics.median(samples)
-            reference = base_last if "channels-last" in variant else base
-            row = {
-                "shape": name,
-                "variant": variant,
-                "median_ms": ms,
-                "speedup_vs_gemmconv_bf16": reference / ms,
-                "reps": args.reps,
-                "device": torch.cuda.get_device_name(),
-                "torch": torch.__version__,
-            }
-            rows.append(row)
+            dy = torch.randn_like(modules["torch"](x))
+        for name in ("gemmconv fp8", "gemmconv bf16"):
+            split = device_split(_step(modules[name], x, dy))
+            record = {"case": case.name, "mode": "device split", "variant": name, **split}
+            rows.append(record)
             log(
-                f"{name:20s} {variant:38s} {ms:8.3f} ms  x{reference / ms:5.2f} vs gemmconv "
-                "bf16" + (" (weight channels-last)" if "channels-last" in variant else ""),
-                row,
+                f"{case.name} {name} device time: "
+                + ", ".join(f"{k} {v:.1f} us" for k, v in split.items() if k.endswith("_us")),
+                record,
             )
+        compiled = {n: [_step(torch.compile(modules[n]), x, dy)] for n in VARIANTS}
+        times = _interleaved_twice(compiled, device, args.reps, 3, None, {})
+        ms = {n: times[n].median_ms for n in VARIANTS}
+        record = {"case": case.name, "mode": "torch.compile", "applies": True, "ms": ms,
+                  "fp8_speedup": ms["gemmconv bf16"] / ms["gemmconv fp8"], **_where()}  # fmt: skip
+        rows.append(record)
+        log(f"{case.name} compiled: {_times_text(record)}", record)
     return rows
+
+
+def _where() -> dict:
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"device": name, "torch": torch.__version__}
+
+
+def _times_text(row: dict) -> str:
+    if not row.get("applies"):
+        return f"not run: {row.get('note')}"
+    ms = row["ms"]
+    return ", ".join(f"{n} {v:.4f}" for n, v in ms.items()) + (
+        f" ms; fp8 x{row['fp8_speedup']:.2f} over bf16"
+    )
+
+
+def device_split(call) -> dict:
+    """Device time of one ``call`` (after two warm ones), in microseconds: its GEMM
+    kernels (cuBLAS, cuBLASLt's fp8, gemmconv's Triton GEMMs) and the rest (amax,
+    scales, casts, copies), with the rest's three largest kernels named."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        call()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        call()
+        if cuda:
+            torch.cuda.synchronize()
+    gemm, other, kernels = 0.0, 0.0, {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = event.device_time
+        name = event.name
+        if any(tag in name.lower() for tag in ("gemm", "sm90", "cutlass", "_gemm_", "matmul")):
+            gemm += us
+        else:
+            other += us
+            kernels[name[:60]] = kernels.get(name[:60], 0.0) + us
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:3]
+    return {"gemm_us": gemm, "other_us": other, "total_us": gemm + other,
+            "largest_other": [[n, round(us, 1)] for n, us in top]}  # fmt: skip
 
 
 # ---- (b) training --------------------------------------------------------------
 
 
-def synthetic_batches(steps: int, batch: int, seed: int = 0):
-    """CIFAR-like data at 224: 10 classes, each a fixed random 8x8 colour image
-    upsampled, plus noise; the same sequence for every run."""
+# The data's difficulty. With pixel noise 0.5 and clean labels a ViT-S/16 drove the
+# loss towards zero by step 300, where a ratio of final losses magnifies any drift: a
+# 1e-3 nudge of the first batch moved the CPU proxy's final loss by 29%. With a share
+# of labels drawn at random the loss settles at the labels' own entropy, which every
+# run that learned the classes reaches alike.
+NOISE = 0.5
+LABEL_NOISE = 0.3
+
+
+def synthetic_batches(steps: int, batch: int, image: int = 224, seed: int = 0,
+                      noise: float = NOISE, label_noise: float = LABEL_NOISE):  # fmt: skip
+    """CIFAR-like data: 10 classes, each a fixed random 8x8 colour image upsampled to
+    ``image``, plus Gaussian noise of std ``noise``, each label replaced by a random one
+    with probability ``label_noise``; the same sequence for every run. Shared with
+    bench/probes/fp8_training_cpu.py."""
     g = torch.Generator().manual_seed(seed)
-    prototypes = F.interpolate(torch.rand(10, 3, 8, 8, generator=g), size=224, mode="bilinear")
+    prototypes = F.interpolate(torch.rand(10, 3, 8, 8, generator=g), size=image,
+                               mode="bilinear")  # fmt: skip
     for _ in range(steps):
         labels = torch.randint(0, 10, (batch,), generator=g)
-        images = prototypes[labels] + 0.5 * torch.randn(batch, 3, 224, 224, generator=g)
+        images = prototypes[labels] + noise * torch.randn(batch, 3, image, image, generator=g)
+        swapped = torch.rand(batch, generator=g) < label_noise
+        labels = torch.where(swapped, torch.randint(0, 10, (batch,), generator=g), labels)
         yield images, labels
+
+
+def label_entropy(label_noise: float, classes: int = 10) -> float:
+    """The lowest mean cross-entropy any model can reach on such labels (nats)."""
+    import math
+
+    right = 1 - label_noise + label_noise / classes
+    wrong = label_noise / classes
+    return -(right * math.log(right) + (classes - 1) * wrong * math.log(wrong))
 
 
 def train_loop(model, batches, steps: int, device: str, lr: float, nudge: float = 0.0):
@@ -261,6 +280,8 @@ def training_run(args, log: Log) -> dict:
         "fp8_over_bf16": ratio,
         "bf16_nudged_over_bf16": final["bf16_nudged"] / final["bf16"],
         "scaling": args.scaling,
+        "label_noise": LABEL_NOISE,
+        "label_entropy": label_entropy(LABEL_NOISE),
         "within_1_percent": abs(ratio - 1) <= 0.01,
         "losses": curves,
         "device": torch.cuda.get_device_name(),
@@ -297,11 +318,18 @@ def training_run(args, log: Log) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.device == "cpu":
+        from gemmconv.core import float8 as core_float8
+
+        core_float8._RUN_ON_CPU_FOR_TESTS = True
+        if not args.skip_training:
+            print("fp8_embeds: --device cpu smoke-runs the timing only", file=sys.stderr)
+            return 2
+    elif not torch.cuda.is_available():
         print("fp8_embeds: needs a CUDA device", file=sys.stderr)
         return 2
     log = Log(args.out)
-    rows = [] if args.skip_timing else time_shapes(args, log)
+    rows = [] if args.skip_timing else time_rows(args, log)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))

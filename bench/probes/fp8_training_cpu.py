@@ -17,8 +17,13 @@ import json
 import time
 
 import torch
-import torch.nn.functional as F
-from fp8_embeds import train_loop  # beside this file, in bench/probes
+from fp8_embeds import (
+    LABEL_NOISE,
+    NOISE,
+    label_entropy,
+    synthetic_batches,
+    train_loop,
+)  # beside this file, in bench/probes
 
 import gemmconv
 from gemmconv.core import float8 as core_float8
@@ -26,27 +31,19 @@ from gemmconv.core import float8 as core_float8
 IMAGE, PATCH, CLASSES = 64, 8, 10
 
 
-def batches(steps: int, batch: int):
-    """10 classes, each a fixed random 8x8 colour image upsampled, plus noise."""
-    g = torch.Generator().manual_seed(0)
-    prototypes = F.interpolate(torch.rand(CLASSES, 3, 8, 8, generator=g), size=IMAGE,
-                               mode="bilinear")  # fmt: skip
-    for _ in range(steps):
-        labels = torch.randint(0, CLASSES, (batch,), generator=g)
-        images = prototypes[labels] + 0.5 * torch.randn(batch, 3, IMAGE, IMAGE, generator=g)
-        yield images, labels
-
-
-def train(fp8, steps: int, batch: int, nudge: float = 0.0) -> list[float]:
+def train(
+    fp8, steps: int, batch: int, noise: float, label_noise: float, nudge: float = 0.0
+) -> list[float]:
     import timm
 
     torch.manual_seed(0)
     model = timm.create_model("vit_tiny_patch16_224", img_size=IMAGE, patch_size=PATCH,
                               depth=6, num_classes=CLASSES)  # fmt: skip
     gemmconv.convert(model, include="patch_embed.proj", fp8=fp8)
-    losses = train_loop(model, batches(steps, batch), steps, "cpu", 1e-3, nudge)
+    data = synthetic_batches(steps, batch, IMAGE, noise=noise, label_noise=label_noise)
+    losses = train_loop(model, data, steps, "cpu", 1e-3, nudge)
     if fp8:
-        images = next(batches(1, 1))[0]
+        images = next(synthetic_batches(1, 1, IMAGE))[0]
         note = model.patch_embed.proj.solvers(images).notes[-1]
         assert "runs all three directions" in note, note
     return losses
@@ -56,24 +53,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--json", help="write the three loss curves here")
+    parser.add_argument("--noise", type=float, default=NOISE, help="pixel noise std")
+    parser.add_argument("--label-noise", type=float, default=LABEL_NOISE,
+                        help="share of labels drawn at random")  # fmt: skip
+    parser.add_argument("--scaling", nargs="+", default=["tensorwise", "rowwise"],
+                        choices=("tensorwise", "rowwise"), help="fp8 runs' scalings")  # fmt: skip
+    parser.add_argument("--json", help="write the loss curves here")
     args = parser.parse_args()
     core_float8._RUN_ON_CPU_FOR_TESTS = True
-    runs = {}
-    for name, fp8, nudge in (("bf16", False, 0.0), ("fp8", True, 0.0),
-                             ("bf16_nudged", False, 1e-3)):  # fmt: skip
+    plan = [("bf16", False, 0.0)]
+    plan += [(f"fp8_{s}", gemmconv.Float8Config(scaling=s), 0.0) for s in args.scaling]
+    plan.append(("bf16_nudged", False, 1e-3))
+    runs, window = {}, min(20, args.steps)
+    for name, fp8, nudge in plan:
         start = time.perf_counter()
-        runs[name] = train(fp8, args.steps, args.batch, nudge)
-        tail = sum(runs[name][-20:]) / 20
-        print(f"{name}: last-20 mean loss {tail:.4f} ({time.perf_counter() - start:.0f} s)",
-              flush=True)  # fmt: skip
-    tails = {name: sum(losses[-20:]) / 20 for name, losses in runs.items()}
-    print(f"fp8 / bf16 {tails['fp8'] / tails['bf16']:.4f}; "
-          f"bf16 nudged / bf16 {tails['bf16_nudged'] / tails['bf16']:.4f}")  # fmt: skip
+        runs[name] = train(fp8, args.steps, args.batch, args.noise, args.label_noise, nudge)
+        tail = sum(runs[name][-window:]) / window
+        print(f"{name}: last-{window} mean loss {tail:.4f} "
+              f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+    tails = {name: sum(losses[-window:]) / window for name, losses in runs.items()}
+    print(f"the labels' entropy (the lowest loss): {label_entropy(args.label_noise):.4f}")
+    print("; ".join(f"{n} / bf16 {t / tails['bf16']:.4f}" for n, t in tails.items() if n != "bf16"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "steps": args.steps, "batch": args.batch,
-                       "last_20_mean": tails, "losses": runs}, f, indent=1)  # fmt: skip
+                       "noise": args.noise, "label_noise": args.label_noise,
+                       f"last_{window}_mean": tails, "losses": runs}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

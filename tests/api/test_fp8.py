@@ -289,6 +289,30 @@ def test_torch_compile_fullgraph(fp8_on_cpu):
     assert torch.equal(module.weight.grad, dw)
 
 
+def test_torch_compile_inductor_with_an_aligned_reduction(fp8_on_cpu):
+    """Inductor's _scaled_mm lowering takes only dense operands ("mat_b must be
+    col_major"); with a reduction needing no padding (3 x 4 x 4 = 48) the functional
+    cast once kept the weight's transposed strides into backward-data's GEMM."""
+    generator = torch.Generator().manual_seed(13)
+    module = torch.nn.Conv2d(3, 16, 4, stride=4)
+    gemmconv.convert(module)
+    module.to(torch.bfloat16).set_fp8()
+    x = (torch.rand((2, 3, 8, 12), generator=generator) * 2 - 1).to(torch.bfloat16)
+    x.requires_grad_()
+    y = module(x)
+    y.float().square().sum().backward()
+    dx, dw = x.grad.clone(), module.weight.grad.clone()
+    x.grad = module.weight.grad = module.bias.grad = None
+    compiled = torch.compile(module, fullgraph=True, backend="inductor")
+    yc = compiled(x)
+    yc.float().square().sum().backward()
+    # Inductor computes the scaled operands in its own kernels: within one fp8 step.
+    step = 2 * U[torch.float8_e4m3fn]
+    assert (yc - y).abs().max().item() <= step * y.abs().max().item()
+    assert (x.grad - dx).abs().max().item() <= 2 * step * dx.abs().max().item()
+    assert (module.weight.grad - dw).abs().max().item() <= 2 * step * dw.abs().max().item()
+
+
 # ---- where fp8 does not apply ------------------------------------------------
 
 

@@ -30,20 +30,22 @@ class Float8Convolution(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, run: Float8Run):  # type: ignore[override]
         with _autocast_off(x):
-            y, (sx, sw) = run.forward(x, weight, bias)
+            y, ((sx, inv_x), (sw, inv_w)) = run.forward(x, weight, bias)
         ctx.run = run
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(x, weight, sx, sw)
+        ctx.save_for_backward(x, weight, sx, inv_x, sw, inv_w)
         return y
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        x, weight, sx, sw = ctx.saved_tensors
+        x, weight, sx, inv_x, sw, inv_w = ctx.saved_tensors
         run: Float8Run = ctx.run
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         with _autocast_off(dy):
-            dx = run.backward_data(dy, weight, sw) if need_dx else None
-            dw = run.backward_weights(dy, x, sx, weight) if need_dw else None
+            # dY's amax is taken once for both GEMMs (tensorwise).
+            dy_scales = run.gradient_scales(dy) if need_dx and need_dw else None
+            dx = run.backward_data(dy, weight, (sw, inv_w), dy_scales) if need_dx else None
+            dw = run.backward_weights(dy, x, (sx, inv_x), weight, dy_scales) if need_dw else None
             db = run.backward_bias(dy) if need_db and ctx.has_bias else None
         return dx, dw, db, None
 

@@ -168,17 +168,24 @@ class Float8Run:
     # ---- scales ---------------------------------------------------------------
 
     def _scale(self, t: torch.Tensor, fp8: torch.dtype, dims: tuple[int, ...] | None):
-        """fp8_max / amax in fp32: of all of ``t`` (dims None), as a [1] tensor, or over
-        ``dims`` with them kept. A dimensioned fp32 scale makes the multiply in
-        _quantize run in fp32 whatever t's dtype, as torchao's cast does."""
+        """(fp8_max / amax, its inverse) in fp32: of all of ``t`` (dims None), as [1]
+        tensors, or over ``dims`` with them kept. A dimensioned fp32 scale makes the
+        multiply in _quantized run in fp32 whatever t's dtype, as torchao's cast does.
+
+        Five small kernels where the first form took six: in eager mode each is a
+        launch, and the run is host-bound (bench/NOTES.md). The norm runs in t's dtype
+        (exact for a maximum; its ``dtype=`` argument would copy all of t to fp32 first)
+        and only the amax is cast. The scale is the inverse's reciprocal, at most an ulp
+        or two from fp8_max / amax, so |t * scale| still rounds to fp8_max at most."""
         if dims is None:
             amax = torch.linalg.vector_norm(t, INF).reshape(1)
         else:
             amax = torch.linalg.vector_norm(t, INF, dim=dims, keepdim=True)
-        scale = _FP8_MAX[fp8] / amax.float().clamp(min=AMAX_EPS)
+        inverse = amax.float().clamp_(min=AMAX_EPS).div_(_FP8_MAX[fp8])
         if self.config.round_scales_to_power_of_2:
-            scale = torch.exp2(torch.floor(torch.log2(scale)))
-        return scale
+            # A power of two's reciprocal is exact: round the inverse up, the scale down.
+            inverse = torch.exp2(torch.ceil(torch.log2(inverse)))
+        return inverse.reciprocal(), inverse
 
     @staticmethod
     def _quantized(
@@ -204,7 +211,10 @@ class Float8Run:
         (r, c), (rows, cols) = used, padded
         if torch.compiler.is_compiling():
             matrix = arrange(source * scale)
-            return F.pad(matrix, (0, cols - c, 0, rows - r)).to(fp8)
+            # contiguous(): with nothing to pad, F.pad and the cast keep a transposed
+            # arrangement's strides, and inductor's _scaled_mm refuses such an operand
+            # ("mat_b must be col_major"), where eager's buffer is always dense.
+            return F.pad(matrix, (0, cols - c, 0, rows - r)).to(fp8).contiguous()
         buffer = torch.empty(rows, cols, dtype=fp8, device=source.device)
         raw = buffer.view(torch.uint8)  # fp8 zero is the byte 0
         if c < cols:
@@ -304,44 +314,51 @@ class Float8Run:
     # ---- forward --------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None):
-        """y, and the scales the backward reuses (x's and w's, tensorwise)."""
+        """y, and the (scale, inverse) pairs of x and w the backward reuses (tensorwise)."""
         g, fp8 = self.geometry, self.config.forward_dtype
         source = self._patches(x, g.x_order_last)  # [N, O.., patch..], the column order
-        sx = self._scale(source, fp8, self._patch_dims() if self.rowwise else None)
+        sx, inv_x = self._scale(source, fp8, self._patch_dims() if self.rowwise else None)
         cols = self._columns(source, sx, fp8, transposed=False)
-        sw = self._scale(w, fp8, tuple(range(1, w.dim())) if self.rowwise else None)
+        sw, inv_w = self._scale(w, fp8, tuple(range(1, w.dim())) if self.rowwise else None)
         wq = self._weight(w, sw, fp8, g.x_order_last, transposed=False)
+        scales = ((sx, inv_x), (sw, inv_w))
         if self.rowwise:
-            inv_x, inv_w = sx.reciprocal().reshape(-1, 1), sw.reciprocal().reshape(1, -1)
-        else:
-            inv_x, inv_w = sx.reciprocal(), sw.reciprocal()
+            inv_x, inv_w = inv_x.reshape(-1, 1), inv_w.reshape(1, -1)
         y = empty_in(g.output_shape, g.result_layout, x.dtype, x.device)
         target = None if torch.compiler.is_compiling() else rows_view(y)
         if target is not None:
             self._mm(cols, wq.t(), inv_x, inv_w, x.dtype, bias, out=target)
-            return y, (sx, sw)
+            return y, scales
         # Channels-first y with several pixels per sample: the rows are transposed into
         # it (no batched fp8 GEMM writes each sample's [K, P] block).
         y_rows = self._mm(cols, wq.t(), inv_x, inv_w, x.dtype, bias)
         y.copy_(self._dy_as_rows(y_rows))
-        return y, (sx, sw)
+        return y, scales
 
     # ---- backward -------------------------------------------------------------
 
-    def backward_data(self, dy: torch.Tensor, w: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
-        """dx: dcol = dY @ W scattered into dx's patch positions, the rest zeros."""
-        g, cfg = self.geometry, self.config
-        sdy = self._scale(dy, cfg.grad_dtype, (1,) if self.rowwise else None)
-        gq = self._gradient(dy, sdy, transposed=False)
+    def gradient_scales(self, dy: torch.Tensor):
+        """dY's tensorwise (scale, inverse), for both backward GEMMs to share; None
+        where each takes its own (rowwise: per row of its own GEMM)."""
         if self.rowwise:
-            sw = self._scale(w, cfg.forward_dtype, (0,))  # per reduction element, over K
+            return None
+        return self._scale(dy, self.config.grad_dtype, None)
+
+    def backward_data(self, dy: torch.Tensor, w: torch.Tensor, w_scales, dy_scales=None):
+        """dx: dcol = dY @ W scattered into dx's patch positions, the rest zeros.
+        ``w_scales``: the forward's (scale, inverse) of w; ``dy_scales``: dY's, from
+        gradient_scales, or None to take them here."""
+        g, cfg = self.geometry, self.config
+        sdy, inv_dy = dy_scales or self._scale(dy, cfg.grad_dtype, (1,) if self.rowwise else None)
+        gq = self._gradient(dy, sdy, transposed=False)
+        sw, inv_w = w_scales
+        if self.rowwise:
+            sw, inv_w = self._scale(w, cfg.forward_dtype, (0,))  # per reduction element, over K
         # b = W [K, ld] column-major: stored as W^T [ld, K].
         wt = self._weight(w, sw, cfg.forward_dtype, g.dx_order_last, transposed=True)
         if self.rowwise:
-            inv_dy = sdy.reciprocal().reshape(-1, 1)
-            inv_w = self._padded_scale(self._columns_of(sw.reciprocal(), g.dx_order_last))
-        else:
-            inv_dy, inv_w = sdy.reciprocal(), sw.reciprocal()
+            inv_dy = inv_dy.reshape(-1, 1)
+            inv_w = self._padded_scale(self._columns_of(inv_w, g.dx_order_last))
         dx = empty_in(g.input_shape, g.result_layout, dy.dtype, dy.device)
         zero_outside(dx, g.covered)
         view = self._patches(dx, g.dx_order_last)
@@ -356,24 +373,27 @@ class Float8Run:
         return dx
 
     def backward_weights(
-        self, dy: torch.Tensor, x: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor
+        self, dy: torch.Tensor, x: torch.Tensor, x_scales, weight: torch.Tensor, dy_scales=None
     ) -> torch.Tensor:
         """dW = dY^T @ cols, as [K, ld] from dY^T [K, M'] and cols^T [ld, M'] (the
-        reduction M padded to M' with zeros), stored in ``weight``'s strides."""
+        reduction M padded to M' with zeros), stored in ``weight``'s strides.
+        ``x_scales``: the forward's (scale, inverse) of x; ``dy_scales`` as for
+        backward_data."""
         g, cfg = self.geometry, self.config
         dy_dims = (0, *range(2, dy.dim()))
-        sdy = self._scale(dy, cfg.grad_dtype, dy_dims if self.rowwise else None)
+        sdy, inv_dy = dy_scales or self._scale(
+            dy, cfg.grad_dtype, dy_dims if self.rowwise else None
+        )
         gt = self._gradient(dy, sdy, transposed=True)  # a = dY^T, row-major
         source = self._patches(x, g.x_order_last)
+        sx, inv_x = x_scales
         if self.rowwise:
-            sx = self._scale(source, cfg.forward_dtype, self._pixel_dims())
+            sx, inv_x = self._scale(source, cfg.forward_dtype, self._pixel_dims())
         # b = cols [M', ld] column-major: stored as cols^T [ld, M'].
         ct = self._columns(source, sx, cfg.forward_dtype, transposed=True)
         if self.rowwise:
-            inv_dy = sdy.reciprocal().reshape(-1, 1)
-            inv_x = self._padded_scale(sx.reciprocal().reshape(1, -1))
-        else:
-            inv_dy, inv_x = sdy.reciprocal(), sx.reciprocal()
+            inv_dy = inv_dy.reshape(-1, 1)
+            inv_x = self._padded_scale(inv_x.reshape(1, -1))
         dw_rows = self._mm(gt, ct.t(), inv_dy, inv_x, dy.dtype)
         dw = torch.empty_like(weight, dtype=dy.dtype)
         order = Layout.CHANNELS_LAST if g.x_order_last else Layout.CHANNELS_FIRST
