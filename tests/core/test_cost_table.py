@@ -34,11 +34,17 @@ def test_every_entry_has_every_factor_and_says_where_it_comes_from(entry):
     assert entry.source
 
 
-def test_the_h200_entry_is_fitted_to_a_run_the_tests_hold_a_copy_of():
-    assert "tests/data/h200_suite.json" in H200.source
-    assert "tests/data/h200_suite.json" in H200.source
-    run = json.loads((REPO / "tests" / "data" / "h200_suite.json").read_text())
-    assert run["device"] == H200.name and len(run["rows"]) == 66
+@pytest.mark.parametrize(
+    ("copy", "device", "rows"),
+    [("h200_suite.json", "NVIDIA H200", 66), ("h100_suite.json", "NVIDIA H100 80GB HBM3", 90)],
+)
+def test_the_h200_entry_is_fitted_to_runs_the_tests_hold_copies_of(copy, device, rows):
+    """The H200 entry (which prices the H100 too) names the tests' copies of both runs
+    it is fitted to, and each copy is that card's whole suite."""
+    assert f"tests/data/{copy}" in H200.source
+    run = json.loads((REPO / "tests" / "data" / copy).read_text())
+    assert run["device"] == device and len(run["rows"]) == rows
+    assert device_rates._TABLE[device] is H200
 
 
 def test_a_missing_factor_is_named_with_the_entry():

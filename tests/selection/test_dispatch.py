@@ -22,7 +22,7 @@ from gemmconv.solvers.patch import PatchSolver
 from gemmconv.solvers.vendor import VendorSolver, vendor_efficiency
 
 from find_counting import count_finds
-from h200_measurements import vendor_measured_competitive
+from recorded_runs import vendor_measured_competitive
 
 
 def _patch_problem(direction=Direction.FORWARD, **kw) -> ConvProblem:

@@ -203,7 +203,7 @@ def _forward_tie(
     launch costs of the cost table) leaves the forward to the vendor's single call.
     There a call is priced at the larger of device and host time, so the GEMM's host
     work goes unpriced behind its device time, and a saving under it is a tie the
-    estimate cannot tell apart (ResNet's 1x1 forwards: estimated 6 us, measured -1 to
+    estimate cannot tell apart (ResNet's 1x1 forwards: estimated 4 us, measured -1 to
     0 us a call on the H200, tests/data/h200_suite.json). On the CPU host time adds to
     every estimate already. Returns why, or None where the GEMM keeps the forward."""
     if problem.direction is not Direction.FORWARD or best == "vendor" or "vendor" not in estimates:

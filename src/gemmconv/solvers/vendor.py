@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 import torch
 
-from gemmconv.core.device_rates import DeviceRates
+from gemmconv.core.device_rates import FACTORS, DeviceRates
 from gemmconv.core.memory_format import Layout
-from gemmconv.core.problem import ConvProblem, Direction
+from gemmconv.core.problem import ConvProblem
 from gemmconv.solvers.base import ConvTensors, Solver
 
 # Patch embeddings with at least this many kernel taps are "large" in the cost table.
@@ -23,21 +23,32 @@ FEW_CHANNELS = 8
 def vendor_efficiency(p: ConvProblem, rates: DeviceRates) -> float:
     """The fraction of the GEMM floor the vendor's general kernels reach on ``p``: the
     device's fitted factor for the problem's class (device_rates.FACTORS)."""
+    return rates.factor(vendor_factor(p))
+
+
+def vendor_factor(p: ConvProblem) -> str:
+    """The name of the factor (device_rates.FACTORS) that prices the vendor on ``p``:
+    its class's factor for the problem's direction where the table fits one apart
+    (``<class>_backward_data``, ``<class>_backward_weights``), else the class's."""
+    by_direction = f"{vendor_class(p)}_{p.direction.value}"
+    return by_direction if by_direction in FACTORS else vendor_class(p)
+
+
+def vendor_class(p: ConvProblem) -> str:
+    """The factor (device_rates.FACTORS) of ``p``'s class, whatever its direction."""
     if all(r == 1 for r in p.kernel):
-        return rates.factor("vendor_pointwise")
+        return "vendor_pointwise"
     if p.stride == p.kernel and not any(p.padding) and all(d == 1 for d in p.dilation):
         if math.prod(p.kernel) >= LARGE_PATCH_TAPS:
             if math.prod(p.output_spatial) == 1:
-                return rates.factor("vendor_point_output")
-            if p.direction is Direction.BACKWARD_DATA:
-                return rates.factor("vendor_large_patch_backward_data")
-            return rates.factor("vendor_large_patch")
+                return "vendor_point_output"
+            return "vendor_large_patch"
         if p.layout is Layout.CHANNELS_FIRST:
-            return rates.factor("vendor_small_patch_channels_first")
+            return "vendor_small_patch_channels_first"
         if p.c // p.groups < FEW_CHANNELS:
-            return rates.factor("vendor_few_channel_patch")
-        return rates.factor("vendor_small_patch")
-    return rates.factor("vendor_other")
+            return "vendor_few_channel_patch"
+        return "vendor_small_patch"
+    return "vendor_other"
 
 
 class VendorSolver(Solver):
