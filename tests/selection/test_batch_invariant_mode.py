@@ -12,6 +12,7 @@ import torch
 
 import gemmconv
 from gemmconv.core import invariance
+from gemmconv.core.memory_format import Layout
 from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.selection import dispatch, finddb
 
@@ -189,3 +190,102 @@ def test_general_problem_falls_back_to_the_default_choice():
         with gemmconv.batch_invariant():
             inside = dispatch.choose(GENERAL).solver
     assert inside == dispatch.choose(GENERAL).solver
+
+
+# ---- CUDA: one family of invariant solvers per geometry, whatever the batch ---------
+
+CUDA_GEOMETRIES = {
+    # label: (C, K, spatial, kernel, stride, layout, dtype, the family that serves it)
+    "vit_cf": (3, 768, (224, 224), 16, 16, "channels_first", torch.bfloat16, "columns"),
+    "vit_cl": (3, 768, (224, 224), 16, 16, "channels_last", torch.bfloat16, "columns"),
+    "clip_unaligned": (3, 1024, (336, 336), 14, 14, "channels_first", torch.bfloat16, "columns"),
+    "point_output": (3, 1280, (14, 14), 14, 14, "channels_last", torch.bfloat16, "columns"),
+    "sd3_fp32": (16, 1536, (64, 64), 2, 2, "channels_first", torch.float32, "columns"),
+    "point_fp64": (3, 64, (8, 8), 8, 8, "channels_first", torch.float64, "columns"),
+    "resnet_1x1_cf": (256, 64, (56, 56), 1, 1, "channels_first", torch.bfloat16, "pointwise"),
+    "resnet_1x1_cl": (256, 64, (56, 56), 1, 1, "channels_last", torch.bfloat16, "pointwise"),
+    "one_pixel_1x1": (64, 32, (1, 1), 1, 1, "channels_first", torch.float16, "pointwise"),
+    "strided_1x1": (64, 128, (56, 56), 1, 2, "channels_last", torch.bfloat16, "strided"),
+}
+FAMILIES = {
+    "columns": {"patch", "point_output", "patch_triton"},
+    "pointwise": {"pointwise"},
+    "strided": {"strided_pointwise"},
+}
+# 1, 7 and 64 samples, and one batch whose column matrix or output passes 2^31 elements.
+CUDA_BATCHES = (1, 7, 64, 1 << 16)
+
+
+def _cuda_problem(label: str, n: int) -> ConvProblem:
+    c, k, spatial, kernel, stride, layout, dtype, _ = CUDA_GEOMETRIES[label]
+    return ConvProblem.from_sizes(n, c, k, spatial, kernel, stride, layout=Layout(layout),
+                                  dtype=dtype, device_type="cuda", has_bias=True)  # fmt: skip
+
+
+def _invariant_applicable(problem: ConvProblem) -> set[str]:
+    return {
+        s.id
+        for s in gemmconv.solvers.SOLVERS
+        if s.is_applicable(problem) and not s.invariance_reasons(problem)
+    }
+
+
+@pytest.mark.parametrize("label", CUDA_GEOMETRIES)
+def test_cuda_one_family_for_every_batch(label):
+    """On CUDA under the switch the solvers that may serve a forward are one family,
+    whose members multiply the same canonical matrix in the same chunks, and which
+    one is decided by the geometry, never by the batch size: the applicability limits
+    that grow with the batch (2^31-element operands) do not remove the family, and the
+    implicit Triton GEMM, whose bits differ, stands aside."""
+    family = FAMILIES[CUDA_GEOMETRIES[label][-1]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "cannot be made batch-invariant"
+        with gemmconv.batch_invariant():
+            for n in CUDA_BATCHES:
+                problem = _cuda_problem(label, n)
+                serving = _invariant_applicable(problem)
+                assert serving and serving <= family, (n, serving)
+                choice = dispatch.choose(problem)
+                assert choice.solver in family, (n, choice)
+                assert "NOT batch-invariant" not in choice.reason
+                assert "patch_implicit" in choice.rejected
+
+
+def test_cuda_huge_batch_keeps_the_column_family():
+    """At 65536 ViT images the column matrix has 9.9e9 elements: the Triton gather's
+    solver is refused for it, patch (torch's gather) keeps the same product."""
+    problem = _cuda_problem("vit_cl", 1 << 16)
+    with gemmconv.batch_invariant():
+        assert not gemmconv.get_solver("patch_triton").is_applicable(problem)
+        assert gemmconv.get_solver("patch").is_applicable(problem)
+    # Without the switch the 32-bit limit still holds for the whole column matrix.
+    assert not gemmconv.get_solver("patch").is_applicable(problem)
+
+
+def test_cuda_implicit_serves_where_cublas_is_refused(monkeypatch):
+    """Under torch.use_deterministic_algorithms without CUBLAS_WORKSPACE_CONFIG every
+    cuBLAS solver is refused, for every batch: the implicit Triton GEMM is then the
+    invariant form of patch problems."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    torch.use_deterministic_algorithms(True)
+    try:
+        with gemmconv.batch_invariant():
+            for n in (1, 7, 64):
+                problem = _cuda_problem("vit_cf", n)
+                assert _invariant_applicable(problem) == {"patch_implicit"}
+                assert dispatch.choose(problem).solver == "patch_implicit"
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_cuda_costs_change_under_the_switch_only():
+    """The column solvers' cost on CUDA follows the invariant form (its rows and one
+    transpose, no rows path; a launch per chunk) under the switch only."""
+    problem = _cuda_problem("vit_cf", 256)  # 196 pixels a sample: the rows path by default
+    solver = gemmconv.get_solver("patch_triton")
+    assert solver.uses_rows_path(problem)
+    default_launches = solver.gemm_launches(problem)
+    with gemmconv.batch_invariant():
+        assert not solver.uses_rows_path(problem)
+        assert solver.gemm_launches(problem) > 1
+    assert solver.uses_rows_path(problem) and solver.gemm_launches(problem) == default_launches

@@ -4,12 +4,15 @@ batch it runs in, for every GEMM-reducible problem class, dtype and layout.
 Each case computes a full batch once, then batches of 1, 7 and 64 samples drawn from it
 at other positions (its head, its tail, a shuffled pick, a sample alone in fresh
 memory) and compares every sample of them with torch.equal against the full batch's.
-The CPU solvers run here; the CUDA forms (the implicit patch GEMM, the strided 1x1 on
-it) run in Triton's interpreter in fp32 and fp16 here and compiled in
+The CPU solvers run here; the CUDA forms (the chunked GEMM by CUDA's policy, and the
+implicit patch GEMM where cuBLAS is refused) run here on CPU tensors (Triton's
+interpreter for the kernels) in fp32 and fp16, and compiled in
 tests/solvers/test_gpu_batch_invariance.py.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ import gemmconv
 from gemmconv.core.memory_format import Layout
 from gemmconv.core.problem import ConvProblem
 from gemmconv.selection import dispatch
-from gemmconv.solvers import SOLVERS, ConvTensors, get_solver
+from gemmconv.solvers import SOLVERS, ConvTensors, get_solver, invariant
 from gemmconv.solvers.invariant import invariant_rows_gemm, rows_chunk
 
 FULL = 96
@@ -166,16 +169,17 @@ def test_rows_chunk_depends_on_widths_only():
 
 
 def test_declared_solvers_form():
-    """Which solvers declare an invariant forward, per device: the CPU column GEMMs and
-    pointwise solvers; on CUDA the Triton kernels (never cuBLAS, the vendor or im2col)."""
+    """Which solvers declare an invariant forward, per device: the column GEMMs and
+    pointwise solvers on both, the implicit Triton GEMM on CUDA (never the padded
+    solver, the vendor or im2col)."""
     declared = {s.id: s.batch_invariant_devices for s in SOLVERS}
     assert declared == {
-        "point_output": {"cpu"},
-        "pointwise": {"cpu"},
+        "point_output": {"cpu", "cuda"},
+        "pointwise": {"cpu", "cuda"},
         "strided_pointwise": {"cpu", "cuda"},
-        "patch": {"cpu"},
+        "patch": {"cpu", "cuda"},
         "patch_padded": frozenset(),
-        "patch_triton": frozenset(),
+        "patch_triton": {"cuda"},
         "patch_implicit": {"cuda"},
         "im2col": frozenset(),
         "vendor": frozenset(),
@@ -218,13 +222,36 @@ INTERPRETED_CASES = [
 ]
 
 
+# The family CUDA's invariant forward runs per case: the chunked cuBLAS GEMM, or, where
+# torch.use_deterministic_algorithms refuses cuBLAS (no CUBLAS_WORKSPACE_CONFIG), the
+# implicit Triton GEMM.
+CUDA_FAMILIES = {
+    "patch2d": ({"patch", "point_output", "patch_triton"}, {"patch_implicit"}),
+    "point_output": ({"patch", "point_output", "patch_triton"}, {"patch_implicit"}),
+    "pointwise": ({"pointwise"}, {"patch_implicit"}),
+    "strided_pointwise": ({"strided_pointwise"}, set()),
+}
+
+
+@pytest.fixture(params=("cublas", "refused"))
+def cublas(request, monkeypatch):
+    """Whether cuBLAS may run: "refused" turns torch.use_deterministic_algorithms on
+    with no CUBLAS_WORKSPACE_CONFIG, as a process could."""
+    if request.param == "refused":
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    return request.param
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: v.value)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=("float32", "float16"))
 @pytest.mark.parametrize("case", INTERPRETED_CASES, ids=lambda c: c[0])
-def test_cuda_forms_in_the_interpreter(case, dtype, layout, row_by_row_dot):
-    """The solver CUDA picks under the switch, run on CPU tensors (the Triton kernel
-    interpreted): batch-invariant with its fixed tiles."""
+def test_cuda_forms_in_the_interpreter(case, dtype, layout, cublas, row_by_row_dot, monkeypatch):
+    """The solver CUDA picks under the switch, run on CPU tensors (CUDA's chunking
+    policy on the CPU's GEMM; a Triton kernel interpreted): batch-invariant with its
+    fixed shapes and tiles."""
     label, c, k, spatial, kernel, stride = case
+    family = CUDA_FAMILIES[label][cublas == "refused"]
     full = 70
     x, w, b = _operands(c, k, spatial, kernel, dtype, layout, full=full)
     p = ConvProblem.from_tensors(x, w, b, stride)
@@ -232,10 +259,18 @@ def test_cuda_forms_in_the_interpreter(case, dtype, layout, row_by_row_dot):
         p.n, p.c, p.k, p.spatial, p.kernel, p.stride, layout=p.layout, dtype=dtype,
         device_type="cuda", has_bias=True,
     )  # fmt: skip
+    # Small chunks, so that these small batches take every branch of the policy: whole
+    # chunks, the overlapping last one, and a padded one for the shorter batches.
+    monkeypatch.setattr(invariant, "CUDA_CHUNK_MACS", 4 * c * k * math.prod(p.output_spatial))
     with gemmconv.batch_invariant():
+        if not family:  # the strided 1x1 runs on cuBLAS only: not invariant, and says so
+            with pytest.warns(UserWarning, match="cannot be made batch-invariant"):
+                assert "NOT batch-invariant" in dispatch.estimate(on_cuda).reason
+            return
         choice = dispatch.estimate(on_cuda)
         solver = get_solver(choice.solver)
-        assert solver.id in ("patch_implicit", "strided_pointwise"), choice
+        assert solver.id in family, choice
+        assert "NOT batch-invariant" not in choice.reason
 
         def run(t: torch.Tensor) -> torch.Tensor:
             q = ConvProblem.from_sizes(
@@ -250,3 +285,151 @@ def test_cuda_forms_in_the_interpreter(case, dtype, layout, row_by_row_dot):
         x.double(), w.double(), b.double(), stride=stride
     )
     torch.testing.assert_close(y.double(), reference, atol=2e-2, rtol=2e-2)
+
+
+# ---- CUDA's chunking policy, on CPU tensors -----------------------------------------
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    """What a GEMM library may choose its kernel by: sizes, strides, dtype, alignment."""
+    return tuple(t.shape), t.stride(), t.dtype, t.data_ptr() % invariant.ALIGN_BYTES
+
+
+@pytest.fixture
+def recorded_products(monkeypatch):
+    """The operands of every product the invariant GEMMs issue, as signatures."""
+    seen: list[tuple] = []
+    product, bmm = invariant._product, torch.bmm
+
+    def recording_product(a, b, bias, out):
+        seen.append((_signature(a), _signature(b), _signature(out), bias is None))
+        return product(a, b, bias, out)
+
+    def recording_bmm(a, b, *, out):
+        seen.append((_signature(a), _signature(b), _signature(out)))
+        return bmm(a, b, out=out)
+
+    monkeypatch.setattr(invariant, "_product", recording_product)
+    monkeypatch.setattr(invariant.torch, "bmm", recording_bmm)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("widths", [(64, 32), (20, 6), (588, 48)], ids=lambda w: f"{w[0]}x{w[1]}")
+def test_cuda_rows_gemm_one_product_shape(dtype, widths, recorded_products, monkeypatch):
+    """By CUDA's policy every product has one shape, strides, dtype and pointer
+    alignment whatever the row count, the rows' offset in memory (a view at an odd
+    element) or the out buffer; the tail overlaps the chunk before it. Each row is
+    right, and (on this CPU's BLAS, whose kernels also go by shape) the same bits."""
+    kred, kout = widths
+    monkeypatch.setattr(invariant, "CUDA_CHUNK_MACS", 1)  # the smallest chunk: 256 rows
+    kp = invariant.aligned_width(kred, dtype)
+    chunk = invariant.cuda_rows_chunk(kp, -(-kout // 16) * 16, dtype)
+    assert chunk == invariant.CUDA_MIN_CHUNK_ROWS
+    g = torch.Generator().manual_seed(1)
+    total = 3 * chunk + 37
+    store = torch.randn(total * kred + 1, generator=g).to(dtype)
+    a = store[1:].view(total, kred)  # an odd element offset: not on a 16-byte boundary
+    wm = torch.randn(kout, kred, generator=g).to(dtype)
+    bias = torch.randn(kout, generator=g).to(dtype)
+    full = invariant.cuda_rows_gemm(a, wm, bias, a.new_empty(total, kout))
+    for m in (1, 7, chunk - 1, chunk, chunk + 1, 2 * chunk + 5):
+        for start in (0, 3, total - m):
+            out = invariant.cuda_rows_gemm(a[start : start + m], wm, bias)
+            assert torch.equal(out, full[start : start + m]), (m, start)
+    strided = a.new_empty(kout, total).t()  # an out that is not dense rows
+    assert torch.equal(invariant.cuda_rows_gemm(a, wm, bias, strided), full)
+    assert torch.equal(invariant_rows_gemm(a, wm, bias, a.new_empty(total, kout), "cuda"), full)
+    assert len(set(recorded_products)) == 1, set(recorded_products)
+    (a_sig, _, out_sig, _), *_ = recorded_products
+    assert a_sig[0] == (chunk, kp) and a_sig[3] == 0 and out_sig[3] == 0
+    torch.testing.assert_close(
+        full.double(), torch.addmm(bias.double(), a.double(), wm.double().t()),
+        atol=2e-1 if dtype != torch.float32 else 1e-3, rtol=2e-2,
+    )  # fmt: skip
+
+
+def test_cuda_rows_gemm_reads_padded_columns_as_they_are(recorded_products):
+    """Columns a padded solver already made (zeros to 16 bytes, patch_triton's) are the
+    canonical rows: no copy, and the same product as for the unpadded columns."""
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(600, 588, generator=g).to(torch.bfloat16)
+    wm = torch.randn(32, 588, generator=g).to(torch.bfloat16)
+    padded_a = torch.cat([a, a.new_zeros(600, 4)], dim=1)
+    padded_w = torch.cat([wm, wm.new_zeros(32, 4)], dim=1)
+    assert torch.equal(
+        invariant.cuda_rows_gemm(a, wm, None), invariant.cuda_rows_gemm(padded_a, padded_w, None)
+    )
+    assert len(set(recorded_products)) == 1
+    assert recorded_products[-1][0][0][1] == 592
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("sizes", [(8, 16, 12), (3, 5, 7)], ids=lambda s: "x".join(map(str, s)))
+def test_cuda_batched_gemm_one_product_shape(dtype, sizes, recorded_products, monkeypatch):
+    """The per-sample form: every batched product holds the same number of samples in
+    the same canonical strides and alignment, whatever the batch; each sample right."""
+    c, k, pixels = sizes
+    per_sample = c * k * pixels * max(1, dtype.itemsize // 2)
+    monkeypatch.setattr(invariant, "CUDA_CHUNK_MACS", 4 * per_sample)
+    chunk = invariant.cuda_samples_chunk(c, k, pixels, dtype)
+    assert chunk == 4
+    g = torch.Generator().manual_seed(3)
+    total = 23
+    store = torch.randn(total * c * pixels + 1, generator=g).to(dtype)
+    x3 = store[1:].view(total, c, pixels)
+    w = torch.randn(k, c, generator=g).to(dtype)
+    bias = torch.randn(k, generator=g).to(dtype)
+    full = invariant.cuda_batched_gemm(w, x3, bias, x3.new_empty(total, k, pixels))
+    for n in (1, 3, 4, 5, 9, 22):
+        for start in (0, 1, total - n):
+            part = invariant.cuda_batched_gemm(w, x3[start : start + n], bias,
+                                               x3.new_empty(n, k, pixels))  # fmt: skip
+            assert torch.equal(part, full[start : start + n]), (n, start)
+    assert len(set(recorded_products)) == 1, set(recorded_products)
+    assert recorded_products[0][1][0] == (chunk, c, pixels)
+    reference = torch.einsum("kc,ncp->nkp", w.double(), x3.double()) + bias.double()[:, None]
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-1
+    torch.testing.assert_close(full.double(), reference, atol=tolerance, rtol=1e-2)
+
+
+def test_cuda_chunks_depend_on_widths_and_dtype_only():
+    rows = invariant.cuda_rows_chunk(768, 768, torch.bfloat16)
+    assert rows & (rows - 1) == 0 and rows * 768 * 768 <= invariant.CUDA_CHUNK_MACS
+    assert invariant.cuda_rows_chunk(768, 768, torch.float32) == rows // 2  # TF32's rate
+    assert invariant.cuda_rows_chunk(16, 16, torch.bfloat16) == invariant.CUDA_MAX_CHUNK_ROWS
+    assert invariant.cuda_rows_chunk(1 << 20, 1 << 20, torch.bfloat16) == (
+        invariant.CUDA_MIN_CHUNK_ROWS
+    )
+    # No operand of a chunk's product past 32-bit indexing.
+    wide = invariant.cuda_rows_chunk(1 << 16, 1, torch.bfloat16, macs=1 << 40)
+    assert wide * (1 << 16) <= 2**31 - 1
+    assert invariant.cuda_samples_chunk(256, 256, 3136, torch.bfloat16, macs=1 << 32) == 16
+    assert invariant.cuda_samples_chunk(4096, 4096, 4096, torch.float32) == 1
+    assert invariant.chunk_starts(10, 4) == [0, 4, 6]
+    assert invariant.chunk_starts(8, 4) == [0, 4]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: v.value)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("float32", "bfloat16"))
+def test_cuda_column_solvers_agree_bitwise(dtype, layout, monkeypatch):
+    """Every column solver CUDA may pick for a patch problem multiplies the same
+    canonical matrix in the same chunks, so a batch size whose selection picks another
+    of them gives the same bits: point_output's view of x (588 columns, copied to 592),
+    patch's and patch_triton's padded Triton gather alike."""
+    monkeypatch.setattr(invariant, "CUDA_CHUNK_MACS", 1)
+    c, k, spatial, kernel = 3, 20, (14, 14), (14, 14)
+    x, w, b = _operands(c, k, spatial, kernel, dtype, layout, full=300)
+    results = {}
+    for sid in ("point_output", "patch", "patch_triton"):
+        for n in (300, 7):
+            q = ConvProblem.from_sizes(n, c, k, spatial, kernel, kernel, layout=layout,
+                                       dtype=dtype, device_type="cuda", has_bias=True)  # fmt: skip
+            solver = get_solver(sid)
+            with gemmconv.batch_invariant():
+                assert solver.is_applicable(q) and not solver.invariance_reasons(q)
+                results[sid, n] = solver.run(q, ConvTensors(input=x[:n], weight=w, bias=b))
+    for sid in ("patch", "patch_triton"):
+        assert torch.equal(results[sid, 300], results["point_output", 300]), sid
+    for sid in ("point_output", "patch", "patch_triton"):
+        assert torch.equal(results[sid, 7], results["point_output", 300][:7]), sid

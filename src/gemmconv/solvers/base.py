@@ -45,6 +45,17 @@ def cublas_is_reproducible() -> bool:
     return os.environ.get("CUBLAS_WORKSPACE_CONFIG", "") in CUBLAS_DETERMINISTIC_CONFIGS
 
 
+def cublas_refused_reasons() -> list[str]:
+    """Why no cuBLAS solver may run now, for any problem (empty: they may): under
+    torch.use_deterministic_algorithms without a CUBLAS_WORKSPACE_CONFIG
+    (Solver.determinism_reasons). The chunked cuBLAS GEMM is then not CUDA's invariant
+    form; the implicit Triton GEMM is."""
+    if torch.are_deterministic_algorithms_enabled() and not cublas_is_reproducible():
+        return ["cuBLAS is refused (torch.use_deterministic_algorithms is on without "
+                "CUBLAS_WORKSPACE_CONFIG=:4096:8 or :16:8)"]  # fmt: skip
+    return []
+
+
 def determinism_state() -> tuple[bool, bool]:
     """What the determinism rules depend on, for caches of solver decisions."""
     return torch.are_deterministic_algorithms_enabled(), cublas_is_reproducible()
@@ -89,6 +100,11 @@ class Solver:
     # it (fixed tiles and reduction order, nothing chosen by the row count). The
     # tests (tests/solvers/test_batch_invariance.py) hold every solver to it.
     batch_invariant_devices: ClassVar[frozenset[str]] = frozenset()
+    # Whether its invariant forward on CUDA multiplies in fixed-size chunks, with only
+    # torch's own (64-bit) copies and views around them: then only a chunk's operands
+    # meet the 32-bit limit below, and which solver applies never turns on the batch
+    # size (a bigger batch must not leave the family whose bits the smaller ones had).
+    chunked_invariant_operands: ClassVar[bool] = False
 
     # ---- applicability ------------------------------------------------------
 
@@ -132,10 +148,18 @@ class Solver:
                 from gemmconv.solvers.invariant import cpu_reasons
 
                 return cpu_reasons(problem)
-            return []
+            return self.cuda_invariance_reasons(problem)
         if problem.device_type == "cuda" and self.uses_cublas:
             return ["its GEMM runs on cuBLAS, which picks tile shapes and split-K by the row count"]
         return ["its forward is not batch-invariant"]
+
+    def cuda_invariance_reasons(self, problem: ConvProblem) -> list[str]:
+        """Why this solver's invariant forward on CUDA would not serve ``problem``: by
+        default that form is the chunked cuBLAS GEMM (solvers/invariant.py). On CUDA
+        exactly one family of solvers is invariant for a given geometry and selection
+        state, never chosen by the batch size, since two families' products differ in
+        their bits: each solver's rule says which."""
+        return cublas_refused_reasons()
 
     def runs_invariant(self, problem: ConvProblem) -> bool:
         """Whether this run of ``problem`` takes the solver's batch-invariant form: a
@@ -156,13 +180,34 @@ class Solver:
             "column matrix": problem.groups * problem.gemm_m * problem.gemm_k,
         }
 
+    def invariant_operand_elements(self, problem: ConvProblem) -> dict[str, int]:
+        """Elements of each operand one product of the chunked invariant forward on
+        CUDA reads or writes, by name: the padded weight and one sample's input and
+        output (a chunk's rows are bounded by solvers/invariant.py to fit)."""
+        from gemmconv.solvers.invariant import COLUMN_MULTIPLE, aligned_width
+
+        n = max(1, problem.n)
+        width = -(-problem.k // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
+        return {
+            "padded weight": width * aligned_width(problem.gemm_k, problem.dtype),
+            "one sample's input": math.prod(problem.input_shape) // n,
+            "one sample's output": math.prod(problem.output_shape) // n,
+        }
+
     def _operand_size_reasons(self, problem: ConvProblem) -> list[str]:
         limit = self.max_operand_elements
         if limit is None:
             return []
+        elements = (
+            self.invariant_operand_elements(problem)
+            if self.chunked_invariant_operands
+            and problem.device_type == "cuda"
+            and self.runs_invariant(problem)
+            else self.operand_elements(problem)
+        )
         return [
             f"{name} has {count} elements, more than {limit} (32-bit GEMM indexing)"
-            for name, count in self.operand_elements(problem).items()
+            for name, count in elements.items()
             if count > limit
         ]
 

@@ -15,14 +15,31 @@ each call's fixed cost stays small beside its work (2^23 multiply-adds, at least
 Every batch-invariant CPU solver (patch, point_output, pointwise, strided_pointwise)
 multiplies the same column matrix (x's patches in x's memory order, unpadded) through
 this one function, so that which of them a batch size chooses does not change a bit.
+
+On CUDA the same holds by the same means (cuda_rows_gemm): cuBLAS picks its kernel
+(tile shape, split-K) from the product's shape, strides, dtype and the alignment of its
+pointers, never from the values, so a product of one fixed shape computes each row the
+same way whatever the other rows hold. There the chunk is bigger (CUDA_CHUNK_MACS),
+the last chunk is the product over the LAST ``chunk`` rows (overlapping the one before:
+a row computed twice gets the same bits twice) rather than a padded copy, which is made
+only where the whole matrix is shorter than one chunk, and every operand is brought to
+one canonical form first: rows padded with zero columns to 16 bytes (the padded
+solvers' width, so their columns need no copy), dense, on a 16-byte boundary, so that
+every chunk's pointers share one alignment. A channels-first y or x with several
+pixels a sample is multiplied per sample instead (cuda_batched_gemm: W @ x[n], in
+batched products of a fixed sample count), as the default pointwise solver does.
+cuBLAS keeps to this on one stream; with several concurrent streams it may pick other
+kernels unless CUBLAS_WORKSPACE_CONFIG is set (its documentation), which
+torch.use_deterministic_algorithms also asks for.
 """
 
 from __future__ import annotations
 
 import torch
 
+from gemmconv.core import cached_zeros
 from gemmconv.core.problem import ConvProblem, dtype_name
-from gemmconv.solvers.views import rows_view
+from gemmconv.solvers.views import batched_view, rows_view
 
 # Products of 5-7 or 9-11 columns summed a row by its place in the product (MKL's
 # sgemm, fp32): the row 4 places on gave other bits. Widths of a multiple of 16 did not,
@@ -45,12 +62,20 @@ def rows_chunk(reduction: int, columns: int) -> int:
 
 
 def invariant_rows_gemm(
-    a: torch.Tensor, wm: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
+    a: torch.Tensor,
+    wm: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    device_type: str | None = None,
 ) -> torch.Tensor:
     """out [M, N] = a [M, K] @ wm [N, K]^T (+ bias), each row summed as in any other
-    batch: every product is ``rows_chunk(K, N)`` rows of dense operands by N rounded up
-    to COLUMN_MULTIPLE columns (zero weight rows and bias beyond N), the last chunk
-    padded with zero rows. Returns out."""
+    batch. ``device_type`` ("cpu" or "cuda"; a's device where not given) says whose
+    policy: the CPU's (below) or CUDA's (cuda_rows_gemm). On the CPU every product is
+    ``rows_chunk(K, N)`` rows of dense operands by N rounded up to COLUMN_MULTIPLE
+    columns (zero weight rows and bias beyond N), the last chunk padded with zero rows.
+    Returns out."""
+    if (device_type or a.device.type) == "cuda":
+        return cuda_rows_gemm(a, wm, bias, out)
     m, k = a.shape
     n = wm.shape[0]
     if m == 0 or n == 0:
@@ -89,19 +114,223 @@ def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: t
 
 
 def store_invariant_rows(
-    y: torch.Tensor, col: torch.Tensor, wm: torch.Tensor, bias: torch.Tensor | None
+    y: torch.Tensor,
+    col: torch.Tensor,
+    wm: torch.Tensor,
+    bias: torch.Tensor | None,
+    device_type: str | None = None,
 ) -> torch.Tensor:
     """y [N, K, S..] = col [N*prod(S), Kred] @ wm [K, Kred]^T (+ bias), the product's rows
     being y's pixels in channels-last order: straight into y where y is those rows,
-    else through a rows buffer and one copy. Returns y."""
+    else through a rows buffer and one copy (on CUDA the transpose kernel's where it
+    runs). ``device_type`` as for invariant_rows_gemm. Returns y."""
     y_rows = rows_view(y)
     if y_rows is not None:
-        invariant_rows_gemm(col, wm, bias, y_rows)
+        invariant_rows_gemm(col, wm, bias, y_rows, device_type)
+        return y
+    if (device_type or col.device.type) == "cuda":
+        _rows_into_channels_first(cuda_rows_gemm(col, wm, bias), y)
         return y
     n, k, *spatial = y.shape
     product = invariant_rows_gemm(col, wm, bias, col.new_empty(col.shape[0], k))
     y.copy_(product.view(n, *spatial, k).movedim(-1, 1))
     return y
+
+
+# ---- CUDA -------------------------------------------------------------------------
+
+# Multiply-adds (counted at the half-precision rate: a wider type's count by its
+# element size over 2, since cuBLAS runs fp32 as TF32 at half that rate and fp64
+# slower still) that one chunk's product may do at most. Each product costs the host
+# 5-20 us to launch on the GPU hosts, so a chunk must keep the GPU busier than that
+# (2^31 is about 4 us of bf16 on an H100, 2^33 about 17), while a batch smaller than
+# one chunk pays for the whole chunk (one ViT-B/16 image is 196 rows of 768 x 768:
+# 2^33 makes its chunk 8192 rows). Candidates 2^31-2^34; the value is the one
+# bench/probes/invariant_chunk_cost.py found best across the suite's forward rows.
+CUDA_CHUNK_MACS = 1 << 32
+# Rows of a chunk's product: whole tiles of cuBLAS's largest (256 rows) at least, and at
+# most what keeps every operand under 2^31 elements (32-bit GEMM indexing).
+CUDA_MIN_CHUNK_ROWS = 256
+CUDA_MAX_CHUNK_ROWS = 1 << 20
+# The alignment every chunk's pointers and row strides share (the widest vector cuBLAS
+# kernels load; Hopper's TMA needs it).
+ALIGN_BYTES = 16
+# A strided batched GEMM's batch count stays within CUDA's grid limit on its z axis.
+CUDA_MAX_CHUNK_SAMPLES = 65535
+_INT32_MAX = 2**31 - 1
+
+
+def _macs_weight(dtype: torch.dtype) -> int:
+    return max(1, dtype.itemsize // 2)
+
+
+def _floor_pow2(value: int) -> int:
+    return 1 << (max(1, value).bit_length() - 1)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def aligned_width(width: int, dtype: torch.dtype) -> int:
+    """``width`` elements rounded up to whole ALIGN_BYTES (mapping.padded_reduction's
+    rule, so a padded solver's columns are already that wide)."""
+    return _round_up(width, max(1, ALIGN_BYTES // dtype.itemsize))
+
+
+def cuda_rows_chunk(
+    reduction: int, columns: int, dtype: torch.dtype, macs: int | None = None
+) -> int:
+    """Rows of every product the CUDA invariant GEMM runs for a [*, reduction] @
+    [reduction, columns] GEMM (both widths as padded, aligned_width and
+    COLUMN_MULTIPLE): the largest power of two whose product stays within ``macs``
+    (CUDA_CHUNK_MACS where not given), from the widths and dtype alone."""
+    budget = (CUDA_CHUNK_MACS if macs is None else macs) // _macs_weight(dtype)
+    rows = _floor_pow2(budget // max(1, reduction * columns))
+    rows = min(max(rows, CUDA_MIN_CHUNK_ROWS), CUDA_MAX_CHUNK_ROWS)
+    return min(rows, _floor_pow2(_INT32_MAX // max(1, reduction, columns)))
+
+
+def cuda_samples_chunk(
+    reduction: int, columns: int, pixels: int, dtype: torch.dtype, macs: int | None = None
+) -> int:
+    """Samples of every batched product of the per-sample form (cuda_batched_gemm):
+    the largest power of two of samples whose product stays within ``macs``, at least
+    one; from the widths, the pixels and the dtype alone."""
+    budget = (CUDA_CHUNK_MACS if macs is None else macs) // _macs_weight(dtype)
+    samples = _floor_pow2(budget // max(1, reduction * columns * pixels))
+    fits = _INT32_MAX // max(1, pixels * max(reduction, columns))
+    return max(1, min(samples, CUDA_MAX_CHUNK_SAMPLES, _floor_pow2(fits) if fits else 1))
+
+
+def chunk_starts(total: int, chunk: int) -> list[int]:
+    """Where each product of ``chunk`` rows starts over ``total >= chunk`` rows: every
+    whole chunk, then the last ``chunk`` rows where some are left (overlapping)."""
+    starts = list(range(0, total - chunk + 1, chunk))
+    if total % chunk:
+        starts.append(total - chunk)
+    return starts
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % ALIGN_BYTES == 0
+
+
+def _canonical_rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` [R, w <= width] as dense rows of ``width`` (zero columns beyond w) on an
+    ALIGN_BYTES boundary: ``t`` itself where it already is, else one copy."""
+    r, w = t.shape
+    if w == width and t.stride() == (width, 1) and _aligned(t):
+        return t
+    if w == width:
+        return t.clone(memory_format=torch.contiguous_format)  # a fresh, aligned block
+    # One kernel: a cat against kept zeros (cached_zeros).
+    return torch.cat([t, cached_zeros.zeros((r, width - w), t)], dim=1)
+
+
+def _padded_rows(t: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """``t`` [r <= rows, w <= width] in a new dense [rows, width] block, zeros beyond."""
+    block = t.new_zeros(rows, width)
+    block[: t.shape[0], : t.shape[1]].copy_(t)
+    return block
+
+
+def cuda_rows_gemm(
+    a: torch.Tensor, wm: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """out [M, N] = a [M, K] @ wm [N, K]^T (+ bias) by CUDA's policy: every product is
+    ``cuda_rows_chunk`` rows of the canonical operands (K rounded up to whole 16 bytes,
+    N to COLUMN_MULTIPLE, zeros beyond; dense; 16-byte aligned), the last one over the
+    last chunk rows, and a matrix shorter than a chunk padded to one. Columns of ``a``
+    and ``wm`` beyond the reduction must be zeros (a padded solver's). Returns out, or
+    where it is None, the product as an [M, N] view of dense rows."""
+    m, k = a.shape
+    n = wm.shape[0]
+    out_given = out is not None
+    if m == 0 or n == 0:
+        return out if out_given else a.new_empty(m, n)
+    kp, width = aligned_width(k, a.dtype), _round_up(max(n, 1), COLUMN_MULTIPLE)
+    b = (_canonical_rows(wm, kp) if width == n else _padded_rows(wm, width, kp)).t()
+    if bias is not None and width != n:
+        bias = torch.cat([bias, cached_zeros.zeros((width - n,), bias)])
+    chunk = cuda_rows_chunk(kp, width, a.dtype)
+    if m < chunk:
+        product = _product(_padded_rows(a, chunk, kp), b, bias, a.new_empty(chunk, width))
+        result = product[:m, :n]
+        return out.copy_(result) if out_given else result
+    a = _canonical_rows(a, kp)
+    direct = out_given and width == n and out.stride() == (n, 1) and _aligned(out)
+    target = out if direct else a.new_empty(m, width)
+    for start in chunk_starts(m, chunk):
+        _product(a[start : start + chunk], b, bias, target[start : start + chunk])
+    if direct:
+        return out
+    return out.copy_(target[:, :n]) if out_given else target[:, :n]
+
+
+def _rows_into_channels_first(product: torch.Tensor, y: torch.Tensor) -> None:
+    """y [N, K, S..] from its pixels' rows ``product`` [N*prod(S), K] (any row stride):
+    the transpose kernel where it runs (CUDA, triton, a batch within its grid), else
+    torch's copy; either copies, so the bits are the same."""
+    n, k, *spatial = y.shape
+    y3 = batched_view(y)
+    pixels = product.shape[0] // max(1, n)
+    if y3 is not None and y.is_cuda and 0 < n <= CUDA_MAX_CHUNK_SAMPLES:
+        from gemmconv.kernels import triton_available
+
+        if triton_available():
+            from gemmconv.kernels.strided_copy import strided_copy
+
+            row = product.stride(0)
+            src = product.as_strided((n, pixels, k), (pixels * row, row, 1))
+            strided_copy(y3.transpose(1, 2), src)
+            return
+    y.copy_(product.reshape(n, *spatial, k).movedim(-1, 1))
+
+
+def _canonical_samples(t3: torch.Tensor, count: int, stride: int) -> torch.Tensor:
+    """[count, A, B] blocks with strides (stride, B, 1) on an ALIGN_BYTES boundary: ``t3``
+    itself where it already is (and count is its length), else a new block holding
+    ``t3``'s samples first and zeros after them."""
+    n, rows, cols = t3.shape
+    if count == n and t3.stride() == (stride, cols, 1) and _aligned(t3):
+        return t3
+    block = t3.new_zeros(count, stride) if count > n else t3.new_empty(count, stride)
+    view = block.as_strided((count, rows, cols), (stride, cols, 1))
+    view[:n].copy_(t3)
+    return view
+
+
+def cuda_batched_gemm(
+    w: torch.Tensor, x3: torch.Tensor, bias: torch.Tensor | None, y3: torch.Tensor
+) -> torch.Tensor:
+    """y3 [N, K, P] = w [K, C] @ x3[n] [C, P] (+ bias) per sample, batch-invariant on
+    CUDA: batched products of ``cuda_samples_chunk`` samples of canonical operands
+    (each sample's block dense, on a 16-byte boundary, the blocks a whole number of 16
+    bytes apart), the last over the last samples, a batch shorter than a chunk padded
+    to one; the bias added after. Returns y3."""
+    n, c, pixels = x3.shape
+    k = w.shape[0]
+    if n == 0 or k == 0:
+        return y3
+    if w.stride() != (c, 1) or not _aligned(w):
+        w = w.clone(memory_format=torch.contiguous_format)  # a fresh, aligned block
+    chunk = cuda_samples_chunk(c, k, pixels, x3.dtype)
+    count = max(n, chunk)
+    xs = _canonical_samples(x3, count, aligned_width(c * pixels, x3.dtype))
+    y_stride = aligned_width(k * pixels, y3.dtype)
+    direct = count == n and y3.stride() == (y3.shape[1] * pixels, pixels, 1)
+    direct = direct and y_stride == k * pixels and _aligned(y3)
+    ys = y3 if direct else y3.new_empty(count, y_stride).as_strided(
+        (count, k, pixels), (y_stride, pixels, 1))  # fmt: skip
+    weights = w.expand(chunk, k, c)
+    for start in chunk_starts(count, chunk):
+        torch.bmm(weights, xs[start : start + chunk], out=ys[start : start + chunk])
+    if not direct:
+        y3.copy_(ys[:n])
+    if bias is not None:
+        y3.add_(bias.view(1, k, 1))
+    return y3
 
 
 # fp64 products with an odd reduction (147) summed a row by its place in the product
@@ -117,10 +346,18 @@ def cpu_reasons(p: ConvProblem) -> list[str]:
 
 
 __all__ = [
+    "ALIGN_BYTES",
     "CHUNK_MACS",
     "COLUMN_MULTIPLE",
+    "CUDA_CHUNK_MACS",
     "INVARIANT_DTYPES",
+    "aligned_width",
+    "chunk_starts",
     "cpu_reasons",
+    "cuda_batched_gemm",
+    "cuda_rows_chunk",
+    "cuda_rows_gemm",
+    "cuda_samples_chunk",
     "invariant_rows_gemm",
     "rows_chunk",
     "store_invariant_rows",

@@ -17,32 +17,34 @@ import torch
 
 from gemmconv.core.memory_format import Layout
 from gemmconv.core.precision import (
-    convolutions_allow_tf32,
     fp32_workspace_chunk_bytes,
     reduce_batched_products,
     reduction_mm,
 )
-from gemmconv.core.problem import ConvProblem, Direction, dtype_name
-from gemmconv.kernels import triton_available
+from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors, Solver
-from gemmconv.solvers.invariant import store_invariant_rows
+from gemmconv.solvers.invariant import cuda_batched_gemm, store_invariant_rows
+from gemmconv.solvers.patch.mapping import transposed_pixels
 from gemmconv.solvers.views import (
+    batched_view,
     result_buffer,
     rows,
     store_batched,
     store_rows,
 )
 
-# The dtypes the implicit patch GEMM's tl.dot takes.
-IMPLICIT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 # Upper bound for the fp32 partial products of a channels-first weight gradient.
 WGRAD_PARTIALS_CAP = 64 << 20
 
 
 class PointwiseSolver(Solver):
     id = "pointwise"
-    # On the CPU its forward runs the invariant GEMM (solvers/invariant.py).
-    batch_invariant_devices = frozenset({"cpu"})
+    # Its forward runs the invariant GEMM (solvers/invariant.py) on either device: on
+    # CUDA per sample for a channels-first y with several pixels, as its default does.
+    batch_invariant_devices = frozenset({"cpu", "cuda"})
+    # Its operands are x, y and their views or torch's copies: under the switch on CUDA
+    # only the chunks' operands meet the 32-bit limit.
+    chunked_invariant_operands = True
 
     def problem_reasons(self, p: ConvProblem) -> list[str]:
         reasons = []
@@ -140,9 +142,18 @@ class PointwiseSolver(Solver):
     def invariant_forward(
         self, p: ConvProblem, x: torch.Tensor, w: torch.Tensor, bias, y: torch.Tensor
     ) -> torch.Tensor:
-        """y from the pixels ``x`` reads (the source), batch-invariant: on the CPU the
-        invariant GEMM over x's rows [pixels, C] (solvers/invariant.py)."""
-        return store_invariant_rows(y, rows(x), w, bias)
+        """y from the pixels ``x`` reads (the source), batch-invariant: the invariant GEMM
+        over x's rows [pixels, C] (solvers/invariant.py), or on CUDA, for a
+        channels-first y with several pixels a sample, W @ x[n] per sample in batched
+        products of a fixed sample count (no transpose of x or y)."""
+        if p.device_type == "cuda" and transposed_pixels(p) > 0:
+            y3 = batched_view(y)
+            target = y3 if y3 is not None else y.new_empty(p.n, p.k, math.prod(p.output_spatial))
+            cuda_batched_gemm(w, x.reshape(p.n, p.c, -1), bias, target)
+            if y3 is None:
+                y.copy_(target.view(y.shape))
+            return y
+        return store_invariant_rows(y, rows(x), w, bias, p.device_type)
 
     def backward_data(
         self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None
@@ -177,32 +188,9 @@ class PointwiseSolver(Solver):
 
 class StridedPointwiseSolver(PointwiseSolver):
     id = "strided_pointwise"
-    # On CUDA its forward runs the implicit patch GEMM (kernels/patch_gemm.py) on the
-    # subsampled view, a 1x1 patch problem: fixed tiles, no split-K.
-    batch_invariant_devices = frozenset({"cpu", "cuda"})
 
-    def invariance_reasons(self, p: ConvProblem) -> list[str]:
-        if p.device_type != "cuda":
-            return super().invariance_reasons(p)
-        reasons = []
-        if not triton_available():
-            reasons.append("its invariant form on CUDA is a Triton kernel; triton is not installed")
-        if p.dtype not in IMPLICIT_DTYPES:
-            reasons.append(f"its Triton kernel takes fp16, bf16 or fp32, not {dtype_name(p.dtype)}")
-        return reasons
-
-    def invariant_forward(
-        self, p: ConvProblem, x: torch.Tensor, w: torch.Tensor, bias, y: torch.Tensor
-    ) -> torch.Tensor:
-        if p.device_type != "cuda":
-            return super().invariant_forward(p, x, w, bias, y)
-        from gemmconv.kernels.patch_gemm import patch_gemm_forward
-
-        return patch_gemm_forward(
-            x, w.contiguous(), bias, (1,) * p.dims, p.input_layout is Layout.CHANNELS_LAST, y,
-            allow_tf32=convolutions_allow_tf32(),
-        )  # fmt: skip
-
+    # Its forward runs pointwise's invariant form on the subsample, which it copies
+    # anyway (to rows, or per sample for a channels-first y).
     def stride_reasons(self, p: ConvProblem) -> list[str]:
         if all(u == 1 for u in p.stride):
             return [f"stride {p.stride} is 1 in every dimension (pointwise)"]

@@ -21,7 +21,7 @@ import torch
 from gemmconv.core.precision import reduction_mm
 from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors
-from gemmconv.solvers.invariant import store_invariant_rows
+from gemmconv.solvers.invariant import aligned_width, cuda_rows_chunk, store_invariant_rows
 from gemmconv.solvers.patch import prepared, rows_path
 from gemmconv.solvers.patch.columns import ColumnSource
 from gemmconv.solvers.patch.cost import output_rows_bytes, torch_permute_slowdown, uncovered_bytes
@@ -68,7 +68,23 @@ class ColumnGemmSolver(PatchFamilySolver):
         return padded_reduction(p) if self.pads_reduction else p.gemm_k
 
     def uses_rows_path(self, p: ConvProblem) -> bool:
+        if self._invariant_on_cuda(p):
+            return False  # the invariant GEMM's rows and one transpose instead
         return self.channels_first is ChannelsFirst.ROWS and rows_path.applies(p)
+
+    def _invariant_on_cuda(self, p: ConvProblem) -> bool:
+        return p.device_type == "cuda" and self.runs_invariant(p)
+
+    def _invariant_extra_bytes(self, p: ConvProblem) -> int:
+        """What the invariant forward on CUDA copies beyond the gather: columns short of
+        the GEMM's aligned rows into them, and a channels-first y from rows."""
+        moved = 0
+        kp = aligned_width(p.gemm_k, p.dtype)
+        if self.reduction_width(p) != kp:
+            moved += 2 * p.gemm_m * kp * p.element_size
+        if transposed_pixels(p) > 0:
+            moved += 2 * output_rows_bytes(p) * rows_path.TRANSPOSE_SLOWDOWN
+        return int(moved)
 
     def _dy_rows_copied(self, p: ConvProblem) -> bool:
         # The weight gradient copies a channels-first dY to rows only when a sample has
@@ -97,6 +113,8 @@ class ColumnGemmSolver(PatchFamilySolver):
     def copied_bytes(self, p: ConvProblem) -> int:
         # The gather or scatter reads and writes the column buffer once each.
         moved = 2 * self.columns.buffer_bytes(p, self.reduction_width(p)) * self.columns.slowdown(p)
+        if self._invariant_on_cuda(p):
+            return int(moved) + self._invariant_extra_bytes(p)
         if p.direction is Direction.BACKWARD_DATA:
             moved += uncovered_bytes(p)
         if self.uses_rows_path(p):
@@ -110,6 +128,9 @@ class ColumnGemmSolver(PatchFamilySolver):
         return rows_path.gemm_slowdown(p) if self.uses_rows_path(p) else 1.0
 
     def gemm_launches(self, p: ConvProblem) -> int:
+        if self._invariant_on_cuda(p):
+            chunk = cuda_rows_chunk(aligned_width(p.gemm_k, p.dtype), p.k, p.dtype)
+            return -(-max(p.gemm_m, chunk) // chunk) + self.columns.launches
         if self.uses_rows_path(p):
             return rows_path.launches(p, self.reduction_width(p))
         return 1 + self.columns.launches
@@ -126,6 +147,8 @@ class ColumnGemmSolver(PatchFamilySolver):
         return (self.columns.triton + 1) * rows_path.passes(p, self.reduction_width(p))
 
     def gemm_is_aligned(self, p: ConvProblem) -> bool:
+        if self._invariant_on_cuda(p):
+            return True  # its canonical rows are padded to 16 bytes
         reduction_aligned = (self.reduction_width(p) * p.element_size) % VECTOR_BYTES == 0
         bmm_unaligned = batched_gemm_is_unaligned(p) and not self.uses_rows_path(p)
         return reduction_aligned and not bmm_unaligned
@@ -141,7 +164,8 @@ class ColumnGemmSolver(PatchFamilySolver):
         ld = self.reduction_width(p)
         wm = padded_weight_rows(t.weight, column_layout(p), ld)
         if self.runs_invariant(p):
-            return store_invariant_rows(y, self.columns.gather(x, p, ld), wm, t.bias)
+            col = self.columns.gather(x, p, ld)
+            return store_invariant_rows(y, col, wm, t.bias, p.device_type)
         y3 = batched_view(y) if rows_view(y) is None else None
         if y3 is None:
             store_rows(y, self.columns.gather(x, p, ld), wm.t(), t.bias)

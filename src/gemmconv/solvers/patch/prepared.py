@@ -155,12 +155,13 @@ def _invariant_forward(solver, p: ConvProblem, ld: int, t: ConvTensors, result: 
     in fixed-shape row chunks; y and the columns, as _forward's run returns them."""
     columns = solver.columns.prepared_gather(t.input, p, ld)
     weight_rows = _weight_rows(p, ld, t.weight)
+    device = p.device_type  # whose policy: the problem's device
 
     def forward(
         x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         col = columns(x)
-        return store_invariant_rows(result(x), col, weight_rows(weight), bias), col
+        return store_invariant_rows(result(x), col, weight_rows(weight), bias, device), col
 
     return forward
 

@@ -8,10 +8,20 @@ import torch
 
 from gemmconv.core.device_rates import DeviceRates
 from gemmconv.core.problem import ConvProblem
+from gemmconv.solvers.base import cublas_refused_reasons
 from gemmconv.solvers.patch.column_gemm import ChannelsFirst, ColumnGemmSolver
 from gemmconv.solvers.patch.columns import TORCH_COPY_COLUMNS, TRITON_COPY_COLUMNS, VIEW_COLUMNS
 from gemmconv.solvers.patch.implicit import ImplicitGemmSolver
 from gemmconv.solvers.patch.mapping import padded_reduction
+
+
+def one_by_one_reasons(p: ConvProblem) -> list[str]:
+    """On CUDA a 1x1 kernel's invariant form is the pointwise solvers' (per sample, for
+    a channels-first y): the column solvers, which also take a 1x1 stride-1 kernel,
+    stand aside so that one family's bits serve every batch size."""
+    if all(r == 1 for r in p.kernel):
+        return ["a 1x1 kernel's batch-invariant form on CUDA is the pointwise solvers'"]
+    return []
 
 
 class PatchSolver(ColumnGemmSolver):
@@ -19,8 +29,14 @@ class PatchSolver(ColumnGemmSolver):
 
     id = "patch"
     columns = VIEW_COLUMNS
-    # On the CPU its forward runs the invariant GEMM (solvers/invariant.py).
-    batch_invariant_devices = frozenset({"cpu"})
+    # Its forward runs the invariant GEMM (solvers/invariant.py) on either device.
+    batch_invariant_devices = frozenset({"cpu", "cuda"})
+    # Its columns are a view or torch's copy: under the switch on CUDA only the chunks'
+    # operands meet the 32-bit limit.
+    chunked_invariant_operands = True
+
+    def cuda_invariance_reasons(self, p: ConvProblem) -> list[str]:
+        return super().cuda_invariance_reasons(p) + one_by_one_reasons(p)
 
 
 class PointOutputSolver(PatchSolver):
@@ -80,6 +96,14 @@ class TritonPatchSolver(ColumnGemmSolver):
 
     id = "patch_triton"
     devices = frozenset({"cuda"})
+    # Its forward runs CUDA's invariant GEMM on its padded columns, which are already
+    # that GEMM's canonical rows (solvers/invariant.py): the same bits as patch's. Its
+    # Triton gather keeps the 32-bit limit; where a batch exceeds it, patch serves.
+    batch_invariant_devices = frozenset({"cuda"})
+
+    def cuda_invariance_reasons(self, p: ConvProblem) -> list[str]:
+        return super().cuda_invariance_reasons(p) + one_by_one_reasons(p)
+
     needs_triton = True
     columns = TRITON_COPY_COLUMNS
     pads_reduction = True
@@ -102,3 +126,12 @@ class ImplicitPatchSolver(ImplicitGemmSolver):
     # Its forward's tiles and reduction order are fixed by the dtype and the geometry,
     # never by the row count (kernels/patch_gemm.forward_launch), and it has no split-K.
     batch_invariant_devices = frozenset({"cuda"})
+
+    def cuda_invariance_reasons(self, p: ConvProblem) -> list[str]:
+        # The invariant form of CUDA patch problems is the column and pointwise solvers'
+        # chunked cuBLAS GEMM (another product, other bits); this kernel serves only
+        # where cuBLAS is refused for every batch (cublas_refused_reasons).
+        if cublas_refused_reasons():
+            return []
+        return ["the batch-invariant form on CUDA is the chunked cuBLAS GEMM of the column "
+                "and pointwise solvers"]  # fmt: skip
