@@ -6,7 +6,8 @@
 #   bash bench/probes/gpu_stages.sh probe     # launch cost, CUDA-graph step, host profiles of rows
 #   bash bench/probes/gpu_stages.sh compiled  # the compiled training step, split by kernel
 #   bash bench/probes/gpu_stages.sh suite     # the suite (about 3 min of rows)
-#   bash bench/probes/gpu_stages.sh fp8       # fp8 and batch-invariance GPU tests, the fp8 probe
+#   bash bench/probes/gpu_stages.sh fp8       # fp8 GPU tests, the fp8 probe
+#   bash bench/probes/gpu_stages.sh invariance  # batch-invariance GPU tests, the chunk budgets
 #   bash bench/probes/gpu_stages.sh models    # the end-to-end table (about 3 min)
 #   bash bench/probes/gpu_stages.sh gap       # backward-data public calls against call times
 #   bash bench/probes/gpu_stages.sh rows      # the rows path's in-place GEMM: tests, device time
@@ -17,7 +18,7 @@
 set -u
 : "${OUT:?set OUT to the folder for the results}"
 export PYTHONPATH=src
-stage=${1:?stage: tests, probe, compiled, suite, fp8, suite-in-place, models, gap, rows, precision, node or ab}
+stage=${1:?stage: tests, probe, compiled, suite, fp8, invariance, suite-in-place, models, gap, rows, precision, node or ab}
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 # A copied tree can report an older HEAD than the files it holds (an H200's copy
 # reported 6ce0d30 while holding 22a735c's files): a digest of src/'s Python files says which code ran (the same command in
@@ -65,14 +66,23 @@ suite)
     python3 -m gemmconv bench --out "$OUT/suite" --time-budget 210 --no-plot >"$OUT/suite.log" 2>&1
     ;;
 fp8)
-    # The fp8 and batch-invariance GPU tests took 35 s with -n 12 on an H100 at f0db2a3;
-    # the probe (timings and three 300-step ViT-S/16 runs) about 2.5 min before its
-    # compiled variants were added (eight compiles).
+    # The fp8 GPU tests took 35 s with -n 12 on an H100 at f0db2a3, with the
+    # invariance ones; the probe (timings and three 300-step ViT-S/16 runs) about 2.5
+    # min before its compiled variants (eight compiles) and a fourth run were added.
     python3 -m pytest -q -rfE -p no:cacheprovider -m gpu -n 12 tests/api/test_fp8.py \
-        tests/solvers/test_gpu_batch_invariance.py tests/bench/test_fp8_rows.py \
-        >"$OUT/fp8_tests.log" 2>&1
+        tests/bench/test_fp8_rows.py >"$OUT/fp8_tests.log" 2>&1
     echo "pytest exit $?" >>"$OUT/fp8_tests.log"
-    timeout 420 python3 bench/probes/fp8_embeds.py --out "$OUT/fp8" >/dev/null 2>>"$OUT/fp8_tests.log"
+    timeout 480 python3 bench/probes/fp8_embeds.py --out "$OUT/fp8" >/dev/null 2>>"$OUT/fp8_tests.log"
+    ;;
+invariance)
+    # The batch-invariance GPU tests, then each candidate chunk budget of CUDA's
+    # invariant GEMM over the suite's forward rows (solvers/invariant.CUDA_CHUNK_MACS).
+    python3 -m pytest -q -rfE -p no:cacheprovider -m gpu -n 12 \
+        tests/solvers/test_gpu_batch_invariance.py >"$OUT/invariance_tests.log" 2>&1
+    echo "pytest exit $?" >>"$OUT/invariance_tests.log"
+    timeout "${CHUNK_SECONDS:-300}" python3 bench/probes/invariant_chunk_cost.py \
+        --budgets "${BUDGETS:-32,33}" --out "$OUT/invariant_chunk_cost.jsonl" \
+        >"$OUT/invariant_chunk_cost.txt" 2>&1
     ;;
 suite-in-place)
     # The suite with the rows path's in-place GEMMs on in every direction and size in
