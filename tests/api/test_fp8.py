@@ -289,6 +289,28 @@ def test_torch_compile_fullgraph(fp8_on_cpu):
     assert torch.equal(module.weight.grad, dw)
 
 
+def test_torch_compile_fullgraph_over_batch_sizes(fp8_on_cpu):
+    """A second batch size makes dynamo's sizes symbolic (automatic dynamic shapes),
+    which the run's decision, a constant to torch.compile, could not take: fullgraph
+    raised "assume_constant_result argument conversion failed"."""
+    module = torch.nn.Conv2d(3, 16, 4, stride=4)
+    gemmconv.convert(module)
+    module.to(torch.bfloat16).set_fp8()
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    generator = torch.Generator().manual_seed(14)
+    for n in (2, 3, 5):
+        x = torch.randn((n, 3, 8, 12), generator=generator).to(torch.bfloat16)
+        x.requires_grad_()
+        yc = compiled(x)
+        yc.float().sum().backward()
+        dxc = x.grad
+        x.grad = None
+        y = module(x)
+        y.float().sum().backward()
+        assert torch.equal(yc, y), n
+        assert torch.equal(dxc, x.grad), n
+
+
 def test_torch_compile_inductor_with_an_aligned_reduction(fp8_on_cpu):
     """Inductor's _scaled_mm lowering takes only dense operands ("mat_b must be
     col_major"); with a reduction needing no padding (3 x 4 x 4 = 48) the functional
@@ -537,3 +559,8 @@ def test_torch_compile_inductor_on_cuda():
     # fp32 product's rounding, so within one fp8 step of the eager result.
     assert (yc - y).abs().max().item() <= 2 * U[torch.float8_e4m3fn] * y.abs().max().item()
     assert math.isfinite(module.weight.grad.float().sum().item())
+    # Another batch size (dynamo's sizes turn symbolic) compiles its own graph.
+    x2 = x.detach()[:3].requires_grad_()
+    y2, y2_eager = compiled(x2), module(x2)
+    bound = 2 * U[torch.float8_e4m3fn] * y2_eager.abs().max().item()
+    assert (y2 - y2_eager).abs().max().item() <= bound

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from gemmconv.core.arguments import resolve_arguments
 from gemmconv.core.float8 import Float8Config, device_reasons
@@ -134,6 +135,16 @@ def _decide(
     return reasons if reasons else Float8Run(problem, config)
 
 
+def _ints(values) -> tuple[int, ...]:
+    """Sizes or strides as plain ints. Under torch.compile with dynamic shapes (a second
+    batch size makes dynamo's sizes symbolic) guard_scalar specializes the graph on
+    them: the fp8 run's reshapes are planned from concrete sizes, so each new shape
+    compiles its own graph, where a symbolic size made the decision untraceable."""
+    if not torch.compiler.is_compiling():
+        return tuple(values)
+    return tuple(guard_scalar(v) for v in values)
+
+
 def decision_of(
     dims: int,
     input: torch.Tensor,
@@ -148,10 +159,11 @@ def decision_of(
     """The fp8 run of a call with these operands (F.conv*'s arguments, after autocast),
     or the reasons fp8 does not apply."""
     found = _decision_index(
-        dims, input.shape, input.stride(), input.dtype, input.device, weight.shape,
-        weight.stride(), weight.dtype, None if bias is None else bias.dtype, stride, padding,
-        dilation, groups, (config.forward_dtype, config.grad_dtype, config.scaling,
-                           config.round_scales_to_power_of_2),
+        dims, _ints(input.shape), _ints(input.stride()), input.dtype, input.device,
+        _ints(weight.shape), _ints(weight.stride()), weight.dtype,
+        None if bias is None else bias.dtype, stride, padding, dilation, groups,
+        (config.forward_dtype, config.grad_dtype, config.scaling,
+         config.round_scales_to_power_of_2),
     )  # fmt: skip
     return _RUNS[found] if isinstance(found, int) else list(found)
 
