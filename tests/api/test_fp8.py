@@ -289,6 +289,27 @@ def test_torch_compile_fullgraph(fp8_on_cpu):
     assert torch.equal(module.weight.grad, dw)
 
 
+def test_eager_decisions_are_bounded(fp8_on_cpu, monkeypatch):
+    """One decision per batch size was kept for ever (a server's patch count differs on
+    every request): past EAGER_DECISIONS the least recently used goes, and a call whose
+    decision went decides again, with the same result."""
+    monkeypatch.setattr(road, "EAGER_DECISIONS", 3)
+    module = torch.nn.Conv2d(3, 16, 4, stride=4)
+    gemmconv.convert(module)
+    module.to(torch.bfloat16).set_fp8()
+    generator = torch.Generator().manual_seed(15)
+    inputs = [
+        torch.randn((n, 3, 8, 8), generator=generator).to(torch.bfloat16) for n in range(1, 7)
+    ]
+    first = [module(x) for x in inputs]
+    assert len(road._EAGER) == 3
+    again = [module(x) for x in inputs]
+    assert len(road._EAGER) == 3
+    for y, y2 in zip(first, again):
+        assert torch.equal(y, y2)
+    assert "runs all three directions" in module.solvers(inputs[0]).notes[-1]
+
+
 def test_torch_compile_fullgraph_over_batch_sizes(fp8_on_cpu):
     """A second batch size makes dynamo's sizes symbolic (automatic dynamic shapes),
     which the run's decision, a constant to torch.compile, could not take: fullgraph

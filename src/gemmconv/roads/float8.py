@@ -11,6 +11,7 @@ its plans, and is a constant to torch.compile.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 
@@ -60,11 +61,17 @@ def _autocast_off(t: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type, enabled=False)
 
 
-# Decisions: operand metadata and arguments -> the index of the run in _RUNS, or the
-# reasons fp8 does not apply. torch.compile takes the decision as a constant and reads
-# the run from _RUNS (a global it can guard), not from the decision's result.
+# Decisions made while torch.compile traces: operand metadata and arguments -> the
+# index of the run in _RUNS, or the reasons fp8 does not apply. torch.compile takes the
+# decision as a constant and reads the run from _RUNS (a global it can guard), so these
+# are never dropped; dynamo's recompile limit bounds them.
 _DECISIONS: dict[tuple, int | tuple[str, ...]] = {}
 _RUNS: list[Float8Run] = []
+# Eager calls' decisions, the least recently used dropped past EAGER_DECISIONS: a
+# server whose batch (Qwen-VL's patch count) differs on every request would otherwise
+# keep one run per batch size for ever.
+EAGER_DECISIONS = 1024
+_EAGER: collections.OrderedDict[tuple, Float8Run | tuple[str, ...]] = collections.OrderedDict()
 
 
 @torch.compiler.assume_constant_result
@@ -158,6 +165,9 @@ def decision_of(
 ) -> Float8Run | list[str]:
     """The fp8 run of a call with these operands (F.conv*'s arguments, after autocast),
     or the reasons fp8 does not apply."""
+    if not torch.compiler.is_compiling():
+        return _eager_decision(dims, input, weight, bias, stride, padding, dilation, groups,
+                               config)  # fmt: skip
     found = _decision_index(
         dims, _ints(input.shape), _ints(input.stride()), input.dtype, input.device,
         _ints(weight.shape), _ints(weight.stride()), weight.dtype,
@@ -166,6 +176,25 @@ def decision_of(
          config.round_scales_to_power_of_2),
     )  # fmt: skip
     return _RUNS[found] if isinstance(found, int) else list(found)
+
+
+def _eager_decision(
+    dims, input, weight, bias, stride, padding, dilation, groups, config
+) -> Float8Run | list[str]:  # fmt: skip
+    key = (dims, tuple(input.shape), input.stride(), input.dtype, input.device,
+           tuple(weight.shape), weight.stride(), weight.dtype,
+           None if bias is None else bias.dtype, stride, padding, dilation, groups,
+           config)  # fmt: skip
+    found = _EAGER.get(key)
+    if found is None:
+        decided = _decide(*key)
+        found = decided if isinstance(decided, Float8Run) else tuple(decided)
+        _EAGER[key] = found
+        if len(_EAGER) > EAGER_DECISIONS:
+            _EAGER.popitem(last=False)
+    else:
+        _EAGER.move_to_end(key)
+    return found if isinstance(found, Float8Run) else list(found)
 
 
 def convolve(
@@ -199,6 +228,7 @@ def explanation_note(
 def clear_decisions() -> None:
     """Forget every decision (runs stay, for compiled code that holds one)."""
     _DECISIONS.clear()
+    _EAGER.clear()
 
 
 __all__ = [
