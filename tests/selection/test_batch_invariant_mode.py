@@ -5,6 +5,7 @@ where a forward cannot be made invariant."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -196,14 +197,14 @@ def test_general_problem_falls_back_to_the_default_choice():
 
 CUDA_GEOMETRIES = {
     # label: (C, K, spatial, kernel, stride, layout, dtype, the family that serves it)
-    "vit_cf": (3, 768, (224, 224), 16, 16, "channels_first", torch.bfloat16, "columns"),
-    "vit_cl": (3, 768, (224, 224), 16, 16, "channels_last", torch.bfloat16, "columns"),
-    "clip_unaligned": (3, 1024, (336, 336), 14, 14, "channels_first", torch.bfloat16, "columns"),
-    "point_output": (3, 1280, (14, 14), 14, 14, "channels_last", torch.bfloat16, "columns"),
+    "vit_cf": (3, 768, (224, 224), 16, 16, "channels_first", torch.bfloat16, "implicit"),
+    "vit_cl": (3, 768, (224, 224), 16, 16, "channels_last", torch.bfloat16, "implicit"),
+    "clip_unaligned": (3, 1024, (336, 336), 14, 14, "channels_first", torch.bfloat16, "implicit"),
+    "point_output": (3, 1280, (14, 14), 14, 14, "channels_last", torch.bfloat16, "implicit"),
     "sd3_fp32": (16, 1536, (64, 64), 2, 2, "channels_first", torch.float32, "columns"),
     "point_fp64": (3, 64, (8, 8), 8, 8, "channels_first", torch.float64, "columns"),
     "resnet_1x1_cf": (256, 64, (56, 56), 1, 1, "channels_first", torch.bfloat16, "pointwise"),
-    "resnet_1x1_cl": (256, 64, (56, 56), 1, 1, "channels_last", torch.bfloat16, "pointwise"),
+    "resnet_1x1_cl": (256, 64, (56, 56), 1, 1, "channels_last", torch.bfloat16, "implicit"),
     "one_pixel_1x1": (64, 32, (1, 1), 1, 1, "channels_first", torch.float16, "pointwise"),
     "strided_1x1": (64, 128, (56, 56), 1, 2, "channels_last", torch.bfloat16, "strided"),
 }
@@ -211,6 +212,7 @@ FAMILIES = {
     "columns": {"patch", "point_output", "patch_triton"},
     "pointwise": {"pointwise"},
     "strided": {"strided_pointwise"},
+    "implicit": {"patch_implicit"},
 }
 # 1, 7 and 64 samples, and one batch whose column matrix or output passes 2^31 elements.
 CUDA_BATCHES = (1, 7, 64, 1 << 16)
@@ -232,23 +234,44 @@ def _invariant_applicable(problem: ConvProblem) -> set[str]:
 
 @pytest.mark.parametrize("label", CUDA_GEOMETRIES)
 def test_cuda_one_family_for_every_batch(label):
-    """On CUDA under the switch the solvers that may serve a forward are one family,
-    whose members multiply the same canonical matrix in the same chunks, and which
-    one is decided by the geometry, never by the batch size: the applicability limits
-    that grow with the batch (2^31-element operands) do not remove the family, and the
-    implicit Triton GEMM, whose bits differ, stands aside."""
+    """On CUDA under the switch the solvers that may serve a forward are one family
+    (the column and pointwise solvers' chunked cuBLAS GEMM, whose members multiply the
+    same canonical matrix in the same chunks, or the implicit Triton GEMM), decided by
+    the geometry, never by the batch size: the applicability limits that grow with the
+    batch (2^31-element operands) do not remove the family, and the other family,
+    whose bits differ, stands aside."""
     family = FAMILIES[CUDA_GEOMETRIES[label][-1]]
+    # The implicit GEMM indexes in 32 bits: past 2^31 elements it is refused, and the
+    # forward runs as without the switch, warned (test_cuda_implicit_family_past_int32).
+    batches = CUDA_BATCHES[:-1] if family == FAMILIES["implicit"] else CUDA_BATCHES
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "cannot be made batch-invariant"
         with gemmconv.batch_invariant():
-            for n in CUDA_BATCHES:
+            for n in batches:
                 problem = _cuda_problem(label, n)
                 serving = _invariant_applicable(problem)
                 assert serving and serving <= family, (n, serving)
                 choice = dispatch.choose(problem)
                 assert choice.solver in family, (n, choice)
                 assert "NOT batch-invariant" not in choice.reason
-                assert "patch_implicit" in choice.rejected
+                # The other family stands aside, by its invariance reason.
+                other = "patch" if family == FAMILIES["implicit"] else "patch_implicit"
+                if other == "patch" and all(r == 1 for r in problem.kernel):
+                    other = "pointwise"
+                assert other in choice.rejected, (n, choice.rejected)
+
+
+def test_cuda_implicit_family_past_int32(monkeypatch):
+    """A half-precision patch problem whose operands pass 2^31 elements (65536 ViT
+    images) has no batch-invariant solver on CUDA: the implicit GEMM's 32-bit indexing
+    refuses it and the chunked family is not its form. It says so and warns once."""
+    monkeypatch.setattr(dispatch, "_warned_variant", set())
+    problem = _cuda_problem("vit_cf", 1 << 16)
+    with gemmconv.batch_invariant():
+        assert not _invariant_applicable(problem)
+        with pytest.warns(UserWarning, match="cannot be"):
+            choice = dispatch.choose(dataclasses.replace(problem, n=(1 << 16) + 1))
+    assert "NOT batch-invariant" in choice.reason
 
 
 def test_cuda_huge_batch_keeps_the_column_family():

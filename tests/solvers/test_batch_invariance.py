@@ -225,12 +225,27 @@ INTERPRETED_CASES = [
 # The family CUDA's invariant forward runs per case: the chunked cuBLAS GEMM, or, where
 # torch.use_deterministic_algorithms refuses cuBLAS (no CUBLAS_WORKSPACE_CONFIG), the
 # implicit Triton GEMM.
-CUDA_FAMILIES = {
-    "patch2d": ({"patch", "point_output", "patch_triton"}, {"patch_implicit"}),
-    "point_output": ({"patch", "point_output", "patch_triton"}, {"patch_implicit"}),
-    "pointwise": ({"pointwise"}, {"patch_implicit"}),
-    "strided_pointwise": ({"strided_pointwise"}, set()),
+CHUNKED_FAMILIES = {
+    "patch2d": {"patch", "point_output", "patch_triton"},
+    "point_output": {"patch", "point_output", "patch_triton"},
+    "pointwise": {"pointwise"},
+    "strided_pointwise": {"strided_pointwise"},
 }
+
+
+def cuda_family(label: str, dtype: torch.dtype, layout: Layout, refused: bool) -> set[str]:
+    """The solvers CUDA's selection may pick under the switch (solvers.base
+    chunked_form_reasons): the chunked cuBLAS family for fp32 and the channels-first or
+    strided 1x1, the implicit Triton GEMM for the rest and wherever cuBLAS is refused
+    (which has no form of a strided 1x1)."""
+    chunked = not refused and (
+        dtype == torch.float32
+        or label == "strided_pointwise"
+        or (label == "pointwise" and layout is Layout.CHANNELS_FIRST)
+    )
+    if chunked:
+        return CHUNKED_FAMILIES[label]
+    return set() if label == "strided_pointwise" else {"patch_implicit"}
 
 
 @pytest.fixture(params=("cublas", "refused"))
@@ -251,7 +266,7 @@ def test_cuda_forms_in_the_interpreter(case, dtype, layout, cublas, row_by_row_d
     policy on the CPU's GEMM; a Triton kernel interpreted): batch-invariant with its
     fixed shapes and tiles."""
     label, c, k, spatial, kernel, stride = case
-    family = CUDA_FAMILIES[label][cublas == "refused"]
+    family = cuda_family(label, dtype, layout, cublas == "refused")
     full = 70
     x, w, b = _operands(c, k, spatial, kernel, dtype, layout, full=full)
     p = ConvProblem.from_tensors(x, w, b, stride)
@@ -411,7 +426,7 @@ def test_cuda_chunks_depend_on_widths_and_dtype_only():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: v.value)
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("float32", "bfloat16"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=("float32", "float64"))
 def test_cuda_column_solvers_agree_bitwise(dtype, layout, monkeypatch):
     """Every column solver CUDA may pick for a patch problem multiplies the same
     canonical matrix in the same chunks, so a batch size whose selection picks another

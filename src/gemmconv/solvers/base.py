@@ -56,6 +56,32 @@ def cublas_refused_reasons() -> list[str]:
     return []
 
 
+# CUDA's batch-invariant form of a problem, by its geometry alone (never its batch, so
+# a batch-dependent pick between the two families cannot change a bit). On an H100
+# (bench/results/h100.json) the chunked cuBLAS form won in fp32 (point 2D: 1.40x the
+# default call against the implicit GEMM's 3.6x) and on channels-first 1x1 (ResNet:
+# 1.12x against 5.4x); the implicit Triton GEMM won on half-precision patches (ViT-B/16
+# channels-last: 0.98x against 1.70x; point 2D 1.0x against 2.3x).
+CHUNKED_DTYPES = frozenset({torch.float32, torch.float64})
+
+
+def chunked_form_reasons(p: ConvProblem) -> list[str]:
+    """Why CUDA's batch-invariant form of ``p`` is not the chunked cuBLAS GEMM of the
+    column and pointwise solvers (empty: it is); where it is not, it is the implicit
+    Triton GEMM (patch_implicit)."""
+    refused = cublas_refused_reasons()
+    if refused:
+        return refused
+    if p.dtype in CHUNKED_DTYPES:
+        return []
+    if all(r == 1 for r in p.kernel) and (
+        p.layout is Layout.CHANNELS_FIRST or any(s != 1 for s in p.stride)
+    ):
+        return []
+    return [f"CUDA's batch-invariant form of a {dtype_name(p.dtype)} patch problem is the "
+            "implicit Triton GEMM (patch_implicit)"]  # fmt: skip
+
+
 def determinism_state() -> tuple[bool, bool]:
     """What the determinism rules depend on, for caches of solver decisions."""
     return torch.are_deterministic_algorithms_enabled(), cublas_is_reproducible()
@@ -158,8 +184,8 @@ class Solver:
         default that form is the chunked cuBLAS GEMM (solvers/invariant.py). On CUDA
         exactly one family of solvers is invariant for a given geometry and selection
         state, never chosen by the batch size, since two families' products differ in
-        their bits: each solver's rule says which."""
-        return cublas_refused_reasons()
+        their bits: chunked_form_reasons says which."""
+        return chunked_form_reasons(problem)
 
     def runs_invariant(self, problem: ConvProblem) -> bool:
         """Whether this run of ``problem`` takes the solver's batch-invariant form: a

@@ -8,7 +8,7 @@ import torch
 
 from gemmconv.core.device_rates import DeviceRates
 from gemmconv.core.problem import ConvProblem
-from gemmconv.solvers.base import cublas_refused_reasons
+from gemmconv.solvers.base import chunked_form_reasons
 from gemmconv.solvers.patch.column_gemm import ChannelsFirst, ColumnGemmSolver
 from gemmconv.solvers.patch.columns import TORCH_COPY_COLUMNS, TRITON_COPY_COLUMNS, VIEW_COLUMNS
 from gemmconv.solvers.patch.implicit import ImplicitGemmSolver
@@ -128,10 +128,10 @@ class ImplicitPatchSolver(ImplicitGemmSolver):
     batch_invariant_devices = frozenset({"cuda"})
 
     def cuda_invariance_reasons(self, p: ConvProblem) -> list[str]:
-        # The invariant form of CUDA patch problems is the column and pointwise solvers'
-        # chunked cuBLAS GEMM (another product, other bits); this kernel serves only
-        # where cuBLAS is refused for every batch (cublas_refused_reasons).
-        if cublas_refused_reasons():
+        # CUDA's invariant form is this kernel's wherever it is not the chunked cuBLAS
+        # GEMM (chunked_form_reasons: half-precision patches, or any problem while
+        # cuBLAS is refused).
+        if chunked_form_reasons(p):
             return []
-        return ["the batch-invariant form on CUDA is the chunked cuBLAS GEMM of the column "
-                "and pointwise solvers"]  # fmt: skip
+        return ["CUDA's batch-invariant form of this problem is the chunked cuBLAS GEMM of "
+                "the column and pointwise solvers"]  # fmt: skip
