@@ -23,6 +23,7 @@ from gemmconv.core.invariance import batch_invariant_enabled
 from gemmconv.core.memory_format import Layout
 from gemmconv.core.precision import conv_gemm_precision, convolutions_allow_tf32
 from gemmconv.core.problem import DIRECTIONS, ConvProblem, Direction, dtype_name
+from gemmconv.core.sizes import round_up
 
 ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 ALL_LAYOUTS = frozenset({Layout.CHANNELS_FIRST, Layout.CHANNELS_LAST})
@@ -213,7 +214,7 @@ class Solver:
         from gemmconv.solvers.invariant import COLUMN_MULTIPLE, aligned_width
 
         n = max(1, problem.n)
-        width = -(-problem.k // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
+        width = round_up(problem.k, COLUMN_MULTIPLE)
         return {
             "padded weight": width * aligned_width(problem.gemm_k, problem.dtype),
             "one sample's input": math.prod(problem.input_shape) // n,

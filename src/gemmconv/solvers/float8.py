@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from gemmconv.core.float8 import AMAX_EPS, FP8_ALIGNMENT, Float8Config
 from gemmconv.core.memory_format import Layout, empty_in
 from gemmconv.core.problem import ConvProblem, Direction, dtype_name
+from gemmconv.core.sizes import round_up
 from gemmconv.solvers.patch.mapping import (
     column_layout,
     covered_extent,
@@ -76,10 +77,6 @@ def problem_reasons(p: ConvProblem) -> list[str]:
     return reasons
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
     """What the run reads of its problem, as plain values found once: torch.compile
@@ -109,7 +106,7 @@ class _Geometry:
         return cls(
             n=p.n, c=p.c, k=p.k, outputs=p.output_spatial, kernel=p.kernel,
             covered=covered_extent(p), input_shape=p.input_shape, output_shape=p.output_shape,
-            m=p.gemm_m, kred=p.gemm_k, ld=_round_up(p.gemm_k, FP8_ALIGNMENT),
+            m=p.gemm_m, kred=p.gemm_k, ld=round_up(p.gemm_k, FP8_ALIGNMENT),
             result_layout=result_layout(p),
             x_order_last=column_layout(p) is Layout.CHANNELS_LAST,
             dx_order_last=column_layout(pd) is Layout.CHANNELS_LAST,
@@ -279,7 +276,7 @@ class Float8Run:
                 lambda t: t.reshape(g.m, g.kred), lambda d: d.view(shape),
             )  # fmt: skip
         return self._quantized(
-            source, scale, fp8, (g.kred, g.m), (g.ld, _round_up(g.m, FP8_ALIGNMENT)),
+            source, scale, fp8, (g.kred, g.m), (g.ld, round_up(g.m, FP8_ALIGNMENT)),
             lambda t: t.reshape(g.m, g.kred).t(), lambda d: d.t().view(shape),
         )  # fmt: skip
 
@@ -307,7 +304,7 @@ class Float8Run:
                 lambda t: t.movedim(1, -1).reshape(g.m, g.k), self._dy_as_rows,
             )  # fmt: skip
         return self._quantized(
-            dy, scale, fp8, (g.k, g.m), (g.k, _round_up(g.m, FP8_ALIGNMENT)),
+            dy, scale, fp8, (g.k, g.m), (g.k, round_up(g.m, FP8_ALIGNMENT)),
             lambda t: t.movedim(1, -1).reshape(g.m, g.k).t(), lambda d: self._dy_as_rows(d.t()),
         )  # fmt: skip
 
@@ -407,12 +404,12 @@ class Float8Run:
 def gemm_shapes(p: ConvProblem) -> dict[str, tuple[int, int, int]]:
     """(M, K, N) of each direction's fp8 GEMM, the reductions padded: for the probe's
     and explain's text."""
-    ld = _round_up(p.gemm_k, FP8_ALIGNMENT)
+    ld = round_up(p.gemm_k, FP8_ALIGNMENT)
     m = p.gemm_m
     return {
         "forward": (m, ld, p.k),
         "backward_data": (m, p.k, ld),
-        "backward_weights": (p.k, _round_up(m, FP8_ALIGNMENT), ld),
+        "backward_weights": (p.k, round_up(m, FP8_ALIGNMENT), ld),
     }
 
 

@@ -39,6 +39,7 @@ import torch
 
 from gemmconv.core import cached_zeros
 from gemmconv.core.problem import ConvProblem, dtype_name
+from gemmconv.core.sizes import round_up
 from gemmconv.solvers.views import batched_view, rows_view
 
 # Products of 5-7 or 9-11 columns summed a row by its place in the product (MKL's
@@ -82,7 +83,7 @@ def invariant_rows_gemm(
         return out
     if a.stride() != (k, 1):
         a = a.contiguous()
-    width = -(-n // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
+    width = round_up(n, COLUMN_MULTIPLE)
     if width != n:
         wm = torch.cat([wm, wm.new_zeros(width - n, k)])
         if bias is not None:
@@ -168,14 +169,10 @@ def _floor_pow2(value: int) -> int:
     return 1 << (max(1, value).bit_length() - 1)
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def aligned_width(width: int, dtype: torch.dtype) -> int:
     """``width`` elements rounded up to whole ALIGN_BYTES (mapping.padded_reduction's
     rule, so a padded solver's columns are already that wide)."""
-    return _round_up(width, max(1, ALIGN_BYTES // dtype.itemsize))
+    return round_up(width, max(1, ALIGN_BYTES // dtype.itemsize))
 
 
 def cuda_rows_chunk(
@@ -249,7 +246,7 @@ def cuda_rows_gemm(
     out_given = out is not None
     if m == 0 or n == 0:
         return out if out_given else a.new_empty(m, n)
-    kp, width = aligned_width(k, a.dtype), _round_up(max(n, 1), COLUMN_MULTIPLE)
+    kp, width = aligned_width(k, a.dtype), round_up(max(n, 1), COLUMN_MULTIPLE)
     b = (_canonical_rows(wm, kp) if width == n else _padded_rows(wm, width, kp)).t()
     if bias is not None and width != n:
         bias = torch.cat([bias, cached_zeros.zeros((width - n,), bias)])

@@ -28,6 +28,7 @@ import torch
 from gemmconv.core import cached_zeros
 from gemmconv.core.memory_format import Layout, output_layout
 from gemmconv.core.problem import ConvProblem, Direction
+from gemmconv.core.sizes import round_up
 from gemmconv.solvers.views import weight_rows
 
 VECTOR_BYTES = 16  # GEMM operand rows and vector loads want this alignment
@@ -127,7 +128,7 @@ def padded_reduction(p: ConvProblem) -> int:
     Hopper GEMM kernels need 16-byte aligned leading dimensions: with Kred = 588
     (3x14x14) a bf16 GEMM ran 88 us, padded to 592 columns 31 us (H200)."""
     per_vector = max(1, VECTOR_BYTES // p.element_size)
-    return -(-p.gemm_k // per_vector) * per_vector
+    return round_up(p.gemm_k, per_vector)
 
 
 def padded_weight_rows(weight: torch.Tensor, layout: Layout, ld: int) -> torch.Tensor:
