@@ -58,7 +58,7 @@ H200_RUN = Run(
 # host prices are fitted to: its misses are backward rows whose calls from the node
 # part from their device times by more than the table prices, none of them cuDNN's
 # (bench/fit_vendor_factors.py: no vendor factor puts them within 10%), and one
-# forward the H200's bandwidth misprices.
+# forward the tie rule sends to cuDNN.
 H100_RUN = Run(
     "H100",
     DATA / "h100_suite.json",
@@ -74,10 +74,10 @@ H100_RUN = Run(
         "qwen2vl-cf-bwd_data-bf16": "both priced at their host time in the node "
         "(patch_implicit 80 us, point_output 85), which hides their device times (86 "
         "against 45 us); the calls ran 125 against 89",
-        "sd3_patchify-cl-fwd-bf16": "the forward tie rule: the H100 is costed with the "
-        "H200's bandwidth (4.3 TB/s; it measured 2.97), so patch's saving over cuDNN on "
-        "this byte-bound forward is estimated at 7 us, under its 25 us of host time, "
-        "where the calls saved 15 (patch_triton's 18)",
+        "sd3_patchify-cl-fwd-bf16": "the forward tie rule: patch's saving over cuDNN on "
+        "this byte-bound forward is estimated at 7 us (12 with the H100's own 2.95 "
+        "TB/s in place of the H200's 4.3), under its 25 us of host time, where the calls "
+        "saved 15 (patch_triton's 18)",
         "clip_l14_336-cf-bwd_data-bf16": "patch_padded, the fastest on the device (305 us "
         "against patch_triton's 327), ran 512 a call from the node against 409; the "
         "public calls order them the other way (0.451 ms against 0.608)",
