@@ -289,6 +289,19 @@ def test_torch_compile_fullgraph(fp8_on_cpu):
     assert torch.equal(module.weight.grad, dw)
 
 
+def test_explain_takes_list_and_tensor_arguments(fp8_on_cpu):
+    """explain(..., fp8=...) with a list stride raised "unhashable type: 'list'" (the
+    decision's key); a 0-d tensor stride is keyed by its value, read on every call."""
+    x = torch.randn(2, 3, 32, 32).to(torch.bfloat16)
+    w = torch.randn(16, 3, 16, 16).to(torch.bfloat16)
+    note = gemmconv.explain(x, w, stride=[16, 16], fp8=True).notes[-1]
+    assert "runs all three directions" in note
+    stride = torch.tensor(16)
+    assert "runs all three directions" in gemmconv.explain(x, w, stride=stride, fp8=True).notes[-1]
+    stride.fill_(8)  # now patches overlap: not a patch problem
+    assert "does not apply" in gemmconv.explain(x, w, stride=stride, fp8=True).notes[-1]
+
+
 def test_eager_decisions_are_bounded(fp8_on_cpu, monkeypatch):
     """One decision per batch size was kept for ever (a server's patch count differs on
     every request): past EAGER_DECISIONS the least recently used goes, and a call whose

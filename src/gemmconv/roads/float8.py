@@ -99,8 +99,8 @@ def _decision_index(
     such a function ("can't reconstruct arbitrary frozen dataclass instances")."""
     config = Float8Config(*config_fields)
     key = (dims, tuple(input_shape), tuple(input_strides), dtype, device, tuple(weight_shape),
-           tuple(weight_strides), weight_dtype, bias_dtype, stride, padding, dilation, groups,
-           config)  # fmt: skip
+           tuple(weight_strides), weight_dtype, bias_dtype, *_arguments_key(stride, padding,
+           dilation, groups), config)  # fmt: skip
     found = _DECISIONS.get(key)
     if found is None:
         decided = _decide(*key)
@@ -140,6 +140,20 @@ def _decide(
             + ")"
         )
     return reasons if reasons else Float8Run(problem, config)
+
+
+def _arguments_key(*arguments: object) -> tuple:
+    """F.conv*'s stride, padding, dilation and groups as a key: lists as tuples, and a
+    0-d tensor (which a call reads anew each time) by its value, not its identity."""
+
+    def hashable(value: object) -> object:
+        if isinstance(value, torch.Tensor):
+            return value.tolist()
+        if isinstance(value, (list, tuple)):
+            return tuple(hashable(v) for v in value)
+        return value
+
+    return tuple(hashable(a) for a in arguments)
 
 
 def _ints(values) -> tuple[int, ...]:
@@ -183,8 +197,8 @@ def _eager_decision(
 ) -> Float8Run | list[str]:  # fmt: skip
     key = (dims, tuple(input.shape), input.stride(), input.dtype, input.device,
            tuple(weight.shape), weight.stride(), weight.dtype,
-           None if bias is None else bias.dtype, stride, padding, dilation, groups,
-           config)  # fmt: skip
+           None if bias is None else bias.dtype,
+           *_arguments_key(stride, padding, dilation, groups), config)  # fmt: skip
     found = _EAGER.get(key)
     if found is None:
         decided = _decide(*key)
