@@ -21,6 +21,13 @@ PATCH = ConvProblem.from_sizes(8, 3, 16, (8, 8), 4, 4)  # a patch embed: invaria
 GENERAL = ConvProblem.from_sizes(8, 3, 16, (8, 8), 3, 1, padding=1)  # a 3x3: never
 
 
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    """The warn-once set is the process's: another test on this worker that met the
+    same geometry first would silence a test's expected warning."""
+    monkeypatch.setattr(dispatch, "_warned_variant", set())
+
+
 def test_off_by_default_and_set_three_ways(monkeypatch):
     assert not invariance.batch_invariant_enabled()
     monkeypatch.setenv("GEMMCONV_BATCH_INVARIANT", "1")
@@ -261,11 +268,10 @@ def test_cuda_one_family_for_every_batch(label):
                 assert other in choice.rejected, (n, choice.rejected)
 
 
-def test_cuda_implicit_family_past_int32(monkeypatch):
+def test_cuda_implicit_family_past_int32():
     """A half-precision patch problem whose operands pass 2^31 elements (65536 ViT
     images) has no batch-invariant solver on CUDA: the implicit GEMM's 32-bit indexing
     refuses it and the chunked family is not its form. It says so and warns once."""
-    monkeypatch.setattr(dispatch, "_warned_variant", set())
     problem = _cuda_problem("vit_cf", 1 << 16)
     with gemmconv.batch_invariant():
         assert not _invariant_applicable(problem)

@@ -277,6 +277,8 @@ def test_cuda_forms_in_the_interpreter(case, dtype, layout, cublas, row_by_row_d
     # Small chunks, so that these small batches take every branch of the policy: whole
     # chunks, the overlapping last one, and a padded one for the shorter batches.
     monkeypatch.setattr(invariant, "CUDA_CHUNK_MACS", 4 * c * k * math.prod(p.output_spatial))
+    # The warn-once set is the process's: a test met first must not silence this one's.
+    monkeypatch.setattr(dispatch, "_warned_variant", set())
     with gemmconv.batch_invariant():
         if not family:  # the strided 1x1 runs on cuBLAS only: not invariant, and says so
             with pytest.warns(UserWarning, match="cannot be made batch-invariant"):
