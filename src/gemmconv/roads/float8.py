@@ -97,10 +97,9 @@ def _decision_index(
     torch.compile, which calls it while tracing from the metadata alone. The config
     comes as its fields: torch 2.11's dynamo cannot hand a frozen dataclass instance to
     such a function ("can't reconstruct arbitrary frozen dataclass instances")."""
-    config = Float8Config(*config_fields)
-    key = (dims, tuple(input_shape), tuple(input_strides), dtype, device, tuple(weight_shape),
-           tuple(weight_strides), weight_dtype, bias_dtype, *_arguments_key(stride, padding,
-           dilation, groups), config)  # fmt: skip
+    key = _key(dims, input_shape, input_strides, dtype, device, weight_shape, weight_strides,
+               weight_dtype, bias_dtype, stride, padding, dilation, groups,
+               Float8Config(*config_fields))  # fmt: skip
     found = _DECISIONS.get(key)
     if found is None:
         decided = _decide(*key)
@@ -142,9 +141,13 @@ def _decide(
     return reasons if reasons else Float8Run(problem, config)
 
 
-def _arguments_key(*arguments: object) -> tuple:
-    """F.conv*'s stride, padding, dilation and groups as a key: lists as tuples, and a
-    0-d tensor (which a call reads anew each time) by its value, not its identity."""
+def _key(
+    dims, input_shape, input_strides, dtype, device, weight_shape, weight_strides,
+    weight_dtype, bias_dtype, stride, padding, dilation, groups, config,
+) -> tuple:  # fmt: skip
+    """A decision's key, in _decide's argument order: sizes and strides as tuples, and
+    F.conv*'s stride, padding, dilation and groups hashable (lists as tuples, a 0-d
+    tensor, which a call reads anew each time, by its value, not its identity)."""
 
     def hashable(value: object) -> object:
         if isinstance(value, torch.Tensor):
@@ -153,7 +156,9 @@ def _arguments_key(*arguments: object) -> tuple:
             return tuple(hashable(v) for v in value)
         return value
 
-    return tuple(hashable(a) for a in arguments)
+    return (dims, tuple(input_shape), tuple(input_strides), dtype, device,
+            tuple(weight_shape), tuple(weight_strides), weight_dtype, bias_dtype,
+            *(hashable(a) for a in (stride, padding, dilation, groups)), config)  # fmt: skip
 
 
 def _ints(values) -> tuple[int, ...]:
@@ -195,10 +200,9 @@ def decision_of(
 def _eager_decision(
     dims, input, weight, bias, stride, padding, dilation, groups, config
 ) -> Float8Run | list[str]:  # fmt: skip
-    key = (dims, tuple(input.shape), input.stride(), input.dtype, input.device,
-           tuple(weight.shape), weight.stride(), weight.dtype,
-           None if bias is None else bias.dtype,
-           *_arguments_key(stride, padding, dilation, groups), config)  # fmt: skip
+    key = _key(dims, input.shape, input.stride(), input.dtype, input.device, weight.shape,
+               weight.stride(), weight.dtype, None if bias is None else bias.dtype, stride,
+               padding, dilation, groups, config)  # fmt: skip
     found = _EAGER.get(key)
     if found is None:
         decided = _decide(*key)
