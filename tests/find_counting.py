@@ -1,4 +1,4 @@
-"""A record of the problems find times, for tests that check when find runs."""
+"""Find in tests: a record of the problems it times, and the rule its pick follows."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 
 from gemmconv.core.problem import ConvProblem
 from gemmconv.selection import find as find_module
+from gemmconv.selection.find import PREFERENCE_MARGIN
 
 
 def count_finds(monkeypatch: pytest.MonkeyPatch) -> list[ConvProblem]:
@@ -19,3 +20,12 @@ def count_finds(monkeypatch: pytest.MonkeyPatch) -> list[ConvProblem]:
 
     monkeypatch.setattr(find_module, "find_best", counting)
     return calls
+
+
+def is_finds_pick(solver: str, times_ms: dict[str, float], preferred: str | None) -> bool:
+    """Whether ``solver`` is what find picks from ``times_ms`` (call time per candidate):
+    the fastest, or ``preferred`` (the cost model's pick) within PREFERENCE_MARGIN."""
+    fastest = min(times_ms, key=times_ms.__getitem__)
+    if solver == fastest:
+        return True
+    return solver == preferred and times_ms[solver] <= times_ms[fastest] * (1 + PREFERENCE_MARGIN)

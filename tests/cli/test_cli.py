@@ -23,6 +23,7 @@ from gemmconv.solvers.im2col import Im2colSolver
 from gemmconv.terminal import progress
 
 from conftest import RecordingBar
+from find_counting import is_finds_pick
 
 # The CPU path: --device auto would take a CUDA device where one is present (in bf16).
 CPU = ["--device", "cpu"]
@@ -696,8 +697,8 @@ def test_tune_finds_every_problem_of_a_file(capsys, tmp_path):
     results = json.loads(out)["results"]
     assert len(results) == 4
     for r in results:
-        assert r["solver"] == min(r["times_ms"], key=r["times_ms"].__getitem__)
-        assert r["time_ms"] == min(r["times_ms"].values())
+        assert is_finds_pick(r["solver"], r["times_ms"], r["immediate"])
+        assert r["time_ms"] == r["times_ms"][r["solver"]]
         # The call time is the public call's (find times candidates in the call users
         # make), the device time the bare run's.
         assert set(r["device_times_ms"]) == set(r["times_ms"])
@@ -958,8 +959,8 @@ def _suite_file(tmp_path) -> Path:
 
 @pytest.mark.gpu
 def test_gpu_tune_on_the_suite_reports_find_and_immediate(capsys, tmp_path):
-    """`gemmconv tune` over every suite row: find's winner is the fastest candidate it
-    timed and immediate's ratio is measured against it. How often they agree is a
+    """`gemmconv tune` over every suite row: find's winner follows its rule (the fastest
+    candidate it timed, or immediate's pick within 5% of it) and immediate's ratio is measured against it. How often they agree is a
     benchmark figure, not a pass mark (timings vary run to run): it is printed, and kept
     as JSON where GEMMCONV_AGREEMENT_OUT names a file
     (bench/results/h200_immediate_vs_find.json)."""
@@ -969,7 +970,7 @@ def test_gpu_tune_on_the_suite_reports_find_and_immediate(capsys, tmp_path):
     results, summary = data["results"], data["summary"]
     assert len(results) == summary["problems"] == len(SUITE_LINES) * 2 * 3
     for r in results:
-        assert r["solver"] == min(r["times_ms"], key=r["times_ms"].__getitem__)
+        assert is_finds_pick(r["solver"], r["times_ms"], r["immediate"])
         assert r["immediate"] in r["times_ms"], r
         assert r["immediate_ratio"] == pytest.approx(r["times_ms"][r["immediate"]] / r["time_ms"])
         assert r["agrees"] == (r["immediate"] == r["solver"])

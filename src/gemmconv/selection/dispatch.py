@@ -384,20 +384,25 @@ def _database_hit(problem: ConvProblem, estimated: Choice):
 
 def _decide_by_find(problem: ConvProblem, estimated: Choice, store: bool) -> Choice:
     from gemmconv.selection import finddb
-    from gemmconv.selection.find import find_best
+    from gemmconv.selection.find import PREFERENCE_MARGIN, find_best
 
     applicable = [get_solver(sid) for sid in estimated.estimates_ms]
     in_call = None if _public_calls is None else _public_calls(problem)
-    if in_call is None:
-        result = find_best(problem, applicable, verify=find_verify_enabled())
-    else:
-        result = find_best(problem, applicable, verify=find_verify_enabled(), in_call=in_call)
+    result = find_best(
+        problem, applicable, verify=find_verify_enabled(), in_call=in_call,
+        preferred=estimated.solver,
+    )  # fmt: skip
     rejected = {k: v for k, v in estimated.rejected.items() if k not in estimated.estimates_ms}
     for cand in result.candidates:
         if cand.solver == result.best:
             continue
         if not cand.ok:
             rejected[cand.solver] = [f"skipped in find: {cand.skipped}"]
+        elif cand.solver == result.fastest:
+            rejected[cand.solver] = [
+                f"measured {cand.call_ms:.4g} ms a call, not more than "
+                f"{PREFERENCE_MARGIN:.0%} under the cost model's pick"
+            ]
         else:
             rejected[cand.solver] = [
                 slower_than("measured", cand.call_ms, result.best_ms, result.best)
@@ -419,13 +424,25 @@ def _decide_by_find(problem: ConvProblem, estimated: Choice, store: bool) -> Cho
         estimated,
         solver=result.best,
         rejected=rejected,
-        reason=f"fastest in find, {result.best_ms:.4g} ms a call "
-        f"({result.best_device_ms:.4g} ms device time)",
+        reason=_find_reason(result),
         source="find",
         times_ms=result.times_ms(),
         device_times_ms=result.device_times_ms(),
         in_call=result.in_call,
     )
+
+
+def _find_reason(result) -> str:
+    from gemmconv.selection.find import PREFERENCE_MARGIN
+
+    times = f"{result.best_ms:.4g} ms a call ({result.best_device_ms:.4g} ms device time)"
+    if result.kept_preferred:
+        fastest_ms = result.times_ms()[result.fastest]
+        return (
+            f"the cost model's pick, kept: {times}, within {PREFERENCE_MARGIN:.0%} of "
+            f"find's fastest, {result.fastest} at {fastest_ms:.4g} ms"
+        )
+    return f"fastest in find, {times}"
 
 
 # ---- trials: a candidate inside the call users make -----------------------------
