@@ -373,12 +373,14 @@ class Float8Run:
             # [N, K, P] -> [N, P, K]: a transpose per sample.
             strided_copy(buffer.view(g.n, -1, g.k), blocks.transpose(1, 2), scale)
             return buffer
-        buffer = torch.empty(g.k, round_up(g.m, FP8_ALIGNMENT), dtype=fp8, device=dy.device)
+        m_padded = round_up(g.m, FP8_ALIGNMENT)
+        buffer = torch.empty(g.k, m_padded, dtype=fp8, device=dy.device)
         if rows is not None:
             return pad_rows(buffer, rows.t(), scale)  # zeros in columns M..M'-1
         # dY^T[k, n*P + p] = dY[n, k, p]: per output channel, the samples' pixel rows.
         strided_copy(buffer[:, : g.m].view(g.k, g.n, -1), blocks.transpose(0, 1), scale)
-        buffer[:, g.m :].view(torch.uint8).zero_()  # fp8 zero is the byte 0
+        if m_padded > g.m:
+            buffer[:, g.m :].view(torch.uint8).zero_()  # fp8 zero is the byte 0
         return buffer
 
     # ---- forward --------------------------------------------------------------
