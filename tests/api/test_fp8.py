@@ -31,7 +31,9 @@ import torch.nn.functional as F
 
 import gemmconv
 from gemmconv.core import float8 as core_float8
+from gemmconv.core.problem import ConvProblem
 from gemmconv.roads import float8 as road
+from gemmconv.solvers import float8 as solver_float8
 
 U = {torch.float8_e4m3fn: 2.0**-4, torch.float8_e5m2: 2.0**-3}
 MIN_NORMAL = {torch.float8_e4m3fn: 2.0**-6, torch.float8_e5m2: 2.0**-14}
@@ -598,3 +600,98 @@ def test_torch_compile_inductor_on_cuda():
     y2, y2_eager = compiled(x2), module(x2)
     bound = 2 * U[torch.float8_e4m3fn] * y2_eager.abs().max().item()
     assert (y2 - y2_eager).abs().max().item() <= bound
+
+
+# ---- the casts: Triton copies against torch's multiply, on the GPU --------------
+
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+SOURCE_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def _cast_operands(case, layout, dtype, config, seed, device="cuda"):
+    """A run of ``case`` and its operands x, w, dY on ``device``, x and dY spread over many
+    binades (fp8 subnormals and values that round up to a power of two included)."""
+    generator = torch.Generator().manual_seed(seed)
+    module, _, x = _make(case, dtype, device, layout, generator)
+    x = x.detach()
+
+    def spread(shape):
+        # Down to 2^-30: e5m2's subnormals too (its scale takes the amax to 57344).
+        return torch.exp2(torch.randint(-30, 4, shape, generator=generator).double())
+
+    x = x.copy_(x.cpu().double().mul_(spread(x.shape)).to(dtype))  # keeps x's strides
+    w = module.weight.detach()
+    p = ConvProblem.from_tensors(x, w, None, module.stride)
+    run = solver_float8.Float8Run(p, config)
+    dy = torch.empty_like(module(x))  # torch's layout for y and dY
+    values = torch.rand(dy.shape, generator=generator, dtype=torch.float64) * 2 - 1
+    dy.copy_(values * spread(dy.shape))
+    return run, x, w, dy
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    )
+
+
+@pytest.mark.gpu
+@needs_cuda_fp8
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", SOURCE_DTYPES, ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_casts_give_torchs_fp8_bytes_on_cuda(
+    case, layout, dtype, fp8, monkeypatch, nan_empty
+):
+    config = gemmconv.Float8Config(grad_dtype=fp8)
+    run, x, _, dy = _cast_operands(case, layout, dtype, config, seed=13)
+    source = run._patches(x, run.geometry.x_order_last)
+    sx, _ = run._scale(source, fp8, None)
+    sdy, _ = run._scale(dy, fp8, None)
+
+    def operands():
+        cols = [run._columns(x, source, sx, fp8, transposed) for transposed in (False, True)]
+        return cols + [run._gradient(dy, sdy, transposed) for transposed in (False, True)]
+
+    assert solver_float8.kernel_casts("cuda", tensorwise=True, compiling=False)
+    by_kernels = operands()
+    monkeypatch.setattr(solver_float8, "kernel_casts", lambda *args: False)
+    by_torch = operands()
+    names = ("cols", "cols^T", "dY rows", "dY^T")
+    for name, a, b in zip(names, by_kernels, by_torch):
+        assert _same_bytes(a, b), f"{case} {layout} {dtype} {fp8}: {name} differs"
+
+
+@pytest.mark.gpu
+@needs_cuda_fp8
+@pytest.mark.parametrize(
+    "config",
+    [gemmconv.Float8Config(), *RECIPES[1:]],
+    ids=["tensorwise", *RECIPE_IDS[1:]],
+)
+@pytest.mark.parametrize("dtype", SOURCE_DTYPES, ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_float8_run_is_bitwise_the_same_with_and_without_kernel_casts_on_cuda(
+    case, layout, dtype, config, monkeypatch, nan_empty
+):
+    run, x, w, dy = _cast_operands(case, layout, dtype, config, seed=17)
+    bias = torch.rand(w.shape[0], dtype=dtype, device=x.device)
+
+    def directions():
+        y, (x_scales, w_scales) = run.forward(x, w, bias)
+        dy_scales = run.gradient_scales(dy)
+        dx = run.backward_data(dy, w, w_scales, dy_scales)
+        dw = run.backward_weights(dy, x, x_scales, w, dy_scales)
+        return y, dx, dw
+
+    by_kernels = directions()
+    monkeypatch.setattr(solver_float8, "kernel_casts", lambda *args: False)
+    by_torch = directions()
+    for name, a, b in zip(("forward", "backward_data", "backward_weights"), by_kernels, by_torch):
+        assert not a.isnan().any(), f"{case} {layout} {dtype}: NaN in {name}"
+        assert _same_bytes(a, b), f"{case} {layout} {dtype}: {name} differs"

@@ -168,6 +168,103 @@ def test_bad_buffers_are_refused_with_their_shapes():
         gather_patches(x, (2, 2), (4, 3), False, out=torch.empty(8, 36, dtype=torch.float16))
 
 
+# ---- the scaled gather: fp8 operands, here into fp16 and fp32 --------------------
+# Triton's interpreter rounds fp32 -> fp8 one binade low for some values that round up
+# to a power of two (1.951 * s -> 1.0 where torch gives 2.0), so the CPU checks the
+# scaled kernels' index maps and arithmetic with fp16 and fp32 destinations; the fp8
+# bytes themselves are checked on CUDA (tests/api/test_fp8.py).
+
+SCALE = 3.7
+# (source dtype, destination dtype): a rounding store, an exact one, bf16 widened.
+SCALED_DTYPES = [
+    (torch.float32, torch.float16),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float16),
+]
+
+
+def _dtype_ids(pair) -> str:
+    return "-".join(str(d).removeprefix("torch.") for d in pair)
+
+
+def _scaled(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """torch's reference: the product in fp32, rounded once to ``dtype``."""
+    return (t.float() * scale).to(dtype)
+
+
+def _check_scaled_gather(case, dtypes, transposed, padded, x_layout=None) -> None:
+    dims, spatial, kernel, layout = case
+    source_dtype, dest_dtype = dtypes
+    p = _problem(spatial, kernel, layout, source_dtype, "cpu")
+    seed = zlib.crc32(repr((spatial, kernel, layout, dtypes, transposed)).encode())
+    x = _random(p.input_shape, x_layout or layout, source_dtype, torch.device("cpu"), seed)
+    channels_last = layout is Layout.CHANNELS_LAST
+    scale = torch.tensor([SCALE])
+    m, k = p.gemm_m, p.gemm_k
+    expected = _scaled(patches(x, p).reshape(m, k), scale, dest_dtype)
+    ld, mp = (-(-k // 16) * 16 + 16, -(-m // 16) * 16) if padded else (k, m)
+    shape = (ld, mp) if transposed else (m, ld)
+    out = torch.full(shape, float("nan"), dtype=dest_dtype)
+    gather_patches(x, p.output_spatial, p.kernel, channels_last, out, scale, transposed)
+    cols = out.t() if transposed else out  # [M', ld] or [M, ld]
+    assert torch.equal(cols[:m, :k], expected)
+    zeros = torch.ones_like(cols, dtype=torch.bool)
+    zeros[:m, :k] = False
+    assert (cols[zeros] == 0).all()  # the padding, written (NaN before)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["cols", "cols_t"])
+@pytest.mark.parametrize("dtypes", SCALED_DTYPES, ids=_dtype_ids)
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_scaled_gather_matches_torch_interpreted(case, dtypes, transposed, padded):
+    _check_scaled_gather(case, dtypes, transposed, padded)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["cols", "cols_t"])
+@pytest.mark.parametrize("memory", list(Layout))
+def test_scaled_gather_in_either_column_order_from_either_memory_interpreted(memory, transposed):
+    # The general index map (channels-last columns of a channels-first x) as well.
+    for columns in Layout:
+        case = (3, (5, 7, 5), (2, 3, 2), columns)
+        _check_scaled_gather(case, SCALED_DTYPES[0], transposed, True, x_layout=memory)
+
+
+def test_scaled_gather_keeps_the_padding_zero_whatever_the_scale_interpreted():
+    # A NaN scale (a NaN amax) makes NaN values but never NaN padding: torch's path
+    # zeroes the padding apart from the multiply.
+    x = torch.rand(2, 3, 8, 6)
+    for transposed, shape in ((False, (8, 48)), (True, (48, 16))):
+        out = torch.full(shape, 1.0, dtype=torch.float16)
+        gather_patches(x, (2, 2), (4, 3), False, out, torch.tensor([float("nan")]), transposed)
+        cols = out.t() if transposed else out
+        assert cols[:8, :36].isnan().all() and (cols[:, 36:] == 0).all()
+        assert (cols[8:] == 0).all()
+
+
+def test_unscaled_transposed_gather_copies_interpreted():
+    p = _problem((9, 7), (4, 3), Layout.CHANNELS_LAST, torch.float32, "cpu")
+    x = _random(p.input_shape, Layout.CHANNELS_LAST, torch.float32, torch.device("cpu"), 3)
+    out = torch.full((48, 16), float("nan"))
+    gather_patches(x, p.output_spatial, p.kernel, True, out, transposed=True)
+    expected = torch.zeros(48, 16)
+    expected[: p.gemm_k, : p.gemm_m] = patches(x, p).reshape(p.gemm_m, p.gemm_k).t()
+    assert torch.equal(out, expected)
+
+
+def test_bad_scaled_gathers_are_refused_with_their_values():
+    x = torch.rand(2, 3, 8, 6)
+    out = torch.empty(8, 36, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"scale of shape \(2,\), torch.float32 on cpu"):
+        gather_patches(x, (2, 2), (4, 3), False, out, torch.ones(2))
+    with pytest.raises(ValueError, match="torch.float64 on cpu: expected one torch.float32"):
+        gather_patches(x, (2, 2), (4, 3), False, out, torch.ones(1, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"out of shape \(36, 7\): expected \[>= 36, >= 8\]"):
+        gather_patches(x, (2, 2), (4, 3), False, torch.empty(36, 7), transposed=True)
+    with pytest.raises(ValueError, match="another dtype only with a scale"):
+        gather_patches(x, (2, 2), (4, 3), False, out)
+
+
 # ---- the transpose kernel ------------------------------------------------------
 
 
@@ -204,11 +301,50 @@ def test_pad_rows_copies_and_zero_fills_interpreted(dtype, width, padded, words)
     assert torch.equal(wide, dst)
 
 
+@pytest.mark.parametrize("dtypes", SCALED_DTYPES, ids=_dtype_ids)
+@pytest.mark.parametrize("shape", [(3, 70, 130), (1, 196, 12), (5, 1, 9)])
+def test_scaled_strided_copy_transposes_interpreted(shape, dtypes):
+    # dY [N, K, P] -> rows [N, P, K], quantized: backward-data's fp8 operand.
+    source_dtype, dest_dtype = dtypes
+    src = _random(shape, Layout.CHANNELS_FIRST, source_dtype, torch.device("cpu"), 43)
+    b, i, j = shape
+    scale = torch.tensor([SCALE])
+    dst = torch.full((b, j, i), float("nan"), dtype=dest_dtype)
+    assert strided_copy(dst, src.transpose(1, 2), scale) is dst
+    assert torch.equal(dst, _scaled(src.transpose(1, 2), scale, dest_dtype))
+
+
+@pytest.mark.parametrize("dtypes", SCALED_DTYPES, ids=_dtype_ids)
+@pytest.mark.parametrize(("m", "padded"), [(70, 80), (130, 144), (64, 64)])
+def test_scaled_pad_rows_transposes_and_zero_fills_interpreted(m, padded, dtypes):
+    # rows [M, K] -> dY^T [K, M'], zeros in columns M..M'-1: the weight gradient's operand.
+    source_dtype, dest_dtype = dtypes
+    rows = _random((m, 48), Layout.CHANNELS_FIRST, source_dtype, torch.device("cpu"), 47)
+    scale = torch.tensor([SCALE])
+    dst = torch.full((48, padded), float("nan"), dtype=dest_dtype)
+    assert pad_rows(dst, rows.t(), scale) is dst
+    assert torch.equal(dst[:, :m], _scaled(rows.t(), scale, dest_dtype))
+    assert (dst[:, m:] == 0).all()
+    # A NaN scale leaves the padding zero.
+    pad_rows(dst, rows.t(), torch.tensor([float("nan")]))
+    assert dst[:, :m].isnan().all() and (dst[:, m:] == 0).all()
+
+
+def test_scaled_copies_refuse_bad_scales_with_their_values():
+    src = torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError, match=r"scale of shape \(3,\), torch.float32 on cpu"):
+        strided_copy(torch.zeros(2, 3, 4, dtype=torch.float16), src, torch.ones(3))
+    with pytest.raises(ValueError, match="torch.float16 on cpu: expected one torch.float32"):
+        pad_rows(torch.zeros(3, 8), torch.zeros(3, 4), torch.ones(1, dtype=torch.float16))
+    with pytest.raises(ValueError, match="another only with a scale"):
+        pad_rows(torch.zeros(3, 8, dtype=torch.float16), torch.zeros(3, 4))
+
+
 def test_strided_copy_refuses_mismatches_with_their_values():
     a = torch.zeros(2, 3, 4)
     with pytest.raises(ValueError, match=r"dst \(2, 4, 3\) and src \(2, 3, 4\)"):
         strided_copy(torch.zeros(2, 4, 3), a)
-    with pytest.raises(ValueError, match="torch.float16 on cpu, src torch.float32"):
+    with pytest.raises(ValueError, match="torch.float16 on cpu, src torch.float32.*only with a"):
         strided_copy(torch.zeros(2, 3, 4, dtype=torch.float16), a)
     with pytest.raises(ValueError, match="one 2-D or 3-D shape"):
         strided_copy(torch.zeros(4), torch.zeros(4))

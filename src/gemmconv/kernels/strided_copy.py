@@ -12,6 +12,11 @@ from a row-major GEMM result into channels-first y. And, through pad_rows, for r
 copied into a wider zero-padded buffer: a bf16 row of 588 elements is 1176
 bytes, not a multiple of 16, so it is copied as 147 8-byte words rather than as
 2-byte elements.
+
+With a scale, both quantize dY for the fp8 GEMMs (solvers/float8.py): the values are
+multiplied in fp32 and rounded once to the destination's dtype (fp8), as torch's
+``torch.mul(dy, scale, out=fp8_view)`` does, at full bandwidth where torch's strided
+elementwise kernel crawls.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ MAX_BATCH = 65535
 def _strided_copy_kernel(
     src_ptr,
     dst_ptr,
+    scale_ptr,
     ROWS,
     COLS,
     SRC_COLS,
@@ -42,14 +48,16 @@ def _strided_copy_kernel(
     SRC_J_ALIGN: tl.constexpr,
     DST_I_ALIGN: tl.constexpr,
     DST_J_ALIGN: tl.constexpr,
+    SCALED: tl.constexpr,
     BLOCK_I: tl.constexpr,
     BLOCK_J: tl.constexpr,
 ):
     """dst[b, i, j] <- src[b, i, j] for i < ROWS, j < COLS (strides in elements), or 0
-    where j >= SRC_COLS (a padded destination row). The *_ALIGN constants are powers
-    of two dividing a non-unit stride (1: no claim): a stride such as 196 is not one
-    Triton specialises on, and without the claim the contiguous side of the tile
-    would be moved element by element."""
+    where j >= SRC_COLS (a padded destination row). SCALED: src times scale_ptr's fp32
+    scalar, in fp32 (the store rounds it to dst's dtype). The *_ALIGN constants are
+    powers of two dividing a non-unit stride (1: no claim): a stride such as 196 is
+    not one Triton specialises on, and without the claim the contiguous side of the
+    tile would be moved element by element."""
     tiles_j = (COLS + BLOCK_J - 1) // BLOCK_J
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -72,11 +80,19 @@ def _strided_copy_kernel(
     src = src_ptr + b * SRC_B + src_i[:, None] + src_j[None, :]
     dst = dst_ptr + b * DST_B + dst_i[:, None] + dst_j[None, :]
     if (i0 + BLOCK_I <= ROWS) & (j0 + BLOCK_J <= COLS) & (j0 + BLOCK_J <= SRC_COLS):
-        tl.store(dst, tl.load(src))  # an interior tile: no masks to stop vectorising
+        # An interior tile: no masks to stop vectorising.
+        if SCALED:
+            tl.store(dst, tl.load(src).to(tl.float32) * tl.load(scale_ptr))
+        else:
+            tl.store(dst, tl.load(src))
     else:
         mask = (i < ROWS)[:, None] & (j < COLS)[None, :]
         in_src = mask & (j < SRC_COLS)[None, :]
-        tl.store(dst, tl.load(src, mask=in_src, other=0), mask=mask)
+        values = tl.load(src, mask=in_src, other=0)
+        if SCALED:
+            # where(): the padding stays zero whatever the scale (a NaN one included).
+            values = tl.where(in_src, values.to(tl.float32) * tl.load(scale_ptr), 0.0)
+        tl.store(dst, values, mask=mask)
 
 
 def _stride_alignment(stride: int, element_size: int) -> int:
@@ -94,33 +110,57 @@ def _as_3d(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 3 else t.unsqueeze(0)
 
 
-def strided_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+def strided_copy(
+    dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """``dst.copy_(src)`` for 2-D or 3-D tensors of one shape, dtype and device, any
-    strides; meant for pairs whose contiguous dims differ (a transpose). Returns dst."""
+    strides; meant for pairs whose contiguous dims differ (a transpose). With ``scale``
+    (see ``_check_scale``) dst gets src * scale rounded to dst's dtype, which may then
+    differ from src's. Returns dst."""
     if dst.shape != src.shape or dst.dim() not in (2, 3):
         raise ValueError(
             f"dst {tuple(dst.shape)} and src {tuple(src.shape)}: expected one 2-D or 3-D shape"
         )
-    if dst.dtype != src.dtype or dst.device != src.device:
+    if (dst.dtype != src.dtype and scale is None) or dst.device != src.device:
         raise ValueError(
             f"dst is {dst.dtype} on {dst.device}, src {src.dtype} on {src.device}: "
-            "expected the same dtype and device"
+            "expected the same dtype and device (another dtype only with a scale)"
         )
-    return _launch(dst, src, src.shape[-1])
+    return _launch(dst, src, src.shape[-1], scale)
+
+
+def _check_scale(scale: torch.Tensor, device: torch.device) -> None:
+    """A scale is one float32 element on the copy's device: the kernel reads it by
+    pointer (no host sync) and multiplies in fp32."""
+    if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != device:
+        raise ValueError(
+            f"scale of shape {tuple(scale.shape)}, {scale.dtype} on {scale.device}: expected "
+            f"one torch.float32 element on {device}"
+        )
 
 
 _launches = LaunchCache()
 
 
-def _launch(dst: torch.Tensor, src: torch.Tensor, src_cols: int) -> torch.Tensor:
+def _launch(
+    dst: torch.Tensor, src: torch.Tensor, src_cols: int, scale: torch.Tensor | None = None
+) -> torch.Tensor:
     # The grid covers dst; src contributes its strides and its last-dim extent.
     d3, s3 = _as_3d(dst), _as_3d(src)
-    key = (d3.shape, d3.stride(), s3.shape, s3.stride(), d3.dtype, d3.device, src_cols)
-    _launches.launch(key, lambda: _prepare(d3, s3, src_cols), s3, d3)
+    if scale is None:
+        key = (d3.shape, d3.stride(), s3.shape, s3.stride(), d3.dtype, d3.device, src_cols)
+        _launches.launch(key, lambda: _prepare(d3, s3, src_cols), s3, d3)
+        return dst
+    _check_scale(scale, dst.device)
+    key = (d3.shape, d3.stride(), s3.shape, s3.stride(), d3.dtype, d3.device, src_cols,
+           s3.dtype)  # fmt: skip
+    _launches.launch(key, lambda: _prepare(d3, s3, src_cols, scaled=True), s3, d3, scale)
     return dst
 
 
-def _prepare(d3: torch.Tensor, s3: torch.Tensor, src_cols: int) -> PreparedLaunch | None:
+def _prepare(
+    d3: torch.Tensor, s3: torch.Tensor, src_cols: int, scaled: bool = False
+) -> PreparedLaunch | None:
     batch, rows, cols = d3.shape
     if batch == 0 or rows == 0 or cols == 0:
         return None
@@ -128,12 +168,16 @@ def _prepare(d3: torch.Tensor, s3: torch.Tensor, src_cols: int) -> PreparedLaunc
         raise ValueError(f"batch {batch}: expected at most {MAX_BATCH}")
     block_i, block_j = 64, 64
     grid = (triton.cdiv(rows, block_i) * triton.cdiv(cols, block_j), batch)
-    args = (TensorSlot(0), TensorSlot(1), rows, cols, src_cols, *s3.stride(), *d3.stride())
+    # Unscaled, the kernel never reads the scale's pointer: the source stands in for it.
+    scale_slot = TensorSlot(2) if scaled else TensorSlot(0)
+    args = (TensorSlot(0), TensorSlot(1), scale_slot, rows, cols, src_cols, *s3.stride(),
+            *d3.stride())  # fmt: skip
     constants = {
         "SRC_I_ALIGN": _stride_alignment(s3.stride(1), s3.element_size()),
         "SRC_J_ALIGN": _stride_alignment(s3.stride(2), s3.element_size()),
         "DST_I_ALIGN": _stride_alignment(d3.stride(1), d3.element_size()),
         "DST_J_ALIGN": _stride_alignment(d3.stride(2), d3.element_size()),
+        "SCALED": scaled,
         "BLOCK_I": block_i,
         "BLOCK_J": block_j,
     }
@@ -158,19 +202,34 @@ def _word_dtype(*tensors: torch.Tensor) -> torch.dtype | None:
     return None
 
 
-def pad_rows(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+def pad_rows(
+    dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """Copy ``src`` [M, n] into the first n columns of ``dst`` [M, n'] (n' >= n) and set
-    the other columns to zero, in one pass; rows contiguous, row strides free. Moved
-    in the widest integer words that whole rows of both are made of. Returns dst."""
+    the other columns to zero, in one pass. Rows contiguous in both are moved in the
+    widest integer words that whole rows of both are made of; other strides element by
+    element. With ``scale`` (see ``_check_scale``) dst gets src * scale rounded to
+    dst's dtype, which may then differ from src's: src [K, M] as a transposed view and
+    dst [K, M'] make the fp8 weight gradient's dY^T, zeros in columns M..M'-1.
+    Returns dst."""
     if dst.dim() != 2 or src.dim() != 2 or dst.shape[0] != src.shape[0]:
         raise ValueError(
             f"dst {tuple(dst.shape)} and src {tuple(src.shape)}: expected 2-D, same rows"
         )
-    if dst.shape[1] < src.shape[1] or dst.dtype != src.dtype or dst.device != src.device:
+    if (
+        dst.shape[1] < src.shape[1]
+        or (dst.dtype != src.dtype and scale is None)
+        or dst.device != src.device
+    ):
         raise ValueError(
             f"dst {tuple(dst.shape)} {dst.dtype} on {dst.device}, src {tuple(src.shape)} "
-            f"{src.dtype} on {src.device}: expected dst at least as wide, same dtype and device"
+            f"{src.dtype} on {src.device}: expected dst at least as wide, same dtype (another "
+            "only with a scale) and device"
         )
+    if scale is not None:
+        if dst.shape[0] and dst.shape[1]:
+            _launch(dst, src, src.shape[1], scale)
+        return dst
     words = _word_dtype(dst, src)
     dst_words, src_words = (dst, src) if words is None else (dst.view(words), src.view(words))
     if dst.shape[0] and dst.shape[1]:

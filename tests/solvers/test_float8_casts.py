@@ -1,0 +1,124 @@
+"""Which path casts the fp8 run's operands, and the kernel path's layouts.
+
+``kernel_casts`` sends x's and dY's casts to the Triton copies in eager mode on CUDA
+with tensorwise scales. On the CPU the copies run interpreted when the choice is
+forced, into fp16 (the interpreter's fp8 rounding is wrong for some values, see
+tests/kernels/test_triton_kernels.py), and must give torch's path's values and
+layouts exactly; the fp8 bytes and the whole run are compared on CUDA
+(tests/api/test_fp8.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gemmconv
+from gemmconv.core.problem import ConvProblem
+from gemmconv.core.sizes import round_up
+from gemmconv.solvers import float8
+from gemmconv.solvers.float8 import Float8Run, kernel_casts
+
+# name -> (in_channels, out_channels, kernel, input spatial, batch), as test_fp8's.
+CASES = {
+    "patch_2d": (3, 32, (14, 14), (28, 42), 4),
+    "patch_3d": (3, 16, (2, 7, 7), (4, 15, 14), 3),
+    "point_output_3d": (3, 32, (2, 14, 14), (2, 14, 14), 8),
+    "point_output_2d": (4, 16, (4, 4), (4, 4), 40),
+    "pointwise": (48, 32, (1, 1), (5, 7), 3),
+}
+LAYOUTS = ("channels_first", "channels_last")
+
+
+def test_kernels_cast_in_eager_cuda_tensorwise_runs_only():
+    assert kernel_casts("cuda", tensorwise=True, compiling=False)
+    assert not kernel_casts("cpu", tensorwise=True, compiling=False)  # Triton interprets
+    assert not kernel_casts("cuda", tensorwise=False, compiling=False)  # rowwise scales
+    assert not kernel_casts("cuda", tensorwise=True, compiling=True)  # inductor fuses
+
+
+def test_no_kernel_casts_without_triton(monkeypatch):
+    monkeypatch.setattr(float8, "_have_triton", lambda: False)
+    assert not kernel_casts("cuda", tensorwise=True, compiling=False)
+
+
+def test_the_run_asks_with_its_device_recipe_and_trace(monkeypatch):
+    asked = []
+    monkeypatch.setattr(float8, "kernel_casts", lambda *a: asked.append(a) or False)
+    for scaling in ("tensorwise", "rowwise"):
+        run, x, _ = _run_and_operands("patch_2d", "channels_first", torch.float32, scaling)
+        run._by_kernel(x)
+    assert asked == [("cpu", True, False), ("cpu", False, False)]
+
+
+def _layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "channels_first":
+        return t
+    return t.to(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
+
+
+def _run_and_operands(case, layout, dtype, scaling="tensorwise", seed=0):
+    c, k, kernel, spatial, n = CASES[case]
+    gen = torch.Generator().manual_seed(seed)
+    x = _layout((torch.rand(n, c, *spatial, generator=gen) * 2 - 1).to(dtype), layout)
+    w = torch.empty(k, c, *kernel, dtype=dtype)
+    p = ConvProblem.from_tensors(x, w, None, kernel)
+    run = Float8Run(p, gemmconv.Float8Config(scaling=scaling))
+    dy = _layout((torch.rand(p.output_shape, generator=gen) * 2 - 1).to(dtype), layout)
+    return run, x, dy
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """fp16 buffers come back NaN, so that an element the kernels leave unwritten shows."""
+    empty = torch.empty
+
+    def filled(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.dtype == torch.float16 else t
+
+    monkeypatch.setattr(torch, "empty", filled)
+
+
+def _rows_reference(dy, scale, m, k, transposed) -> torch.Tensor:
+    """torch's dY rows [M, K] or dY^T [K, M'] times ``scale``, rounded to fp16."""
+    rows = (dy.movedim(1, -1).reshape(m, k).float() * scale).to(torch.float16)
+    if not transposed:
+        return rows
+    padded = torch.zeros(k, round_up(m, 16), dtype=torch.float16)
+    padded[:, :m] = rows.t()
+    return padded
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["cols", "cols_t"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_path_operands_match_torch_interpreted(
+    case, layout, dtype, transposed, monkeypatch, nan_empty
+):
+    run, x, dy = _run_and_operands(case, layout, dtype)
+    g = run.geometry
+    source = run._patches(x, g.x_order_last)
+    scale = torch.tensor([3.7])
+    expected = run._columns(x, source, scale, torch.float16, transposed)
+    monkeypatch.setattr(float8, "kernel_casts", lambda *a: True)
+    assert torch.equal(run._columns(x, source, scale, torch.float16, transposed), expected)
+
+    quantized = run._gradient_by_kernel(dy, scale, torch.float16, transposed)
+    assert torch.equal(quantized, _rows_reference(dy, scale, g.m, g.k, transposed))
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "rows_t"])
+def test_a_gradient_no_view_makes_rows_of_takes_torchs_path(transposed, monkeypatch):
+    run, _, dy = _run_and_operands("patch_2d", "channels_first", torch.float32)
+    wide = torch.zeros(dy.shape[0], dy.shape[1], 2 * dy.shape[2], dy.shape[3])
+    wide[:, :, ::2] = dy
+    strided = wide[:, :, ::2]  # [N, K, O1, O2]: O1 and O2 do not merge, nor N and O
+    scale = torch.tensor([3.7])
+    assert run._gradient_by_kernel(strided, scale, torch.float16, transposed) is None
+    # _gradient then casts through torch's multiply, to the same bytes as a dense dY.
+    monkeypatch.setattr(float8, "kernel_casts", lambda *a: True)
+    got = run._gradient(strided, scale, transposed).view(torch.uint8)
+    monkeypatch.setattr(float8, "kernel_casts", lambda *a: False)
+    assert torch.equal(got, run._gradient(dy, scale, transposed).view(torch.uint8))
