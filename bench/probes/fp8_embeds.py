@@ -102,11 +102,14 @@ def time_rows(args, log: Log) -> list[dict]:
             dy = torch.randn_like(modules["torch"](x))
         for name in ("gemmconv fp8", "gemmconv bf16"):
             split = device_split(_step(modules[name], x, dy))
+            split.update(host_split(_step(modules[name], x, dy)))
             record = {"case": case.name, "mode": "device split", "variant": name, **split}
             rows.append(record)
             log(
                 f"{case.name} {name} device time: "
-                + ", ".join(f"{k} {v:.1f} us" for k, v in split.items() if k.endswith("_us")),
+                + ", ".join(f"{k} {v:.1f} us" for k, v in split.items() if k.endswith("_us"))
+                + "; most host time in: "
+                + "; ".join(f"{n} {us} us x{calls}" for n, us, calls in split["own_time"][:6]),
                 record,
             )
         compiled = {n: [_step(torch.compile(modules[n]), x, dy)] for n in VARIANTS}
@@ -162,6 +165,48 @@ def device_split(call) -> dict:
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:3]
     return {"gemm_us": gemm, "other_us": other, "total_us": gemm + other,
             "largest_other": [[n, round(us, 1)] for n, us in top]}  # fmt: skip
+
+
+def host_split(call, steps: int = 30, top: int = 12) -> dict:
+    """Host time of ``call`` (after two warm ones), in microseconds: the median time to
+    issue one call (the device left running), and the functions with the most own time
+    under cProfile over ``steps`` calls, per call, the backward run on the calling
+    thread so that it shows. A diagnostic: where the eager fp8
+    step's host time goes, which its device time (device_split) does not explain."""
+    import cProfile
+    import pstats
+    import statistics
+
+    cuda = torch.cuda.is_available()
+    for _ in range(2):
+        call()
+    issue = []
+    for _ in range(steps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        issue.append((time.perf_counter() - start) * 1e6)
+    if cuda:
+        torch.cuda.synchronize()
+    # The backward kept on the calling thread, where cProfile sees it.
+    profiler = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):
+        profiler.enable()
+        for _ in range(steps):
+            call()
+        profiler.disable()
+    if cuda:
+        torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return {
+        "issue_us": statistics.median(issue),
+        "own_time": [
+            [f"{Path(f).name}:{line}({name})", round(tt / steps * 1e6, 1), nc // steps]
+            for (f, line, name), (_, nc, tt, _, _) in ranked
+        ],
+    }
 
 
 # ---- (b) training --------------------------------------------------------------

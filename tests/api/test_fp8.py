@@ -634,7 +634,9 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.dtype == b.dtype
         and a.shape == b.shape
         and a.stride() == b.stride()
-        and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        # Bytes of a dense copy: a channels-last result's last stride is not 1, and a
+        # view as bytes needs it to be.
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
     )
 
 
