@@ -122,3 +122,23 @@ def test_a_gradient_no_view_makes_rows_of_takes_torchs_path(transposed, monkeypa
     got = run._gradient(strided, scale, transposed).view(torch.uint8)
     monkeypatch.setattr(float8, "kernel_casts", lambda *a: False)
     assert torch.equal(got, run._gradient(dy, scale, transposed).view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    ("case", "layout", "whole_rows"),
+    [
+        ("point_output_3d", "channels_first", True),  # a patch is a whole sample
+        ("pointwise", "channels_last", True),  # a pixel's channels are a row
+        ("patch_2d", "channels_first", False),
+        ("pointwise", "channels_first", False),
+    ],
+)
+def test_x_as_whole_rows_is_transposed_by_the_tiled_copy(case, layout, whole_rows, monkeypatch):
+    run, x, _ = _run_and_operands(case, layout, torch.float32)
+    source = run._patches(x, run.geometry.x_order_last)
+    used = []
+    tiled = Float8Run._transposed_rows
+    monkeypatch.setattr(Float8Run, "_transposed_rows", lambda *a: used.append(1) or tiled(*a))
+    monkeypatch.setattr(float8, "kernel_casts", lambda *a: True)
+    run._columns(x, source, torch.tensor([3.7]), torch.float16, transposed=True)
+    assert bool(used) == whole_rows

@@ -309,6 +309,9 @@ class Float8Run:
         if self._by_kernel(source):
             from gemmconv.kernels.patch_permute import gather_patches
 
+            rows = try_view(source, g.m, g.kred) if transposed else None
+            if rows is not None:
+                return self._transposed_rows(rows, scale, fp8, m_padded)
             size = (g.ld, m_padded) if transposed else (g.m, g.ld)
             buffer = torch.empty(size, dtype=fp8, device=x.device)
             return gather_patches(x, g.outputs, g.kernel, g.x_order_last, buffer, scale,
@@ -337,6 +340,20 @@ class Float8Run:
             w, scale, fp8, (g.kred, g.k), (g.ld, g.k),
             lambda t: weight_rows(t, order).t(), lambda d: self._weight_in_order(d.t(), last),
         )  # fmt: skip
+
+    def _transposed_rows(self, rows, scale, fp8, m_padded: int) -> torch.Tensor:
+        """cols^T [ld, M'] from x's memory seen as the column matrix ``rows`` [M, Kred]
+        (a patch is a whole sample), by the tiled transpose: the patch gather's
+        transposed store read Qwen2-VL's 14-pixel runs at 160 us on an H100, against
+        112 for torch's multiply and 55 for the same transpose of dY."""
+        from gemmconv.kernels.strided_copy import pad_rows
+
+        g = self.geometry
+        buffer = torch.empty(g.ld, m_padded, dtype=fp8, device=rows.device)
+        pad_rows(buffer[: g.kred], rows.t(), scale)  # zeros in columns M..M'-1
+        if g.ld > g.kred:
+            buffer[g.kred :].view(torch.uint8).zero_()  # fp8 zero is the byte 0
+        return buffer
 
     def _gradient(self, dy, scale, transposed: bool) -> torch.Tensor:
         """dY as rows [M, K] (backward-data) or as dY^T [K, M'] (backward-weights)."""
