@@ -960,8 +960,9 @@ def _suite_file(tmp_path) -> Path:
 @pytest.mark.gpu
 def test_gpu_tune_on_the_suite_reports_find_and_immediate(capsys, tmp_path):
     """`gemmconv tune` over every suite row: find's winner follows its rule (the fastest
-    candidate it timed, or immediate's pick within 5% of it) and immediate's ratio is measured against it. How often they agree is a
-    benchmark figure, not a pass mark (timings vary run to run): it is printed, and kept
+    candidate it timed, or immediate's pick within 5% of it) and immediate's ratio is
+    measured against it. How often they agree is a benchmark figure, not a pass mark
+    (timings vary run to run): it is printed, and kept
     as JSON where GEMMCONV_AGREEMENT_OUT names a file
     (bench/results/h200_immediate_vs_find.json)."""
     import os
