@@ -147,9 +147,9 @@ def store_invariant_rows(
 # (2^31 is about 4 us of bf16 on an H100, 2^33 about 17), while a batch smaller than
 # one chunk pays for the whole chunk (one ViT-B/16 image is 196 rows of 768 x 768:
 # 2^33 makes its chunk 8192 rows). bench/probes/invariant_chunk_cost.py on an H100
-# (commit 864f2f6), on the rows this form serves: point 2D fp32 cost 1.85x the default
-# call at 2^31, 1.43x at 2^32, 1.58x at 2^33; ResNet 1x1 channels-first 1.29x, 1.12x,
-# 1.08x.
+# (bench/probes/results/invariance_h100.md), on the rows this form serves: point 2D
+# fp32 cost 1.85x the default call at 2^31, 1.43x at 2^32, 1.58x at 2^33; ResNet 1x1
+# channels-first 1.29x, 1.12x, 1.08x.
 CUDA_CHUNK_MACS = 1 << 32
 # Rows of a chunk's product: whole tiles of cuBLAS's largest (256 rows) at least, and at
 # most what keeps every operand under 2^31 elements (32-bit GEMM indexing).
