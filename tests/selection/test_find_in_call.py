@@ -12,6 +12,7 @@ import torch
 
 import gemmconv
 from gemmconv.bench.suite import SUITE, make_problem
+from gemmconv.core import device_rates
 from gemmconv.core.memory_format import Layout
 from gemmconv.core.problem import DIRECTIONS, ConvProblem, Direction
 from gemmconv.measuring import measure
@@ -179,11 +180,12 @@ def test_a_backward_gemm_found_in_the_call_keeps_the_node_whatever_its_saving():
     problem = _problem(Direction.BACKWARD_DATA)
     found = dispatch.Choice("patch", {}, {}, "found", "find", "find",
                             times_ms={"patch": 1.0, "vendor": 1.001}, in_call=True)  # fmt: skip
-    assert eager._saving_over_vendor(found, problem.direction) == float("inf")
+    rates = device_rates.rates_for(problem.device_type)
+    assert eager._saving_over_vendor(found, problem, rates) == float("inf")
     bare = dataclasses.replace(found, in_call=False)
-    assert eager._saving_over_vendor(bare, problem.direction) == pytest.approx(0.001)
-    forward = eager._saving_over_vendor(found, Direction.FORWARD)
+    assert eager._saving_over_vendor(bare, problem, rates) == pytest.approx(0.001)
+    forward = eager._saving_over_vendor(found, problem.with_direction(Direction.FORWARD), rates)
     assert forward == pytest.approx(0.001)
     tried = dataclasses.replace(found, source="trial")
-    assert eager._saving_over_vendor(tried, problem.direction) is None
+    assert eager._saving_over_vendor(tried, problem, rates) is None
     assert get_solver("patch").is_applicable(problem)

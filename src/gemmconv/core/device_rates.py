@@ -170,9 +170,9 @@ H200 = DeviceRates(
         # Wan 2.1 latent patchifies on the H100): the forward at the cards' implied
         # 0.63-0.73. The weight gradient at its implied 0.50, where cuDNN is the fastest
         # call on both cards (ConvNeXt: 0.145 ms against patch_triton's 0.164 on this
-        # card). Backward-data above its implied (0.45 on ConvNeXt, 0.25 at the H100's
-        # median): the GEMM solvers' estimates there are 25-35% under their calls
-        # (patch_implicit priced 0.156 ms, ran 0.205 here and 0.235 on the H100 against
+        # card). Backward-data (ConvNeXt's alone: fewer channels are few-channel there)
+        # above its implied 0.43-0.45: the GEMM solvers' estimates there are 25-35% under
+        # their calls (patch_implicit priced 0.156 ms, ran 0.205 here and 0.235 on the H100 against
         # cuDNN's 0.155 and 0.202), so below 0.51 ConvNeXt's goes to patch_implicit. One
         # factor for the three directions could not hold both: at 0.45 that flip, at
         # 0.6 the forward and weight gradient priced a quarter off.
@@ -186,9 +186,13 @@ H200 = DeviceRates(
         # call's three directions seemed to save 54 us over torch's, less than the
         # autograd node, so it went to torch's convolution, though they save 210-285 us
         # by the suite's call times: its backward calls ran 0.69x the rewrite on an H100
-        # at 91437bd (bench/NOTES.md).
+        # at 91437bd (bench/NOTES.md). Backward-data counts fewer than 32 channels as
+        # few (vendor.FEW_CHANNELS_BACKWARD_DATA): SD3's and Wan 2.1's 16-channel
+        # patchifies reached 0.25 and 0.24 on the H100. Priced as ConvNeXt's, SD3's saved
+        # an estimated 19 us, under the node, and ran cuDNN's 0.163 ms a call against
+        # find's patch_implicit at 0.079 (0.69x the rewrite; H100 at 5202680).
         "vendor_few_channel_patch": 0.32,
-        "vendor_few_channel_patch_backward_data": 0.21,
+        "vendor_few_channel_patch_backward_data": 0.22,
         "vendor_other": 0.5,  # no suite row: kept
     },
     source="tests/data/h200_suite.json (NVIDIA H200, torch 2.11, cuDNN 9.19, the suite at "

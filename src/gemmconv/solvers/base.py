@@ -291,13 +291,17 @@ class Solver:
             + allocations * rates.host_allocation_us
         ) / 1000.0
 
-    def call_ms(self, problem: ConvProblem, rates: DeviceRates | None = None) -> float:
+    def call_ms(
+        self, problem: ConvProblem, rates: DeviceRates | None = None, in_node: bool = True
+    ) -> float:
         """What one call costs in a steady stream of calls: device and host time
         overlap on a GPU (the host queues ahead), and add up on a CPU. A backward
-        direction runs inside gemmconv's autograd node, whose host time it pays too."""
+        direction runs inside gemmconv's autograd node, whose host time it pays too
+        (``in_node``; False: the call alone, as the training road counts the node once
+        for all directions)."""
         rates = rates or rates_for(problem.device_type)
         device, host = self.estimate_ms(problem, rates), self.host_ms(problem, rates)
-        if problem.direction is not Direction.FORWARD:
+        if in_node and problem.direction is not Direction.FORWARD:
             host += rates.autograd_node_us / 1000.0
         return max(device, host) if rates.host_overlaps_device else device + host
 

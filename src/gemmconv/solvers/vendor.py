@@ -11,13 +11,17 @@ import torch
 
 from gemmconv.core.device_rates import FACTORS, DeviceRates
 from gemmconv.core.memory_format import Layout
-from gemmconv.core.problem import ConvProblem
+from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors, Solver
 
 # Patch embeddings with at least this many kernel taps are "large" in the cost table.
 LARGE_PATCH_TAPS = 16
 # cuDNN pads channels-last inputs of fewer channels a group to this many first.
 FEW_CHANNELS = 8
+# Its channels-last backward-data runs as slowly below this many channels a group: on
+# an H100 the 16-channel latent patchifies (SD3, Wan 2.1) reached 0.25 and 0.24 of the
+# floor, DiT-XL/2's 4 channels 0.22, ConvNeXt's 96 channels 0.43 (0.45 on the H200).
+FEW_CHANNELS_BACKWARD_DATA = 32
 
 
 def vendor_efficiency(p: ConvProblem, rates: DeviceRates) -> float:
@@ -35,7 +39,9 @@ def vendor_factor(p: ConvProblem) -> str:
 
 
 def vendor_class(p: ConvProblem) -> str:
-    """The factor (device_rates.FACTORS) of ``p``'s class, whatever its direction."""
+    """The factor (device_rates.FACTORS) of ``p``'s class. The direction enters only
+    where cuDNN's kernels split a class otherwise: a channels-last backward-data has
+    few channels below FEW_CHANNELS_BACKWARD_DATA, other directions below FEW_CHANNELS."""
     if all(r == 1 for r in p.kernel):
         return "vendor_pointwise"
     if p.stride == p.kernel and not any(p.padding) and all(d == 1 for d in p.dilation):
@@ -45,7 +51,8 @@ def vendor_class(p: ConvProblem) -> str:
             return "vendor_large_patch"
         if p.layout is Layout.CHANNELS_FIRST:
             return "vendor_small_patch_channels_first"
-        if p.c // p.groups < FEW_CHANNELS:
+        few = FEW_CHANNELS_BACKWARD_DATA if p.direction is Direction.BACKWARD_DATA else FEW_CHANNELS
+        if p.c // p.groups < few:
             return "vendor_few_channel_patch"
         return "vendor_small_patch"
     return "vendor_other"
