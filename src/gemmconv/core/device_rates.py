@@ -47,7 +47,8 @@ FACTORS = {
     "vendor_small_patch_channels_first": "the vendor on channels-first patches of fewer taps",
     "vendor_few_channel_patch": "the vendor's forward and weight gradient on channels-last "
     "patches of fewer taps and fewer than 8 input channels a group",
-    "vendor_few_channel_patch_backward_data": "the vendor's backward-data on those",
+    "vendor_few_channel_patch_backward_data": "the vendor's backward-data on channels-last "
+    "patches of fewer taps and fewer than 32 channels a group",
     "vendor_other": "the vendor on every other convolution",
 }
 
