@@ -634,9 +634,10 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.dtype == b.dtype
         and a.shape == b.shape
         and a.stride() == b.stride()
-        # Bytes of a dense copy: a channels-last result's last stride is not 1, and a
-        # view as bytes needs it to be.
-        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+        # Bytes of the flattened values: a view as bytes needs a last stride of 1, which
+        # a channels-last result lacks, and so may a contiguous one whose last dim has
+        # size 1 (torch leaves its stride free: point outputs' [N, K, 1, 1]).
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     )
 
 
