@@ -67,8 +67,9 @@ from gemmconv.selection.finddb import DATABASE_ERRORS
 from gemmconv.solvers import SOLVERS, Solver, get_solver
 from gemmconv.solvers.base import determinism_state
 
-if TYPE_CHECKING:  # a type only: measuring loads when find first runs
+if TYPE_CHECKING:  # types only: measuring (and find with it) loads when find first runs
     from gemmconv.measuring.measure import InCall
+    from gemmconv.selection.find import FindResult
 
 log = logging.getLogger("gemmconv.dispatch")
 
@@ -432,7 +433,7 @@ def _decide_by_find(problem: ConvProblem, estimated: Choice, store: bool) -> Cho
     )
 
 
-def _find_reason(result) -> str:
+def _find_reason(result: FindResult) -> str:
     from gemmconv.selection.find import PREFERENCE_MARGIN
 
     times = f"{result.best_ms:.4g} ms a call ({result.best_device_ms:.4g} ms device time)"

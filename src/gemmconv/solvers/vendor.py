@@ -20,7 +20,8 @@ LARGE_PATCH_TAPS = 16
 FEW_CHANNELS = 8
 # Its channels-last backward-data runs as slowly below this many channels a group: on
 # an H100 the 16-channel latent patchifies (SD3, Wan 2.1) reached 0.25 and 0.24 of the
-# floor, DiT-XL/2's 4 channels 0.22, ConvNeXt's 96 channels 0.43 (0.45 on the H200).
+# floor (SD3 0.22 on the H200), DiT-XL/2's 4 channels 0.22, ConvNeXt's 96 channels
+# 0.43 (0.45 on the H200).
 FEW_CHANNELS_BACKWARD_DATA = 32
 
 
