@@ -101,6 +101,27 @@ def test_convnext_channels_last_backward_keeps_cudnn_by_direction(run: Run) -> N
     assert _pick(bwd_weights, flat) == "vendor"
 
 
+def test_latent_patchifies_backward_data_is_priced_as_few_channels() -> None:
+    """cuDNN's channels-last backward-data on 16 channels (SD3, Wan 2.1) ran at 0.24-0.25
+    of the floor on the H100, as on DiT-XL/2's 4 channels, while their forward and
+    weight gradient stay with the other small patches; ConvNeXt's 96-channel
+    backward-data keeps its own factor."""
+    h100 = next(run for run in RUNS if run.card == "H100")
+    rows = {(r["case"], r["direction"]): r for r in h100.rows()
+            if r["layout"] == "cl" and r["dtype"] == "bf16"}  # fmt: skip
+    for case in ("sd3_patchify", "wan21_patchify"):
+        assert vendor_factor(problem_of(rows[case, "bwd_data"])) == (
+            "vendor_few_channel_patch_backward_data"
+        )
+        assert vendor_factor(problem_of(rows[case, "fwd"])) == "vendor_small_patch"
+        row = rows[case, "bwd_data"]
+        implied = row["floor_ms"] / row["candidates"]["vendor"]["ms"]  # device time
+        assert implied < 0.35, (case, implied)  # the few-channel class's, not ConvNeXt's
+    assert vendor_factor(problem_of(rows["convnext_down", "bwd_data"])) == (
+        "vendor_small_patch_backward_data"
+    )
+
+
 def _cases(run: Run) -> dict[tuple[str, str, str], list[dict]]:
     """A run's rows by case, layout and dtype: one list of three directions each."""
     cases: dict[tuple[str, str, str], list[dict]] = {}
