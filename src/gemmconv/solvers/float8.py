@@ -311,7 +311,7 @@ class Float8Run:
 
             rows = try_view(source, g.m, g.kred) if transposed else None
             if rows is not None:
-                return self._transposed_rows(rows, scale, fp8, m_padded)
+                return self._transposed_rows(rows, scale, fp8, g.ld)
             size = (g.ld, m_padded) if transposed else (g.m, g.ld)
             buffer = torch.empty(size, dtype=fp8, device=x.device)
             return gather_patches(x, g.outputs, g.kernel, g.x_order_last, buffer, scale,
@@ -341,18 +341,20 @@ class Float8Run:
             lambda t: weight_rows(t, order).t(), lambda d: self._weight_in_order(d.t(), last),
         )  # fmt: skip
 
-    def _transposed_rows(self, rows, scale, fp8, m_padded: int) -> torch.Tensor:
-        """cols^T [ld, M'] from x's memory seen as the column matrix ``rows`` [M, Kred]
-        (a patch is a whole sample), by the tiled transpose: the patch gather's
-        transposed store read Qwen2-VL's 14-pixel runs at 160 us on an H100, against
-        112 for torch's multiply and 55 for the same transpose of dY."""
+    @staticmethod
+    def _transposed_rows(rows, scale, fp8, height: int) -> torch.Tensor:
+        """``rows`` [M, W] times ``scale`` as the fp8 [height >= W, M'] matrix rows^T,
+        zeros in columns M..M'-1 and rows W..height-1, by the tiled transpose: dY^T, and
+        cols^T where a patch is a whole sample (x's memory is the column matrix). The
+        patch gather's transposed store read Qwen2-VL's 14-pixel runs at 160 us on an
+        H100, against 112 for torch's multiply and 55 for this transpose of dY."""
         from gemmconv.kernels.strided_copy import pad_rows
 
-        g = self.geometry
-        buffer = torch.empty(g.ld, m_padded, dtype=fp8, device=rows.device)
-        pad_rows(buffer[: g.kred], rows.t(), scale)  # zeros in columns M..M'-1
-        if g.ld > g.kred:
-            buffer[g.kred :].view(torch.uint8).zero_()  # fp8 zero is the byte 0
+        m, width = rows.shape
+        buffer = torch.empty(height, round_up(m, FP8_ALIGNMENT), dtype=fp8, device=rows.device)
+        pad_rows(buffer[:width], rows.t(), scale)  # zeros in columns M..M'-1
+        if height > width:
+            buffer[width:].view(torch.uint8).zero_()  # fp8 zero is the byte 0
         return buffer
 
     def _gradient(self, dy, scale, transposed: bool) -> torch.Tensor:
@@ -376,7 +378,7 @@ class Float8Run:
         """``_gradient`` through kernels/strided_copy.py, from dY seen as rows [M, K]
         (channels-last, or one pixel a sample) or as [N, K, P] (channels-first); None
         where dY is neither view or has more samples than a launch's grid takes."""
-        from gemmconv.kernels.strided_copy import MAX_BATCH, pad_rows, strided_copy
+        from gemmconv.kernels.strided_copy import MAX_BATCH, strided_copy
 
         g = self.geometry
         rows = rows_view(dy)
@@ -390,10 +392,10 @@ class Float8Run:
             # [N, K, P] -> [N, P, K]: a transpose per sample.
             strided_copy(buffer.view(g.n, -1, g.k), blocks.transpose(1, 2), scale)
             return buffer
+        if rows is not None:
+            return self._transposed_rows(rows, scale, fp8, g.k)
         m_padded = round_up(g.m, FP8_ALIGNMENT)
         buffer = torch.empty(g.k, m_padded, dtype=fp8, device=dy.device)
-        if rows is not None:
-            return pad_rows(buffer, rows.t(), scale)  # zeros in columns M..M'-1
         # dY^T[k, n*P + p] = dY[n, k, p]: per output channel, the samples' pixel rows.
         strided_copy(buffer[:, : g.m].view(g.k, g.n, -1), blocks.transpose(0, 1), scale)
         if m_padded > g.m:
