@@ -67,6 +67,15 @@ class ColumnGemmSolver(PatchFamilySolver):
         """Columns of the column matrix and the weight rows the GEMM reads (ld)."""
         return padded_reduction(p) if self.pads_reduction else p.gemm_k
 
+    def cuda_invariance_reasons(self, p: ConvProblem) -> list[str]:
+        # On CUDA a 1x1 kernel's invariant form is the pointwise solvers' (per sample,
+        # for a channels-first y): the column solvers, which also take a 1x1 stride-1
+        # kernel, stand aside so that one family's bits serve every batch size.
+        reasons = super().cuda_invariance_reasons(p)
+        if all(r == 1 for r in p.kernel):
+            reasons.append("a 1x1 kernel's batch-invariant form on CUDA is the pointwise solvers'")
+        return reasons
+
     def uses_rows_path(self, p: ConvProblem) -> bool:
         if self._invariant_on_cuda(p):
             return False  # the invariant GEMM's rows and one transpose instead

@@ -15,15 +15,6 @@ from gemmconv.solvers.patch.implicit import ImplicitGemmSolver
 from gemmconv.solvers.patch.mapping import padded_reduction
 
 
-def one_by_one_reasons(p: ConvProblem) -> list[str]:
-    """On CUDA a 1x1 kernel's invariant form is the pointwise solvers' (per sample, for
-    a channels-first y): the column solvers, which also take a 1x1 stride-1 kernel,
-    stand aside so that one family's bits serve every batch size."""
-    if all(r == 1 for r in p.kernel):
-        return ["a 1x1 kernel's batch-invariant form on CUDA is the pointwise solvers'"]
-    return []
-
-
 class PatchSolver(ColumnGemmSolver):
     """Columns as a view of x where its memory allows, else torch's copy; one GEMM."""
 
@@ -34,9 +25,6 @@ class PatchSolver(ColumnGemmSolver):
     # Its columns are a view or torch's copy: under the switch on CUDA only the chunks'
     # operands meet the 32-bit limit.
     chunked_invariant_operands = True
-
-    def cuda_invariance_reasons(self, p: ConvProblem) -> list[str]:
-        return super().cuda_invariance_reasons(p) + one_by_one_reasons(p)
 
 
 class PointOutputSolver(PatchSolver):
@@ -100,9 +88,6 @@ class TritonPatchSolver(ColumnGemmSolver):
     # that GEMM's canonical rows (solvers/invariant.py): the same bits as patch's. Its
     # Triton gather keeps the 32-bit limit; where a batch exceeds it, patch serves.
     batch_invariant_devices = frozenset({"cuda"})
-
-    def cuda_invariance_reasons(self, p: ConvProblem) -> list[str]:
-        return super().cuda_invariance_reasons(p) + one_by_one_reasons(p)
 
     needs_triton = True
     columns = TRITON_COPY_COLUMNS
