@@ -143,3 +143,142 @@ def test_x_as_whole_rows_is_transposed_by_the_tiled_copy(case, layout, whole_row
     monkeypatch.setattr(float8, "kernel_casts", lambda *a: True)
     run._columns(x, source, torch.tensor([3.7]), torch.float16, transposed=True)
     assert bool(used) == whole_rows
+
+
+# ---- the kernel path's moves of y and dx, and the reused weight ---------------------
+# The whole run on the CPU, kernel path forced against torch's. Operands are small
+# integers and scales powers of two, so every fp8 value is exact and the interpreter's
+# fp8 rounding (above) never enters; uninitialised buffers are NaN (fp8: the byte
+# 0x7f), so an element the kernels leave unwritten shows.
+
+EXACT = gemmconv.Float8Config(round_scales_to_power_of_2=True)
+
+
+@pytest.fixture
+def all_nan_empty(monkeypatch):
+    empty = torch.empty
+
+    def filled(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return t.view(torch.uint8).fill_(0x7F).view(t.dtype)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", filled)
+
+
+def _exact_run(case, layout, dtype, seed=0):
+    """A run with power-of-two scales and x, w, dY, bias of integers in [-7, 7]."""
+    c, k, kernel, spatial, n = CASES[case]
+    gen = torch.Generator().manual_seed(seed)
+
+    def ints(*shape):
+        return torch.randint(-7, 8, shape, generator=gen).to(dtype)
+
+    x = _layout(ints(n, c, *spatial), layout)
+    w = ints(k, c, *kernel)
+    p = ConvProblem.from_tensors(x, w, None, kernel)
+    dy = _layout(ints(*p.output_shape), layout)
+    return Float8Run(p, EXACT), x, w, dy, ints(k)
+
+
+def _spy(monkeypatch, module, name: str) -> list:
+    called = []
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: called.append(1) or original(*a, **k))
+    return called
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.stride() == b.stride() and not a.isnan().any() and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_path_forward_y_matches_torch_interpreted(
+    case, layout, dtype, monkeypatch, all_nan_empty
+):
+    from gemmconv.kernels import strided_copy
+
+    run, x, w, _, bias = _exact_run(case, layout, dtype)
+    expected = run.forward(x, w, bias)[0]
+    copies = _spy(monkeypatch, strided_copy, "strided_copy")
+    monkeypatch.setattr(float8, "kernel_casts", lambda *a: True)
+    y = run.forward(x, w, bias)[0]
+    assert _same(y, expected)
+    # The tiled transpose writes a channels-first y with several pixels a sample.
+    several = layout == "channels_first" and run.geometry.m > run.geometry.n
+    assert bool(copies) == several
+
+
+def test_more_samples_than_a_launch_takes_keep_torchs_copy_of_y(monkeypatch, all_nan_empty):
+    from gemmconv.kernels import strided_copy
+
+    run, x, w, _, bias = _exact_run("patch_2d", "channels_first", torch.float32)
+    expected = run.forward(x, w, bias)[0]
+    monkeypatch.setattr(strided_copy, "MAX_BATCH", run.geometry.n - 1)
+    copies = _spy(monkeypatch, strided_copy, "strided_copy")
+    monkeypatch.setattr(float8, "kernel_casts", lambda *a: True)
+    assert _same(run.forward(x, w, bias)[0], expected)
+    assert not copies
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_path_backward_data_dx_matches_torch_interpreted(
+    case, layout, dtype, monkeypatch, all_nan_empty
+):
+    from gemmconv.kernels import patch_permute
+
+    run, x, w, dy, _ = _exact_run(case, layout, dtype)
+    _, (_, w_scales), wq = run.forward(x, w, None)
+    assert run.weight_for_backward(wq) is None  # torch's path casts W^T itself
+    expected = run.backward_data(dy, w, w_scales, None, wq)
+    scatters = _spy(monkeypatch, patch_permute, "scatter_patches")
+    monkeypatch.setattr(float8, "kernel_casts", lambda *a: True)
+    _, (_, w_scales), wq = run.forward(x, w, None)
+    reused = run.weight_for_backward(wq)
+    assert reused is wq
+    dx = run.backward_data(dy, w, w_scales, None, reused)
+    assert _same(dx, expected)
+    # Only where dx's memory is the column matrix does the GEMM write it in place.
+    g = run.geometry
+    in_place = g.ld == g.kred and run._rows_of(dx, g.dx_order_last) is not None
+    assert bool(scatters) == (not in_place)
+    if case == "patch_3d":  # the remainder no patch covers stays zero
+        assert (dx[:, :, :, 14:] == 0).all() and (dx[:, :, :, :, 14:] == 0).all()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_backward_datas_weight_from_the_forwards_has_the_same_bytes(case, layout, monkeypatch):
+    # Random weights over many binades, cast by torch's multiply in both directions (the
+    # weight never takes the interpreter), so the bytes are fp8's own.
+    run, x, _ = _run_and_operands(case, layout, torch.bfloat16)
+    c, k, kernel, _, _ = CASES[case]
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.rand(k, c, *kernel, generator=gen) * 2 - 1) * torch.exp2(
+        torch.randint(-12, 4, (k, c, *kernel), generator=gen).float()
+    )
+    w = w.to(torch.bfloat16)
+    monkeypatch.setattr(float8, "kernel_casts", lambda *a: True)
+    _, (_, (sw, _)), wq = run.forward(x, w, None)
+    g = run.geometry
+    reused = run.weight_for_backward(wq).t().contiguous()
+    cast = run._weight(w, sw, run.config.forward_dtype, g.dx_order_last, transposed=True)
+    assert reused.shape == cast.shape == (g.ld, g.k) and reused.stride() == cast.stride()
+    assert torch.equal(reused.view(torch.uint8), cast.view(torch.uint8))
+    assert (cast.view(torch.uint8)[g.kred :] == 0).all()  # the reduction's padding
+
+
+def test_the_forwards_weight_is_kept_only_where_backward_data_reuses_it(monkeypatch):
+    run, x, w, _, _ = _exact_run("patch_2d", "channels_first", torch.float32)
+    wq = run.forward(x, w, None)[2]
+    assert run.weight_for_backward(wq) is None  # the CPU: torch's path
+    monkeypatch.setattr(float8, "kernel_casts", lambda *a: True)
+    assert run.weight_for_backward(wq) is wq
+    rowwise = Float8Run(run.problem, gemmconv.Float8Config(scaling="rowwise"))
+    monkeypatch.setattr(float8, "kernel_casts", lambda device, tensorwise, compiling: tensorwise)
+    assert rowwise.weight_for_backward(rowwise.forward(x, w, None)[2]) is None

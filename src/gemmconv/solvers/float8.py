@@ -15,9 +15,15 @@ The scale is taken from the current absolute maximum (torchao's recipe): one per
 operand ("tensorwise") or one per row along the reduction ("rowwise"); the GEMM
 gets their inverses and accumulates in fp32, writing the input's dtype.
 
-In eager mode on CUDA with tensorwise scales the casts of x and dY are Triton
-copies (kernels/patch_permute.py, kernels/strided_copy.py; ``kernel_casts`` says
-when); the weight, rowwise scales and torch.compile keep torch's multiply.
+In eager mode on CUDA with tensorwise scales (``kernel_casts`` says when) every
+move of x, dY, y and dx is a Triton copy: the casts of x (kernels/patch_permute.py's
+gather) and of dY (kernels/strided_copy.py), the transpose of the forward's rows
+into a channels-first y with several pixels a sample (strided_copy), and the
+scatter of backward-data's columns into dx's patch positions (patch_permute's
+scatter). Backward-data's W^T is then the forward's fp8 W transposed (the same
+scale, so the same bytes), and the patch views the kernels do not read are not
+built. The weight's cast, rowwise scales and torch.compile keep torch's multiply
+and copies.
 
 Not a registered solver: fp8 changes the numbers a convolution computes, so it runs
 only where a module asks for it (gemmconv.roads.float8), never by the cost model.
@@ -45,8 +51,10 @@ from gemmconv.solvers.patch.mapping import (
     result_layout,
 )
 from gemmconv.solvers.views import (
+    ViewRecipe,
     batched_view,
     bias_grad,
+    meta_like,
     rows_view,
     store_weight_rows,
     try_view,
@@ -86,7 +94,9 @@ def problem_reasons(p: ConvProblem) -> list[str]:
 
 def kernel_casts(device_type: str, tensorwise: bool, compiling: bool) -> bool:
     """Whether x's and dY's fp8 operands are cast by gemmconv's Triton copies rather
-    than by ``torch.mul(source, scale, out=<strided view of the fp8 buffer>)``.
+    than by ``torch.mul(source, scale, out=<strided view of the fp8 buffer>)``, and
+    the GEMMs' rows moved into a channels-first y and into dx's patches by them
+    rather than by torch's strided copy.
 
     torch's strided elementwise kernel runs those casts at a fraction of the
     bandwidth: on an H100 (torch 2.11) the casts of one training step took 296 us of
@@ -131,6 +141,8 @@ class _Geometry:
     # which gather x, and of backward-data, which scatters into dx.
     x_order_last: bool
     dx_order_last: bool
+    # Whether the patches cover all of x (no remainder beyond O*R in any dimension).
+    covers_all: bool
 
     @classmethod
     def of(cls, p: ConvProblem) -> _Geometry:
@@ -142,7 +154,14 @@ class _Geometry:
             result_layout=result_layout(p),
             x_order_last=column_layout(p) is Layout.CHANNELS_LAST,
             dx_order_last=column_layout(pd) is Layout.CHANNELS_LAST,
+            covers_all=covered_extent(p) == tuple(p.input_shape[2:]),
         )  # fmt: skip
+
+
+# The column-matrix views a run keeps (x's and dx's, per sizes and strides): a run is
+# decided per operand metadata, so this is a bound no ordinary model reaches.
+_ROW_VIEWS = 16
+_UNSEEN = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +172,10 @@ class Float8Run:
     problem: ConvProblem
     config: Float8Config
     geometry: _Geometry = dataclasses.field(init=False, repr=False, compare=False)
+    # (sizes, strides, column order) -> the ViewRecipe of _rows_of, or None.
+    _row_views: dict = dataclasses.field(
+        init=False, repr=False, compare=False, default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "geometry", _Geometry.of(self.problem))
@@ -166,6 +189,30 @@ class Float8Run:
     def _patches(self, t: torch.Tensor, last: bool) -> torch.Tensor:
         g = self.geometry
         return patch_view(t, g.outputs, g.kernel, last)
+
+    def _covered(self, t: torch.Tensor) -> torch.Tensor:
+        """The part of ``t`` [N, C, S..] the patches read: the same elements as the patch
+        view, in one slice (or none), for a tensorwise amax, which no order changes."""
+        g = self.geometry
+        if g.covers_all:
+            return t
+        return t[(slice(None), slice(None), *(slice(0, c) for c in g.covered))]
+
+    def _rows_of(self, t: torch.Tensor, last: bool) -> torch.Tensor | None:
+        """``t``'s patches (x's or dx's) as the column matrix [M, Kred] without a copy,
+        or None where ``t``'s memory is not that matrix. Found once per sizes and
+        strides on a meta tensor and replayed as one as_strided: the patch view and its
+        reshape took five torch calls every step. Eager mode only."""
+        g = self.geometry
+        key = (tuple(t.shape), t.stride(), last)
+        recipe = self._row_views.get(key, _UNSEEN)
+        if recipe is _UNSEEN:
+            meta = meta_like(t)
+            recipe = ViewRecipe.of(try_view(self._patches(meta, last), g.m, g.kred), meta)
+            if len(self._row_views) >= _ROW_VIEWS:
+                self._row_views.clear()
+            self._row_views[key] = recipe
+        return None if recipe is None else recipe(t)
 
     def _patch_dims(self) -> tuple[int, ...]:
         """The dimensions of a patch in the view ``patch_view`` gives ([N, O.., patch..])."""
@@ -302,20 +349,21 @@ class Float8Run:
 
     def _columns(self, x, source, scale, fp8, transposed: bool) -> torch.Tensor:
         """x's patches ``source`` (a view of ``x``) as cols [M, ld], or as cols^T
-        [ld, M'] for the weight gradient, whose reduction M is padded too."""
+        [ld, M'] for the weight gradient, whose reduction M is padded too. The kernel
+        path reads x itself: its ``source`` may be None."""
         g = self.geometry
-        shape = source.shape
         m_padded = round_up(g.m, FP8_ALIGNMENT)
-        if self._by_kernel(source):
+        if self._by_kernel(x):
             from gemmconv.kernels.patch_permute import gather_patches
 
-            rows = try_view(source, g.m, g.kred) if transposed else None
+            rows = self._rows_of(x, g.x_order_last) if transposed else None
             if rows is not None:
                 return self._transposed_rows(rows, scale, fp8, g.ld)
             size = (g.ld, m_padded) if transposed else (g.m, g.ld)
             buffer = torch.empty(size, dtype=fp8, device=x.device)
             return gather_patches(x, g.outputs, g.kernel, g.x_order_last, buffer, scale,
                                   transposed)  # fmt: skip
+        shape = source.shape
         if not transposed:
             return self._quantized(
                 source, scale, fp8, (g.m, g.kred), (g.m, g.ld),
@@ -405,10 +453,17 @@ class Float8Run:
     # ---- forward --------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None):
-        """y, and the (scale, inverse) pairs of x and w the backward reuses (tensorwise)."""
+        """y, the (scale, inverse) pairs of x and w the backward reuses (tensorwise),
+        and the fp8 weight W [K, ld] (see ``weight_for_backward``)."""
         g, fp8 = self.geometry, self.config.forward_dtype
-        source = self._patches(x, g.x_order_last)  # [N, O.., patch..], the column order
-        sx, inv_x = self._scale(source, fp8, self._patch_dims() if self.rowwise else None)
+        by_kernel = self._by_kernel(x)
+        if by_kernel:
+            # The gather reads x itself; the tensorwise amax needs only the covered part.
+            source = None
+            sx, inv_x = self._scale(self._covered(x), fp8, None)
+        else:
+            source = self._patches(x, g.x_order_last)  # [N, O.., patch..], the column order
+            sx, inv_x = self._scale(source, fp8, self._patch_dims() if self.rowwise else None)
         cols = self._columns(x, source, sx, fp8, transposed=False)
         sw, inv_w = self._scale(w, fp8, tuple(range(1, w.dim())) if self.rowwise else None)
         wq = self._weight(w, sw, fp8, g.x_order_last, transposed=False)
@@ -419,12 +474,30 @@ class Float8Run:
         target = None if torch.compiler.is_compiling() else rows_view(y)
         if target is not None:
             self._mm(cols, wq.t(), inv_x, inv_w, x.dtype, bias, out=target)
-            return y, scales
+            return y, scales, wq
         # Channels-first y with several pixels per sample: the rows are transposed into
-        # it (no batched fp8 GEMM writes each sample's [K, P] block).
+        # it (no batched fp8 GEMM writes each sample's [K, P] block), by the tiled
+        # transpose where its grid takes the samples: torch's strided copy of ViT-B/16
+        # b256's y took about half of the step's elementwise time on an H100.
         y_rows = self._mm(cols, wq.t(), inv_x, inv_w, x.dtype, bias)
+        if by_kernel:
+            from gemmconv.kernels.strided_copy import MAX_BATCH, strided_copy
+
+            blocks = batched_view(y) if g.n <= MAX_BATCH else None
+            if blocks is not None:
+                strided_copy(blocks.transpose(1, 2), y_rows.view(g.n, -1, g.k))
+                return y, scales, wq
         y.copy_(self._dy_as_rows(y_rows))
-        return y, scales
+        return y, scales, wq
+
+    def weight_for_backward(self, wq: torch.Tensor) -> torch.Tensor | None:
+        """The forward's fp8 weight ``wq`` where backward_data builds its W^T from it
+        (worth keeping for the backward: K x ld bytes), else None. It does on the kernel
+        path (eager, CUDA, tensorwise: backward-data's scale is the forward's) where
+        both directions order the reduction alike."""
+        g = self.geometry
+        reusable = g.x_order_last == g.dx_order_last and self._by_kernel(wq)
+        return wq if reusable else None
 
     # ---- backward -------------------------------------------------------------
 
@@ -435,31 +508,46 @@ class Float8Run:
             return None
         return self._scale(dy, self.config.grad_dtype, None)
 
-    def backward_data(self, dy: torch.Tensor, w: torch.Tensor, w_scales, dy_scales=None):
+    def backward_data(
+        self, dy: torch.Tensor, w: torch.Tensor, w_scales, dy_scales=None, w_fp8=None
+    ) -> torch.Tensor:
         """dx: dcol = dY @ W scattered into dx's patch positions, the rest zeros.
         ``w_scales``: the forward's (scale, inverse) of w; ``dy_scales``: dY's, from
-        gradient_scales, or None to take them here."""
+        gradient_scales, or None to take them here; ``w_fp8``: the forward's fp8
+        weight from ``weight_for_backward``, or None to cast w here."""
         g, cfg = self.geometry, self.config
         sdy, inv_dy = dy_scales or self._scale(dy, cfg.grad_dtype, (1,) if self.rowwise else None)
         gq = self._gradient(dy, sdy, transposed=False)
         sw, inv_w = w_scales
         if self.rowwise:
             sw, inv_w = self._scale(w, cfg.forward_dtype, (0,))  # per reduction element, over K
-        # b = W [K, ld] column-major: stored as W^T [ld, K].
-        wt = self._weight(w, sw, cfg.forward_dtype, g.dx_order_last, transposed=True)
+        # b = W [K, ld] column-major: stored as W^T [ld, K]. The forward's W has the
+        # same scale, values and zero padding: one transposing copy where empty, zero_
+        # and the multiply took three calls.
+        if w_fp8 is not None and self.weight_for_backward(w_fp8) is not None:
+            wt = w_fp8.t().contiguous()
+        else:
+            wt = self._weight(w, sw, cfg.forward_dtype, g.dx_order_last, transposed=True)
         if self.rowwise:
             inv_dy = inv_dy.reshape(-1, 1)
             inv_w = self._padded_scale(self._columns_of(inv_w, g.dx_order_last))
         dx = empty_in(g.input_shape, g.result_layout, dy.dtype, dy.device)
         zero_outside(dx, g.covered)
-        view = self._patches(dx, g.dx_order_last)
         in_place = g.ld == g.kred and not torch.compiler.is_compiling()
-        target = try_view(view, g.m, g.kred) if in_place else None
+        target = self._rows_of(dx, g.dx_order_last) if in_place else None
         if target is not None and target.is_contiguous():
             # dx's memory is the column matrix (point-output, or a 1x1 in its own order).
             self._mm(gq, wt.t(), inv_dy, inv_w, dy.dtype, out=target)
             return dx
         dcol = self._mm(gq, wt.t(), inv_dy, inv_w, dy.dtype)
+        if self._by_kernel(dy):
+            # dcol [M, ld] is dense (tensorwise: _scaled_mm's own result), as the
+            # scatter wants; torch's strided copy into dx's patches crawled.
+            from gemmconv.kernels.patch_permute import scatter_patches
+
+            scatter_patches(dcol, g.outputs, g.kernel, g.dx_order_last, dx)
+            return dx
+        view = self._patches(dx, g.dx_order_last)
         view.copy_(dcol[:, : g.kred].view(view.shape))
         return dx
 
@@ -476,7 +564,8 @@ class Float8Run:
             dy, cfg.grad_dtype, dy_dims if self.rowwise else None
         )
         gt = self._gradient(dy, sdy, transposed=True)  # a = dY^T, row-major
-        source = self._patches(x, g.x_order_last)
+        # The kernel path reads x itself (through _rows_of where x is the columns).
+        source = None if self._by_kernel(x) else self._patches(x, g.x_order_last)
         sx, inv_x = x_scales
         if self.rowwise:
             sx, inv_x = self._scale(source, cfg.forward_dtype, self._pixel_dims())
