@@ -282,3 +282,37 @@ def test_the_forwards_weight_is_kept_only_where_backward_data_reuses_it(monkeypa
     rowwise = Float8Run(run.problem, gemmconv.Float8Config(scaling="rowwise"))
     monkeypatch.setattr(float8, "kernel_casts", lambda device, tensorwise, compiling: tensorwise)
     assert rowwise.weight_for_backward(rowwise.forward(x, w, None)[2]) is None
+
+
+CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
+
+
+@pytest.mark.parametrize("pow2", [False, True], ids=["exact", "pow2"])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_eager_tensorwise_scale_is_the_recipes_to_the_bit(device, dtype, fp8, pow2):
+    # The eager form folds the amax's reshape, widening and clamp into one maximum; the
+    # recipe's form (torch.compile's) is the reference, over amaxes below the eps, zero,
+    # NaN, infinite and ordinary.
+    from gemmconv.core.float8 import AMAX_EPS
+
+    config = gemmconv.Float8Config(round_scales_to_power_of_2=pow2)
+    run = Float8Run(_run_and_operands("patch_2d", "channels_first", dtype)[0].problem, config)
+    tiny = torch.finfo(dtype).tiny * 0.5  # a subnormal: below AMAX_EPS in bf16 and fp32
+    for amax in (0.0, tiny, 1e-3, 3.7, 448.0, 6e4, float("nan"), float("inf")):
+        t = torch.tensor([[-amax, amax / 3], [amax / 4, 0.0]], dtype=dtype, device=device)
+        scale, inverse = run._scale(t, fp8, None)
+        expected = torch.linalg.vector_norm(t, float("inf")).reshape(1).float()
+        expected = expected.clamp_(min=AMAX_EPS).div_(torch.finfo(fp8).max)
+        if pow2:
+            expected = torch.exp2(torch.ceil(torch.log2(expected)))
+        assert inverse.shape == scale.shape == (1,) and inverse.dtype == torch.float32
+        if amax != amax and device == "cpu":
+            # A NaN's payload may differ on the CPU, which keeps payloads; CUDA's
+            # arithmetic (div_ here) returns its one canonical NaN, so there the bytes
+            # are compared too.
+            assert inverse.isnan().all() and scale.isnan().all()
+            continue
+        assert torch.equal(inverse.view(torch.int32), expected.view(torch.int32)), amax
+        assert torch.equal(scale.view(torch.int32), expected.reciprocal().view(torch.int32))

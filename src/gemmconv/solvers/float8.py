@@ -119,6 +119,14 @@ def _have_triton() -> bool:
     return triton_available()
 
 
+@functools.cache
+def _eps_on(device: torch.device) -> torch.Tensor:
+    """AMAX_EPS as a [1] fp32 tensor on ``device``, made once and only read. Outside
+    inference mode, so that a first call under it leaves no inference tensor behind."""
+    with torch.inference_mode(False):
+        return torch.full((1,), AMAX_EPS, dtype=torch.float32, device=device)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
     """What the run reads of its problem, as plain values found once: torch.compile
@@ -248,16 +256,24 @@ class Float8Run:
         tensors, or over ``dims`` with them kept. A dimensioned fp32 scale makes the
         multiply in _quantized run in fp32 whatever t's dtype, as torchao's cast does.
 
-        Five small kernels where the first form took six: in eager mode each is a
-        launch, and the run is host-bound (bench/NOTES.md). The norm runs in t's dtype
-        (exact for a maximum; its ``dtype=`` argument would copy all of t to fp32 first)
-        and only the amax is cast. The scale is the inverse's reciprocal, at most an ulp
-        or two from fp8_max / amax, so |t * scale| still rounds to fp8_max at most."""
-        if dims is None:
-            amax = torch.linalg.vector_norm(t, INF).reshape(1)
+        Four small kernels (tensorwise, eager) where the first form took six: in eager
+        mode each is a launch, and the run is host-bound (bench/NOTES.md). The norm runs
+        in t's dtype (exact for a maximum; its ``dtype=`` argument would copy all of t
+        to fp32 first) and only the amax is cast. The scale is the inverse's reciprocal,
+        at most an ulp or two from fp8_max / amax, so |t * scale| still rounds to fp8_max
+        at most."""
+        if dims is None and not torch.compiler.is_compiling():
+            # One maximum against a [1] fp32 eps widens, clamps and shapes the amax where
+            # reshape, float and clamp_ took three calls (the same values: the widening
+            # is exact and both propagate a NaN).
+            amax = torch.linalg.vector_norm(t, INF)
+            inverse = torch.maximum(amax, _eps_on(t.device)).div_(_FP8_MAX[fp8])
         else:
-            amax = torch.linalg.vector_norm(t, INF, dim=dims, keepdim=True)
-        inverse = amax.float().clamp_(min=AMAX_EPS).div_(_FP8_MAX[fp8])
+            if dims is None:
+                amax = torch.linalg.vector_norm(t, INF).reshape(1)
+            else:
+                amax = torch.linalg.vector_norm(t, INF, dim=dims, keepdim=True)
+            inverse = amax.float().clamp_(min=AMAX_EPS).div_(_FP8_MAX[fp8])
         if self.config.round_scales_to_power_of_2:
             # A power of two's reciprocal is exact: round the inverse up, the scale down.
             inverse = torch.exp2(torch.ceil(torch.log2(inverse)))
