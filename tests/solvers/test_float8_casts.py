@@ -316,3 +316,18 @@ def test_eager_tensorwise_scale_is_the_recipes_to_the_bit(device, dtype, fp8, po
             continue
         assert torch.equal(inverse.view(torch.int32), expected.view(torch.int32)), amax
         assert torch.equal(scale.view(torch.int32), expected.reciprocal().view(torch.int32))
+
+
+def test_no_eps_tensor_is_made_while_a_cuda_graph_is_captured(monkeypatch):
+    # A fill recorded in a capture runs only at replay: the eps must not be made then,
+    # and the scale takes the recipe's own form meanwhile.
+    monkeypatch.setattr(float8, "_EPS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert float8._eps_on(torch.device("cuda")) is None
+    assert float8._EPS == {}
+    monkeypatch.setattr(float8, "_eps_on", lambda device: None)
+    run, x, _ = _run_and_operands("patch_2d", "channels_first", torch.bfloat16)
+    scale, inverse = run._scale(x, torch.float8_e4m3fn, None)
+    expected = torch.linalg.vector_norm(x, float("inf")).reshape(1).float() / 448.0
+    assert inverse.shape == (1,) and torch.equal(inverse, expected)
+    assert torch.equal(scale, expected.reciprocal())

@@ -119,12 +119,22 @@ def _have_triton() -> bool:
     return triton_available()
 
 
-@functools.cache
-def _eps_on(device: torch.device) -> torch.Tensor:
-    """AMAX_EPS as a [1] fp32 tensor on ``device``, made once and only read. Outside
-    inference mode, so that a first call under it leaves no inference tensor behind."""
-    with torch.inference_mode(False):
-        return torch.full((1,), AMAX_EPS, dtype=torch.float32, device=device)
+_EPS: dict[torch.device, torch.Tensor] = {}
+
+
+def _eps_on(device: torch.device) -> torch.Tensor | None:
+    """AMAX_EPS as a [1] fp32 tensor on ``device``, made once and only read; None while
+    a CUDA graph is being captured and none is made yet (a fill recorded in a capture
+    runs only when the graph is replayed). Made outside inference mode, so that a first
+    call under it leaves no inference tensor behind."""
+    eps = _EPS.get(device)
+    if eps is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        with torch.inference_mode(False):
+            eps = torch.full((1,), AMAX_EPS, dtype=torch.float32, device=device)
+        _EPS[device] = eps
+    return eps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,12 +272,15 @@ class Float8Run:
         to fp32 first) and only the amax is cast. The scale is the inverse's reciprocal,
         at most an ulp or two from fp8_max / amax, so |t * scale| still rounds to fp8_max
         at most."""
+        eps = None
         if dims is None and not torch.compiler.is_compiling():
+            eps = _eps_on(t.device)
+        if eps is not None:
             # One maximum against a [1] fp32 eps widens, clamps and shapes the amax where
             # reshape, float and clamp_ took three calls (the same values: the widening
             # is exact and both propagate a NaN).
             amax = torch.linalg.vector_norm(t, INF)
-            inverse = torch.maximum(amax, _eps_on(t.device)).div_(_FP8_MAX[fp8])
+            inverse = torch.maximum(amax, eps).div_(_FP8_MAX[fp8])
         else:
             if dims is None:
                 amax = torch.linalg.vector_norm(t, INF).reshape(1)

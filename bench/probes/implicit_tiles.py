@@ -1,0 +1,172 @@
+"""Tile sizes for the general implicit GEMMs, row by row of the suite (a diagnostic).
+
+The forward and weight-gradient kernels of gemmconv.kernels.patch_gemm (the patches
+gathered inside the GEMM's loads: patch_implicit, and CUDA's batch-invariant form of
+half-precision patches) are timed on every bf16 row of the suite, both layouts, with
+each tile configuration below, against cuBLAS on the same GEMM with the column matrix
+gathered beforehand (rows padded to 16 bytes, as patch_triton's): issue 44's reference
+for a gather inside the GEMM. Device time by triton.testing.do_bench (L2 flushed
+between calls). One line per row and configuration, printed as measured and, with
+``--out FILE``, appended to FILE as a JSON line:
+
+    direction case layout BMxBNxBK wW sS  kernel_us cublas_us cublas/kernel  ptx
+
+where ``ptx`` counts the compiled kernel's global loads by width (cp.async copies of
+16, 8 and 4 bytes, and plain loads) and says whether it multiplies with wgmma: a
+gather Triton cannot prove aligned loads 2 bytes at a time and is not pipelined.
+
+    PYTHONPATH=src python3 bench/probes/implicit_tiles.py [--cases vit_b16,...]
+        [--layouts cf,cl] [--directions fwd,wgrad] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+
+import torch
+from triton.testing import do_bench
+
+from gemmconv.bench.suite import suite_cases
+from gemmconv.core.sizes import round_up
+from gemmconv.kernels import patch_gemm, split_programs
+from gemmconv.kernels.patch_gemm import TileConfig
+
+FORWARD_CONFIGS = (
+    TileConfig(128, 128, 64, 8, 3),  # FORWARD_TILES at the time of writing
+    TileConfig(128, 128, 64, 4, 3),
+    TileConfig(128, 128, 64, 4, 4),
+    TileConfig(128, 128, 32, 4, 4),
+    TileConfig(128, 256, 64, 8, 3),
+    TileConfig(256, 128, 64, 8, 3),
+    TileConfig(64, 128, 64, 4, 4),
+    TileConfig(128, 64, 64, 4, 4),
+)
+WGRAD_CONFIGS = (
+    TileConfig(64, 128, 128, 8, 3),  # WGRAD_TILES at the time of writing
+    TileConfig(64, 128, 128, 4, 3),
+    TileConfig(64, 128, 64, 4, 4),
+    TileConfig(32, 128, 128, 4, 4),
+    TileConfig(64, 256, 64, 8, 3),
+)
+
+
+def _operands(case, layout: str, device: torch.device):
+    shape = case.full
+    dims = len(shape.kernel)
+    x = torch.randn(shape.n, shape.c, *shape.spatial, device=device, dtype=torch.bfloat16)
+    if layout == "cl":
+        x = x.to(memory_format=torch.channels_last if dims == 2 else torch.channels_last_3d)
+    outs = tuple(s // r for s, r in zip(shape.spatial, shape.kernel))
+    y = torch.empty(shape.n, shape.k, *outs, device=device, dtype=x.dtype)
+    if layout == "cl":
+        y = y.to(memory_format=torch.channels_last if dims == 2 else torch.channels_last_3d)
+    reduction = shape.c * math.prod(shape.kernel)
+    w = torch.randn(shape.k, reduction, device=device, dtype=x.dtype)
+    return x, w, y, outs
+
+
+def _cublas_us(m: int, k: int, n: int, device: torch.device, wgrad: bool) -> float:
+    """cuBLAS on the pre-gathered operands: cols [m, ld] @ W^T, or dY^T @ cols."""
+    ld = round_up(k, 8)
+    cols = torch.randn(m, ld, device=device, dtype=torch.bfloat16)
+    if wgrad:
+        dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+        return do_bench(lambda: torch.mm(dy.t(), cols), rep=40) * 1000
+    w = torch.randn(n, ld, device=device, dtype=torch.bfloat16)
+    return do_bench(lambda: torch.mm(cols, w.t()), rep=40) * 1000
+
+
+def _ptx_summary(launch, tensors) -> str:
+    """What the compiled kernel loads and multiplies with (see the docstring)."""
+    compiled = launch._ordinary(tensors)
+    ptx = getattr(compiled, "asm", {}).get("ptx", "")
+    sizes = re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*?,\s*(0x[0-9a-f]+|\d+)\s*[,;]", ptx)
+    widths = {16: 0, 8: 0, 4: 0}
+    for size in sizes:
+        value = int(size, 0)
+        widths[value] = widths.get(value, 0) + 1
+    plain = len(re.findall(r"\bld\.global", ptx))
+    return (f"cp16={widths[16]} cp8={widths[8]} cp4={widths[4]} ld={plain} "
+            f"wgmma={'yes' if 'wgmma' in ptx else 'no'}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default="", help="comma list of suite case names (default all)")
+    ap.add_argument("--layouts", default="cf,cl")
+    ap.add_argument("--directions", default="fwd,wgrad")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda")
+    names = [c for c in args.cases.split(",") if c] or None
+    out = open(args.out, "a") if args.out else None  # noqa: SIM115 (appended line by line)
+    tables = (patch_gemm.FORWARD_TILES, patch_gemm.WHOLE_ROW_FORWARD_TILES,
+              patch_gemm.WGRAD_TILES)  # fmt: skip
+    saved = [dict(t) for t in tables]
+    print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
+    try:
+        for direction in args.directions.split(","):
+            for case in suite_cases(names):
+                if all(r == 1 for r in case.full.kernel):
+                    continue  # 1x1: the pointwise solvers' (no gather to put in the GEMM)
+                for layout in args.layouts.split(","):
+                    _sweep(direction, case, layout, device, out)
+    finally:
+        for table, kept in zip(tables, saved):
+            table.update(kept)
+        patch_gemm._launches.clear()
+        if out is not None:
+            out.close()
+    return 0
+
+
+def _sweep(direction: str, case, layout: str, device: torch.device, out) -> None:
+    x, w, y, outs = _operands(case, layout, device)
+    kernel, last = case.full.kernel, layout == "cl"
+    m, reduction, kout = y.numel() // case.full.k, w.shape[1], case.full.k
+    wgrad = direction == "wgrad"
+    cublas = _cublas_us(m, reduction, kout, device, wgrad)
+    dy = torch.randn_like(y)
+    dt = torch.bfloat16
+    for cfg in WGRAD_CONFIGS if wgrad else FORWARD_CONFIGS:
+        if wgrad:
+            patch_gemm.WGRAD_TILES[dt] = cfg
+        else:  # one patch a sample takes the whole-row table
+            patch_gemm.FORWARD_TILES[dt] = patch_gemm.WHOLE_ROW_FORWARD_TILES[dt] = cfg
+        patch_gemm._launches.clear()
+        try:
+            if wgrad:
+                splits = patch_gemm.wgrad_splits(m, kout, reduction, dt, split_programs(device))
+
+                def call(s=splits):
+                    return patch_gemm.patch_gemm_weight_grad(dy, x, kernel, last, s)
+
+                prepared = patch_gemm.weight_grad_launch(dy, x, kernel, last, splits, False, device)
+                parts = torch.empty(prepared.partials_shape, device=device)
+                ptx = _ptx_summary(prepared.launch, (dy, x, parts))
+            else:
+
+                def call():
+                    return patch_gemm.patch_gemm_forward(x, w, None, kernel, last, out=y)
+
+                prepared = patch_gemm.forward_launch(x, w, None, kernel, last, y, False, device)
+                ptx = _ptx_summary(prepared, (x, w, None, y))
+            us = do_bench(call, rep=40) * 1000
+        except Exception as exc:  # out of shared memory and the like
+            print(f"{direction} {case.name} {layout} {cfg}: {type(exc).__name__}", flush=True)
+            continue
+        tile = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+        print(f"{direction} {case.name} {layout} {tile} {us:.1f} {cublas:.1f} "
+              f"{cublas / us:.2f} {ptx}", flush=True)  # fmt: skip
+        if out is not None:
+            out.write(json.dumps({"direction": direction, "case": case.name, "layout": layout,
+                                  "tile": tile, "kernel_us": round(us, 2),
+                                  "cublas_us": round(cublas, 2), "ptx": ptx}) + "\n")  # fmt: skip
+            out.flush()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
