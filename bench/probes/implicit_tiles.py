@@ -103,9 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     names = [c for c in args.cases.split(",") if c] or None
     out = open(args.out, "a") if args.out else None  # noqa: SIM115 (appended line by line)
-    tables = (patch_gemm.FORWARD_TILES, patch_gemm.WHOLE_ROW_FORWARD_TILES,
-              patch_gemm.WGRAD_TILES)  # fmt: skip
-    saved = [dict(t) for t in tables]
+    saved = dict(patch_gemm.WGRAD_TILES)
     print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
     try:
         for direction in args.directions.split(","):
@@ -115,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 for layout in args.layouts.split(","):
                     _sweep(direction, case, layout, device, out)
     finally:
-        for table, kept in zip(tables, saved):
-            table.update(kept)
+        patch_gemm.WGRAD_TILES.update(saved)
         patch_gemm._launches.clear()
         if out is not None:
             out.close()
@@ -124,6 +121,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _sweep(direction: str, case, layout: str, device: torch.device, out) -> None:
+    library_tiles = patch_gemm.forward_tiles
+    try:
+        _sweep_row(direction, case, layout, device, out)
+    finally:
+        patch_gemm.forward_tiles = library_tiles
+
+
+def _sweep_row(direction: str, case, layout: str, device: torch.device, out) -> None:
     x, w, y, outs = _operands(case, layout, device)
     kernel, last = case.full.kernel, layout == "cl"
     m, reduction, kout = y.numel() // case.full.k, w.shape[1], case.full.k
@@ -131,11 +136,16 @@ def _sweep(direction: str, case, layout: str, device: torch.device, out) -> None
     cublas = _cublas_us(m, reduction, kout, device, wgrad)
     dy = torch.randn_like(y)
     dt = torch.bfloat16
+    if not wgrad:
+        picked = patch_gemm.forward_launch(x, w, None, kernel, last, y, False, device)
+        print(f"# {case.name} {layout}: the library's tiles {picked.options} "
+              f"{ {k: v for k, v in picked.constants.items() if k.startswith('BLOCK')} }",
+              flush=True)  # fmt: skip
     for cfg in WGRAD_CONFIGS if wgrad else FORWARD_CONFIGS:
         if wgrad:
             patch_gemm.WGRAD_TILES[dt] = cfg
-        else:  # one patch a sample takes the whole-row table
-            patch_gemm.FORWARD_TILES[dt] = patch_gemm.WHOLE_ROW_FORWARD_TILES[dt] = cfg
+        else:
+            patch_gemm.forward_tiles = lambda *args, chosen=cfg: chosen
         patch_gemm._launches.clear()
         try:
             if wgrad:

@@ -243,10 +243,10 @@ def test_kernel_path_backward_data_dx_matches_torch_interpreted(
     assert reused is wq
     dx = run.backward_data(dy, w, w_scales, None, reused)
     assert _same(dx, expected)
-    # Only where dx's memory is the column matrix does the GEMM write it in place.
+    # Only where dx's memory is not the column matrix are the columns scattered: where
+    # it is, the GEMM writes it, or its padded rows are copied in row by row.
     g = run.geometry
-    in_place = g.ld == g.kred and run._rows_of(dx, g.dx_order_last) is not None
-    assert bool(scatters) == (not in_place)
+    assert bool(scatters) == (run._rows_of(dx, g.dx_order_last) is None)
     if case == "patch_3d":  # the remainder no patch covers stays zero
         assert (dx[:, :, :, 14:] == 0).all() and (dx[:, :, :, :, 14:] == 0).all()
 

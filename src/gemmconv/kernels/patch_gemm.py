@@ -26,6 +26,7 @@ vectors and can be pipelined, where the general map loads 2 bytes at a time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -64,6 +65,17 @@ WHOLE_ROW_FORWARD_TILES = {
     torch.float16: TileConfig(128, 128, 32, 4, 3),
     torch.bfloat16: TileConfig(128, 128, 32, 4, 3),
 }
+# The general forward in half precision, by geometry (never the row count, which would
+# break batch invariance): on an H100 (bench/probes/implicit_tiles.py,
+# bench/probes/results/implicit_tiles_h100.txt) channels-first columns in runs of a
+# multiple of 8 elements (16-byte vectors: ViT-B/16, SAM, VideoMAE) ran fastest with
+# wide tiles (ViT-B/16 b256 170 us against 257 with FORWARD_TILES), and short runs or
+# reductions of at most 64 (DiT-XL/2, SD3 and Wan 2.1's latents, ConvNeXt's
+# channels-first downsample) with shallow ones (DiT-XL/2 cf 124 against 203); other
+# runs (14 pixels: CLIP-L/14) kept FORWARD_TILES, the fastest for them.
+WIDE_RUN_TILES = TileConfig(128, 256, 64, 8, 3)
+SHALLOW_TILES = TileConfig(128, 128, 32, 4, 4)
+SHALLOW_REDUCTION = 64
 WGRAD_TILES = {
     torch.float16: TileConfig(64, 128, 128, 8, 3),  # block_m is the reduction chunk here
     torch.bfloat16: TileConfig(64, 128, 128, 8, 3),
@@ -333,8 +345,7 @@ def forward_launch(
     if g.rows == 0 or kout == 0:
         return None
     row_align = whole_row_alignment(g, x.element_size(), weight_rows.stride(0))
-    tiles = WHOLE_ROW_FORWARD_TILES if row_align else FORWARD_TILES
-    cfg = tiles.get(x.dtype, FORWARD_TILES[x.dtype])
+    cfg = forward_tiles(g, x.dtype, row_align, device)
     grid = (triton.cdiv(g.rows, cfg.block_m) * triton.cdiv(kout, cfg.block_n),)
     # A missing bias is never read (HAS_BIAS); the weight stands in for the pointer.
     bias_slot = TensorSlot(2) if bias is not None else TensorSlot(1)
@@ -351,6 +362,44 @@ def forward_launch(
     }
     return PreparedLaunch(_forward_kernel, grid, args, constants, cfg.launch_options(),
                           device, {"do_not_specialize": _FORWARD_ARGS})  # fmt: skip
+
+
+def forward_tiles(
+    g: PatchGeometry, dtype: torch.dtype, row_align: int, device: torch.device
+) -> TileConfig:
+    """The forward's tiles for geometry ``g`` (see WIDE_RUN_TILES), from the dtype and
+    the geometry alone; a table's tiles where the geometry's do not fit the device's
+    shared memory."""
+    if row_align:
+        return WHOLE_ROW_FORWARD_TILES.get(dtype, FORWARD_TILES[dtype])
+    default = FORWARD_TILES[dtype]
+    if dtype not in (torch.float16, torch.bfloat16):
+        return default
+    run = contiguous_run(g)
+    if g.reduction <= SHALLOW_REDUCTION or (not g.channels_last_columns and run < 8):
+        chosen = SHALLOW_TILES
+    elif not g.channels_last_columns and run % 8 == 0:
+        chosen = WIDE_RUN_TILES
+    else:
+        return default
+    return chosen if _fits(chosen, 2, device) else default
+
+
+def _fits(cfg: TileConfig, element_size: int, device: torch.device) -> bool:
+    """Whether ``cfg``'s pipelined operand tiles fit one program's shared memory on
+    ``device`` (a consumer Ada or Ampere card has about 100 KB; the interpreter has no
+    limit)."""
+    if device.type != "cuda":
+        return True
+    need = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * element_size
+    return need <= _shared_memory(device.index if device.index is not None else 0)
+
+
+@functools.cache
+def _shared_memory(index: int) -> int:
+    from triton.runtime import driver
+
+    return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
 
 
 def patch_gemm_forward(
@@ -524,9 +573,12 @@ __all__ = [
     "FORWARD_TILES",
     "WGRAD_TILES",
     "WHOLE_ROW_FORWARD_TILES",
+    "WIDE_RUN_TILES",
+    "SHALLOW_TILES",
     "WeightGradLaunch",
     "backward_data_launch",
     "forward_launch",
+    "forward_tiles",
     "patch_gemm_backward_data",
     "patch_gemm_forward",
     "patch_gemm_weight_grad",
