@@ -15,12 +15,13 @@ The scale is taken from the current absolute maximum (torchao's recipe): one per
 operand ("tensorwise") or one per row along the reduction ("rowwise"); the GEMM
 gets their inverses and accumulates in fp32, writing the input's dtype.
 
-In eager mode on CUDA with tensorwise scales (``kernel_casts`` says when) every
-move of x, dY, y and dx is a Triton copy: the casts of x (kernels/patch_permute.py's
+In eager mode on CUDA with tensorwise scales (``kernel_casts`` says when) the
+moves of x, dY, y and dx are Triton copies: the casts of x (kernels/patch_permute.py's
 gather) and of dY (kernels/strided_copy.py), the transpose of the forward's rows
 into a channels-first y with several pixels a sample (strided_copy), and the
 scatter of backward-data's columns into dx's patch positions (patch_permute's
-scatter). Backward-data's W^T is then the forward's fp8 W transposed (the same
+scatter; where dx's memory is the column matrix, one dense copy of its rows
+instead). Backward-data's W^T is then the forward's fp8 W transposed (the same
 scale, so the same bytes), and the patch views the kernels do not read are not
 built. The weight's cast, rowwise scales and torch.compile keep torch's multiply
 and copies.
