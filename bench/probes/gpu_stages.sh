@@ -8,6 +8,7 @@
 #   bash bench/probes/gpu_stages.sh suite     # the suite (about 3 min of rows)
 #   bash bench/probes/gpu_stages.sh fp8       # fp8 GPU tests, the fp8 probe
 #   bash bench/probes/gpu_stages.sh invariance  # batch-invariance GPU tests, the chunk budgets
+#   bash bench/probes/gpu_stages.sh tiles     # the implicit GEMMs per tile, invariance's cost
 #   bash bench/probes/gpu_stages.sh models    # the end-to-end table (about 3 min)
 #   bash bench/probes/gpu_stages.sh gap       # backward-data public calls against call times
 #   bash bench/probes/gpu_stages.sh rows      # the rows path's in-place GEMM: tests, device time
@@ -18,7 +19,7 @@
 set -u
 : "${OUT:?set OUT to the folder for the results}"
 export PYTHONPATH=src
-stage=${1:?stage: tests, probe, compiled, suite, fp8, invariance, suite-in-place, models, gap, rows, precision, node or ab}
+stage=${1:?stage: tests, probe, compiled, suite, fp8, invariance, tiles, suite-in-place, models, gap, rows, precision, node or ab}
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 # A copied tree can report an older HEAD than the files it holds (an H200's copy
 # reported 6ce0d30 while holding 22a735c's files): a digest of src/'s Python files says which code ran (the same command in
@@ -83,6 +84,16 @@ invariance)
     timeout "${CHUNK_SECONDS:-300}" python3 bench/probes/invariant_chunk_cost.py \
         --budgets "${BUDGETS:-32,33}" --out "$OUT/invariant_chunk_cost.jsonl" \
         >"$OUT/invariant_chunk_cost.txt" 2>&1
+    ;;
+tiles)
+    # The implicit forward per tile configuration with each kernel's load widths (about
+    # 4 min for the suite's bf16 patch rows on an H100 at e1278fd), then the forward
+    # rows' invariance cost under the tiles the library picks (kernels/patch_gemm.py's
+    # forward_tiles).
+    timeout 330 python3 bench/probes/implicit_tiles.py --directions fwd \
+        --out "$OUT/implicit_tiles.jsonl" >"$OUT/implicit_tiles.txt" 2>&1
+    timeout 200 python3 bench/probes/invariant_chunk_cost.py --budgets 32 \
+        --out "$OUT/invariant_cost.jsonl" >"$OUT/invariant_cost.txt" 2>&1
     ;;
 suite-in-place)
     # The suite with the rows path's in-place GEMMs on in every direction and size in
@@ -188,7 +199,7 @@ ab)
     done
     ;;
 *)
-    echo "stage=$stage: expected tests, probe, compiled, suite, fp8, suite-in-place, models, gap," \
+    echo "stage=$stage: expected tests, probe, compiled, suite, fp8, invariance, tiles, suite-in-place, models, gap," \
         "rows, precision, node or ab" >&2
     exit 2
     ;;
