@@ -14,8 +14,8 @@ between calls). One line per row and configuration, printed as measured and, wit
 where ``ptx`` counts the compiled kernel's global loads by width (cp.async copies of
 16, 8 and 4 bytes, and plain loads) and says whether it multiplies with wgmma: a
 gather whose alignment Triton cannot prove compiles to plain loads, not pipelined
-(CLIP-L/14's 14-pixel runs on an H100 at e1278fd). Each line also follows a line
-naming the tiles the library itself picks for that row (patch_gemm.forward_tiles).
+(CLIP-L/14's 14-pixel runs on an H100 at e1278fd). A forward row's lines follow one
+naming the tiles the library picks for it (patch_gemm.forward_tiles).
 
     PYTHONPATH=src python3 bench/probes/implicit_tiles.py [--cases vit_b16,...]
         [--layouts cf,cl] [--directions fwd,wgrad] [--out FILE]
