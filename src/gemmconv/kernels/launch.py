@@ -207,4 +207,14 @@ class LaunchCache:
         self._launches.clear()
 
 
-__all__ = ["LaunchCache", "PreparedLaunch", "TensorSlot", "launch_hooks_absent"]
+def check_scale(scale: torch.Tensor, device: torch.device) -> None:
+    """A copy kernel's scale is one float32 element on the copy's device: the kernel
+    reads it by pointer (no host sync) and multiplies in fp32."""
+    if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != device:
+        raise ValueError(
+            f"scale of shape {tuple(scale.shape)}, {scale.dtype} on {scale.device}: expected "
+            f"one torch.float32 element on {device}"
+        )
+
+
+__all__ = ["LaunchCache", "PreparedLaunch", "TensorSlot", "check_scale", "launch_hooks_absent"]

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemmconv.kernels.launch import LaunchCache, PreparedLaunch, TensorSlot
+from gemmconv.kernels.launch import LaunchCache, PreparedLaunch, TensorSlot, check_scale
 from gemmconv.kernels.patch_index import patch_columns, patch_rows
 
 
@@ -188,7 +188,7 @@ def _prepare(
     else:
         ld, padded_rows = _check_dense(dense, g, name), g.rows
     if scale is not None:
-        _check_scale(scale, strided.device)
+        check_scale(scale, strided.device)
     if dense.device != strided.device or (dense.dtype != strided.dtype and scale is None):
         raise ValueError(
             f"{name} is {dense.dtype} on {dense.device}; expected {strided.dtype} on "
@@ -242,14 +242,6 @@ def _check_dense_transposed(buffer: torch.Tensor, g: PatchGeometry, name: str) -
     if buffer.stride(1) != 1 or buffer.stride(0) != buffer.shape[1]:
         raise ValueError(f"{name} with strides {buffer.stride()}: expected dense rows")
     return buffer.shape[0], buffer.shape[1]
-
-
-def _check_scale(scale: torch.Tensor, device: torch.device) -> None:
-    if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != device:
-        raise ValueError(
-            f"scale of shape {tuple(scale.shape)}, {scale.dtype} on {scale.device}: expected "
-            f"one torch.float32 element on {device}"
-        )
 
 
 _launches = LaunchCache()

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemmconv.kernels.launch import LaunchCache, PreparedLaunch, TensorSlot
+from gemmconv.kernels.launch import LaunchCache, PreparedLaunch, TensorSlot, check_scale
 
 # Grid axis 1 (the batch) is limited to 65535 programs by CUDA.
 MAX_BATCH = 65535
@@ -115,8 +115,8 @@ def strided_copy(
 ) -> torch.Tensor:
     """``dst.copy_(src)`` for 2-D or 3-D tensors of one shape, dtype and device, any
     strides; meant for pairs whose contiguous dims differ (a transpose). With ``scale``
-    (see ``_check_scale``) dst gets src * scale rounded to dst's dtype, which may then
-    differ from src's. Returns dst."""
+    (see ``kernels.launch.check_scale``) dst gets src * scale rounded to dst's dtype,
+    which may then differ from src's. Returns dst."""
     if dst.shape != src.shape or dst.dim() not in (2, 3):
         raise ValueError(
             f"dst {tuple(dst.shape)} and src {tuple(src.shape)}: expected one 2-D or 3-D shape"
@@ -127,16 +127,6 @@ def strided_copy(
             "expected the same dtype and device (another dtype only with a scale)"
         )
     return _launch(dst, src, src.shape[-1], scale)
-
-
-def _check_scale(scale: torch.Tensor, device: torch.device) -> None:
-    """A scale is one float32 element on the copy's device: the kernel reads it by
-    pointer (no host sync) and multiplies in fp32."""
-    if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != device:
-        raise ValueError(
-            f"scale of shape {tuple(scale.shape)}, {scale.dtype} on {scale.device}: expected "
-            f"one torch.float32 element on {device}"
-        )
 
 
 _launches = LaunchCache()
@@ -151,7 +141,7 @@ def _launch(
         key = (d3.shape, d3.stride(), s3.shape, s3.stride(), d3.dtype, d3.device, src_cols)
         _launches.launch(key, lambda: _prepare(d3, s3, src_cols), s3, d3)
         return dst
-    _check_scale(scale, dst.device)
+    check_scale(scale, dst.device)
     key = (d3.shape, d3.stride(), s3.shape, s3.stride(), d3.dtype, d3.device, src_cols,
            s3.dtype)  # fmt: skip
     _launches.launch(key, lambda: _prepare(d3, s3, src_cols, scaled=True), s3, d3, scale)
@@ -208,10 +198,10 @@ def pad_rows(
     """Copy ``src`` [M, n] into the first n columns of ``dst`` [M, n'] (n' >= n) and set
     the other columns to zero, in one pass. Rows contiguous in both are moved in the
     widest integer words that whole rows of both are made of; other strides element by
-    element. With ``scale`` (see ``_check_scale``) dst gets src * scale rounded to
-    dst's dtype, which may then differ from src's: src [K, M] as a transposed view and
-    dst [K, M'] make the fp8 weight gradient's dY^T, zeros in columns M..M'-1.
-    Returns dst."""
+    element. With ``scale`` (see ``kernels.launch.check_scale``) dst gets src * scale
+    rounded to dst's dtype, which may then differ from src's: src [K, M] as a
+    transposed view and dst [K, M'] make the fp8 weight gradient's dY^T, zeros in
+    columns M..M'-1. Returns dst."""
     if dst.dim() != 2 or src.dim() != 2 or dst.shape[0] != src.shape[0]:
         raise ValueError(
             f"dst {tuple(dst.shape)} and src {tuple(src.shape)}: expected 2-D, same rows"
