@@ -120,6 +120,11 @@ def _have_triton() -> bool:
     return triton_available()
 
 
+def _zero_fp8(region: torch.Tensor) -> None:
+    """Zero part of an fp8 buffer through its bytes: fp8 zero is the byte 0."""
+    region.view(torch.uint8).zero_()
+
+
 _EPS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -322,11 +327,10 @@ class Float8Run:
             # ("mat_b must be col_major"), where eager's buffer is always dense.
             return F.pad(matrix, (0, cols - c, 0, rows - r)).to(fp8).contiguous()
         buffer = torch.empty(rows, cols, dtype=fp8, device=source.device)
-        raw = buffer.view(torch.uint8)  # fp8 zero is the byte 0
         if c < cols:
-            raw[:, c:].zero_()
+            _zero_fp8(buffer[:, c:])
         if r < rows:
-            raw[r:, :c].zero_()
+            _zero_fp8(buffer[r:, :c])
         torch.mul(source, scale, out=unarrange(buffer[:r, :c]))
         return buffer
 
@@ -432,7 +436,7 @@ class Float8Run:
         buffer = torch.empty(height, round_up(m, FP8_ALIGNMENT), dtype=fp8, device=rows.device)
         pad_rows(buffer[:width], rows.t(), scale)  # zeros in columns M..M'-1
         if height > width:
-            buffer[width:].view(torch.uint8).zero_()  # fp8 zero is the byte 0
+            _zero_fp8(buffer[width:])
         return buffer
 
     def _gradient(self, dy, scale, transposed: bool) -> torch.Tensor:
@@ -477,7 +481,7 @@ class Float8Run:
         # dY^T[k, n*P + p] = dY[n, k, p]: per output channel, the samples' pixel rows.
         strided_copy(buffer[:, : g.m].view(g.k, g.n, -1), blocks.transpose(0, 1), scale)
         if m_padded > g.m:
-            buffer[:, g.m :].view(torch.uint8).zero_()  # fp8 zero is the byte 0
+            _zero_fp8(buffer[:, g.m :])
         return buffer
 
     # ---- forward --------------------------------------------------------------
