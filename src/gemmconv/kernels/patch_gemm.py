@@ -99,6 +99,7 @@ def _forward_kernel(
     CHANNELS_LAST_COLUMNS: tl.constexpr,
     RUN: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
+    GATHER_ALIGN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -110,7 +111,8 @@ def _forward_kernel(
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     kout = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     x_row, y_row = row_offsets(m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, YSN, YS1, YS2,
-                               YS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN)  # fmt: skip
+                               YS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN,
+                               GATHER_ALIGN)  # fmt: skip
     w_row = kout.to(tl.int64) * WLD
     if ROW_ALIGN > 0:
         w_row = tl.multiple_of(w_row, ROW_ALIGN)
@@ -121,7 +123,20 @@ def _forward_kernel(
     for k0 in range(0, KRED, BLOCK_K):
         kr = k0 + tl.arange(0, BLOCK_K)
         x_col, k_ok = column_offsets(
-            kr, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN
+            kr,
+            KRED,
+            C,
+            R1,
+            R2,
+            R3,
+            XSC,
+            XS1,
+            XS2,
+            XS3,
+            CHANNELS_LAST_COLUMNS,
+            RUN,
+            ROW_ALIGN,
+            GATHER_ALIGN,
         )
         a = tl.load(x_ptr + x_row[:, None] + x_col[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
@@ -145,6 +160,7 @@ def _wgrad_kernel(
     CHANNELS_LAST_COLUMNS: tl.constexpr,
     RUN: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
+    GATHER_ALIGN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -160,7 +176,20 @@ def _wgrad_kernel(
     dy_col = kout.to(tl.int64) * YSC
     n_ok = kout < KOUT
     x_col, k_ok = column_offsets(
-        kr, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN
+        kr,
+        KRED,
+        C,
+        R1,
+        R2,
+        R3,
+        XSC,
+        XS1,
+        XS2,
+        XS3,
+        CHANNELS_LAST_COLUMNS,
+        RUN,
+        ROW_ALIGN,
+        GATHER_ALIGN,
     )
     part_row = kout.to(tl.int64) * KRED
     if ROW_ALIGN > 0:
@@ -172,7 +201,8 @@ def _wgrad_kernel(
     for m0 in range(m_start, m_end, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M)
         x_row, dy_row = row_offsets(m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, YSN, YS1,
-                                    YS2, YS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN)  # fmt: skip
+                                    YS2, YS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN,
+                               GATHER_ALIGN)  # fmt: skip
         m_ok = m < m_end
         a = tl.load(dy_ptr + dy_col[:, None] + dy_row[None, :],
                     mask=n_ok[:, None] & m_ok[None, :], other=0.0)  # fmt: skip
@@ -194,6 +224,7 @@ def _dgrad_kernel(
     CHANNELS_LAST_COLUMNS: tl.constexpr,
     RUN: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
+    GATHER_ALIGN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -207,9 +238,23 @@ def _dgrad_kernel(
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     kr = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     x_row, dy_row = row_offsets(m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, YSN, YS1, YS2,
-                                YS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN)  # fmt: skip
+                                YS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN,
+                               GATHER_ALIGN)  # fmt: skip
     x_col, kr_ok = column_offsets(
-        kr, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN
+        kr,
+        KRED,
+        C,
+        R1,
+        R2,
+        R3,
+        XSC,
+        XS1,
+        XS2,
+        XS3,
+        CHANNELS_LAST_COLUMNS,
+        RUN,
+        ROW_ALIGN,
+        GATHER_ALIGN,
     )
     m_ok = m < M
 
@@ -259,6 +304,31 @@ def whole_row_alignment(g: PatchGeometry, element_size: int, *row_strides: int) 
     return vector_elements(element_size, g.reduction, sample_stride, *row_strides)
 
 
+def gather_alignment(g: PatchGeometry, element_size: int) -> int:
+    """GATHER_ALIGN for the general index map (ROW_ALIGN 0): the largest power of two,
+    up to 16 bytes' worth of elements, that divides the contiguous run (contiguous_run)
+    and every stride a patch or a run within it starts at, so that each aligned group
+    of that many columns is consecutive memory from an aligned offset; 0 where no run is
+    contiguous or the group would be one element. A spatial or channel stride along a
+    dimension of size one is never stepped over and does not count (torch leaves it
+    free); the sample stride always counts, as a masked row past the last sample steps
+    over it. It changes only how wide the loads are, never the order of the sums."""
+    run = contiguous_run(g)
+    sn, sc, s1, s2, s3 = g.strides
+    (o1, o2, o3), (r1, r2, _) = g.outs, g.kernel
+    if run == 0 or (sc if g.channels_last_columns else s3) != 1:
+        return 0
+    # (size, stride) of each step between patches or between runs within one: rows step
+    # by o1 and o2 (a window each) and by o3 (a run); runs by r1, r2 and, channels-first,
+    # by c (channels-last: c is inside the run).
+    steps = [(o1, r1 * s1), (o2, r2 * s2), (o3, run), (r1, s1), (r2, s2)]
+    if not g.channels_last_columns:
+        steps.append((g.c, sc))
+    strides = [sn, *(stride for size, stride in steps if size > 1)]
+    align = vector_elements(element_size, run, *strides)
+    return align if align > 1 else 0
+
+
 def vector_elements(element_size: int, *extents: int) -> int:
     """The largest power of two, up to 16 bytes' worth of elements, dividing every one
     of ``extents`` (in elements): the widest vector every row they describe loads in."""
@@ -283,6 +353,7 @@ def _tile_constants(
         "CHANNELS_LAST_COLUMNS": channels_last_columns,
         "RUN": contiguous_run(g),
         "ROW_ALIGN": row_align,
+        "GATHER_ALIGN": 0 if row_align else gather_alignment(g, dtype.itemsize),
         "INPUT_PRECISION": _precision(dtype, allow_tf32),
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n,
@@ -579,6 +650,7 @@ __all__ = [
     "backward_data_launch",
     "forward_launch",
     "forward_tiles",
+    "gather_alignment",
     "patch_gemm_backward_data",
     "patch_gemm_forward",
     "patch_gemm_weight_grad",

@@ -79,10 +79,12 @@ def _patch_columns(k, C, R1, R2, R3, SC, S1, S2, S3,
 
 def _row_offsets(m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, YSN, YS1, YS2, YS3,
                  CHANNELS_LAST_COLUMNS: tl.constexpr, RUN: tl.constexpr,
-                 ROW_ALIGN: tl.constexpr):  # fmt: skip
+                 ROW_ALIGN: tl.constexpr, GATHER_ALIGN: tl.constexpr):  # fmt: skip
     """(offset of each patch in x, offset of its pixel in y or dY) for rows ``m``. With
     ``ROW_ALIGN`` > 0 a patch is a whole dense sample: row m starts at m * XSN, a
-    multiple of ROW_ALIGN elements (kernels/patch_gemm.whole_row_alignment)."""
+    multiple of ROW_ALIGN elements (kernels/patch_gemm.whole_row_alignment). Otherwise
+    ``GATHER_ALIGN`` > 1 says every patch starts at a multiple of that many elements
+    (kernels/patch_gemm.gather_alignment)."""
     if ROW_ALIGN > 0:
         x_row = tl.multiple_of(m.to(tl.int64) * XSN, ROW_ALIGN)
         y_row = m.to(tl.int64) * YSN
@@ -90,6 +92,8 @@ def _row_offsets(m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, YSN, YS1, Y
         n, o1, o2, o3, x_row = patch_rows(
             m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN
         )
+        if GATHER_ALIGN > 1:
+            x_row = tl.multiple_of(x_row, GATHER_ALIGN)
         y_row = n * YSN + o1.to(tl.int64) * YS1 + o2.to(tl.int64) * YS2
         y_row += o3.to(tl.int64) * YS3
     return x_row, y_row
@@ -97,16 +101,24 @@ def _row_offsets(m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, YSN, YS1, Y
 
 def _column_offsets(k, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3,
                     CHANNELS_LAST_COLUMNS: tl.constexpr, RUN: tl.constexpr,
-                    ROW_ALIGN: tl.constexpr):  # fmt: skip
+                    ROW_ALIGN: tl.constexpr, GATHER_ALIGN: tl.constexpr):  # fmt: skip
     """(offset of columns ``k`` within a patch, whether they are below KRED). With
     ``ROW_ALIGN`` > 0 the offset is k itself and the test is made over groups of
-    ROW_ALIGN columns, so that it is constant over each aligned vector."""
+    ROW_ALIGN columns, so that it is constant over each aligned vector. With
+    ``GATHER_ALIGN`` > 1 each aligned group of that many columns is consecutive in
+    memory from a multiple of it (the host proved it: the run is a multiple of it, and
+    so are the strides between runs), which Triton cannot see through a run of 14 or
+    strides not divisible by 16; the test is made over those groups likewise."""
     if ROW_ALIGN > 0:
         offset = k
         inside = k // ROW_ALIGN < KRED // ROW_ALIGN
     else:
         offset = patch_columns(k, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN)
-        inside = k < KRED
+        if GATHER_ALIGN > 1:
+            offset = tl.max_contiguous(tl.multiple_of(offset, GATHER_ALIGN), GATHER_ALIGN)
+            inside = k // GATHER_ALIGN < KRED // GATHER_ALIGN
+        else:
+            inside = k < KRED
     return offset, inside
 
 
