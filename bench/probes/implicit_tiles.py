@@ -15,10 +15,13 @@ where ``ptx`` counts the compiled kernel's global loads by width (cp.async copie
 16, 8 and 4 bytes, and plain loads) and says whether it multiplies with wgmma: a
 gather whose alignment Triton cannot prove compiles to plain loads, not pipelined
 (CLIP-L/14's 14-pixel runs on an H100 at e1278fd). A forward row's lines follow one
-naming the tiles the library picks for it (patch_gemm.forward_tiles).
+naming the tiles the library picks for it (patch_gemm.forward_tiles). With
+``--gather-align-ab`` each configuration of a row whose runs the host proves aligned
+(patch_gemm.gather_alignment) is timed twice, with that proof and without it (the
+line's ``align`` field), so that the hint's effect is read within one run.
 
     PYTHONPATH=src python3 bench/probes/implicit_tiles.py [--cases vit_b16,...]
-        [--layouts cf,cl] [--directions fwd,wgrad] [--out FILE]
+        [--layouts cf,cl] [--directions fwd,wgrad] [--gather-align-ab] [--out FILE]
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from gemmconv.bench.suite import suite_cases
 from gemmconv.core.sizes import round_up
 from gemmconv.kernels import patch_gemm, split_programs
 from gemmconv.kernels.patch_gemm import TileConfig
+from gemmconv.kernels.patch_permute import PatchGeometry
 
 FORWARD_CONFIGS = (
     TileConfig(128, 128, 64, 8, 3),  # FORWARD_TILES at the time of writing
@@ -100,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="", help="comma list of suite case names (default all)")
     ap.add_argument("--layouts", default="cf,cl")
     ap.add_argument("--directions", default="fwd,wgrad")
+    ap.add_argument("--gather-align-ab", action="store_true")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     device = torch.device("cuda")
@@ -113,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 if all(r == 1 for r in case.full.kernel):
                     continue  # 1x1: the pointwise solvers' (no gather to put in the GEMM)
                 for layout in args.layouts.split(","):
-                    _sweep(direction, case, layout, device, out)
+                    _sweep(direction, case, layout, device, out, args.gather_align_ab)
     finally:
         patch_gemm.WGRAD_TILES.update(saved)
         patch_gemm._launches.clear()
@@ -122,16 +127,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _sweep(direction: str, case, layout: str, device: torch.device, out) -> None:
-    library_tiles = patch_gemm.forward_tiles
+def _sweep(direction: str, case, layout: str, device: torch.device, out, ab: bool) -> None:
+    library_tiles, proof = patch_gemm.forward_tiles, patch_gemm.gather_alignment
     try:
-        _sweep_row(direction, case, layout, device, out)
+        _sweep_row(direction, case, layout, device, out, proof, ab)
     finally:
-        patch_gemm.forward_tiles = library_tiles
+        patch_gemm.forward_tiles, patch_gemm.gather_alignment = library_tiles, proof
 
 
-def _sweep_row(direction: str, case, layout: str, device: torch.device, out) -> None:
+def _sweep_row(direction, case, layout, device, out, proof, ab: bool) -> None:
     x, w, y, outs = _operands(case, layout, device)
+    kernel, last = case.full.kernel, layout == "cl"
+    geometry = PatchGeometry.of(x, outs, kernel, last)
+    proved = proof(geometry, x.element_size())
+    for align in (proved, 0) if ab and proved else (proved,):
+        patch_gemm.gather_alignment = lambda *args, chosen=align: chosen
+        _time_configs(direction, case, layout, device, out, x, w, y, align)
+
+
+def _time_configs(direction, case, layout, device, out, x, w, y, align: int) -> None:
     kernel, last = case.full.kernel, layout == "cl"
     m, reduction, kout = y.numel() // case.full.k, w.shape[1], case.full.k
     wgrad = direction == "wgrad"
@@ -171,11 +185,11 @@ def _sweep_row(direction: str, case, layout: str, device: torch.device, out) -> 
             print(f"{direction} {case.name} {layout} {cfg}: {type(exc).__name__}", flush=True)
             continue
         tile = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-        print(f"{direction} {case.name} {layout} {tile} {us:.1f} {cublas:.1f} "
+        print(f"{direction} {case.name} {layout} {tile} align={align} {us:.1f} {cublas:.1f} "
               f"{cublas / us:.2f} {ptx}", flush=True)  # fmt: skip
         if out is not None:
             out.write(json.dumps({"direction": direction, "case": case.name, "layout": layout,
-                                  "tile": tile, "kernel_us": round(us, 2),
+                                  "tile": tile, "align": align, "kernel_us": round(us, 2),
                                   "cublas_us": round(cublas, 2), "ptx": ptx}) + "\n")  # fmt: skip
             out.flush()
 

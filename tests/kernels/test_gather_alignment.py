@@ -1,14 +1,26 @@
 """GATHER_ALIGN: what the host proves about the general index map's loads, so that
 Triton issues vector copies through runs it cannot see aligned itself (14 pixels,
-strides not divisible by 16). The hints change no value, so the kernels' CPU and GPU
-correctness tests cover it; this checks the proof."""
+strides not divisible by 16). The hints change no value, only how wide the loads are:
+this checks the proof, then the three kernels on geometries the proof aligns (and one
+whose pointer is not), against float64. Interpreted on the CPU the hints are no-ops and
+only the grouped masks are exercised; on CUDA (marker gpu) a wrong proof is a
+misaligned vector load, a wrong value or a fault."""
 
 from __future__ import annotations
 
+import math
+import zlib
+
 import pytest
 import torch
+import torch.nn.functional as F
 
-from gemmconv.kernels.patch_gemm import gather_alignment
+from gemmconv.kernels.patch_gemm import (
+    gather_alignment,
+    patch_gemm_backward_data,
+    patch_gemm_forward,
+    patch_gemm_weight_grad,
+)
 from gemmconv.kernels.patch_permute import PatchGeometry
 
 
@@ -62,3 +74,82 @@ def test_a_size_one_dimensions_free_stride_does_not_count():
     # The same stride read within a patch (a depth of two, kernel two) breaks it.
     y = torch.empty(2 * 800).as_strided((2, 3, 2, 16, 16), (800, 256, 7, 16, 1))
     assert gather_alignment(_geometry(y, (2, 8, 8), False), 2) == 0
+
+
+# (name, shape, kernel, channels-last memory and columns, whether the pointer is off by
+# one element): small forms of the rows above, each with the alignment it proves.
+KERNEL_CASES = [
+    ("vit cf: 8", (2, 3, 32, 32), (16, 16), False, False),
+    ("clip cf: runs of 14", (2, 3, 28, 42), (14, 14), False, False),
+    ("convnext cf: rows of 56", (2, 4, 4, 56), (2, 2), False, False),
+    ("wan cf 3d: rows of 104", (1, 4, 2, 4, 104), (1, 2, 2), False, False),
+    ("clip cl: runs of 42", (2, 3, 28, 28), (14, 14), True, False),
+    ("dit cl: runs of 8", (2, 4, 8, 8), (2, 2), True, False),
+    ("clip cf, pointer off by one", (2, 3, 28, 42), (14, 14), False, True),
+]
+
+
+def _operand(shape, channels_last, offset, dtype, device, seed):
+    """A random tensor of ``shape`` (channels-last if asked) whose data starts
+    ``offset`` elements into its storage."""
+    gen = torch.Generator().manual_seed(seed)
+    values = (torch.rand(shape, generator=gen) * 2 - 1).to(dtype)
+    if channels_last:
+        values = _cl(values)
+    storage = torch.full((values.numel() + offset,), float("nan"), dtype=dtype, device=device)
+    t = storage[offset:].as_strided(values.shape, values.stride())
+    return t.copy_(values)
+
+
+def _column_order(w: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """W [K, C, R..] as rows in the kernels' column order: (C, R..) or (R.., C)."""
+    return (w.movedim(1, -1) if channels_last else w).reshape(w.shape[0], -1)
+
+
+def _check_kernels(case, dtype, device) -> None:
+    name, shape, kernel, last, off = case
+    seed = zlib.crc32(repr((name, dtype)).encode())
+    x = _operand(shape, last, int(off), dtype, device, seed)
+    g = _geometry(x, kernel, last)
+    assert gather_alignment(g, x.element_size()) > 1 or off, name
+    k = 24
+    w = _operand((k, shape[1], *kernel), False, 0, dtype, device, seed + 1)
+    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[len(kernel)]
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = w.detach().double().requires_grad_(True)
+    ref = conv(x64, w64, stride=kernel)
+    dy = _operand(tuple(ref.shape), last, 0, dtype, device, seed + 2)
+    dx_ref, dw_ref = torch.autograd.grad(ref, (x64, w64), dy.double())
+    # fp32 without TF32 is exact to a few ulps; half precision rounds its output.
+    tol = 1e-4 if dtype == torch.float32 else 1.5e-2
+
+    def close(got, want):
+        scale = want.abs().max().item()
+        assert torch.allclose(got.double(), want, rtol=tol, atol=tol * scale), name
+
+    y = torch.full_like(ref, float("nan"), dtype=dtype)
+    if last:
+        y = _cl(y)
+    patch_gemm_forward(x, _column_order(w, last), None, kernel, last, out=y)
+    close(y, ref.detach())
+
+    dx = torch.full_like(x, float("nan"))
+    patch_gemm_backward_data(dy, _column_order(w, last), kernel, last, dx)
+    close(dx, dx_ref)
+
+    rows = patch_gemm_weight_grad(dy, x, kernel, last, splits=2)
+    close(rows, _column_order(dw_ref, last))
+    assert rows.shape == (k, math.prod(kernel) * shape[1])
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=[c[0] for c in KERNEL_CASES])
+def test_kernels_on_aligned_gathers_interpreted(case):
+    _check_kernels(case, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])  # fmt: skip
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=[c[0] for c in KERNEL_CASES])
+def test_kernels_on_aligned_gathers_on_cuda(case, dtype):
+    _check_kernels(case, dtype, torch.device("cuda"))

@@ -122,22 +122,8 @@ def _forward_kernel(
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     for k0 in range(0, KRED, BLOCK_K):
         kr = k0 + tl.arange(0, BLOCK_K)
-        x_col, k_ok = column_offsets(
-            kr,
-            KRED,
-            C,
-            R1,
-            R2,
-            R3,
-            XSC,
-            XS1,
-            XS2,
-            XS3,
-            CHANNELS_LAST_COLUMNS,
-            RUN,
-            ROW_ALIGN,
-            GATHER_ALIGN,
-        )
+        x_col, k_ok = column_offsets(kr, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3,
+            CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN, GATHER_ALIGN)  # fmt: skip
         a = tl.load(x_ptr + x_row[:, None] + x_col[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         b = tl.load(w_ptr + w_row[None, :] + kr[:, None],
@@ -175,22 +161,8 @@ def _wgrad_kernel(
     kr = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     dy_col = kout.to(tl.int64) * YSC
     n_ok = kout < KOUT
-    x_col, k_ok = column_offsets(
-        kr,
-        KRED,
-        C,
-        R1,
-        R2,
-        R3,
-        XSC,
-        XS1,
-        XS2,
-        XS3,
-        CHANNELS_LAST_COLUMNS,
-        RUN,
-        ROW_ALIGN,
-        GATHER_ALIGN,
-    )
+    x_col, k_ok = column_offsets(kr, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3,
+        CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN, GATHER_ALIGN)  # fmt: skip
     part_row = kout.to(tl.int64) * KRED
     if ROW_ALIGN > 0:
         part_row = tl.multiple_of(part_row, ROW_ALIGN)
@@ -202,7 +174,7 @@ def _wgrad_kernel(
         m = m0 + tl.arange(0, BLOCK_M)
         x_row, dy_row = row_offsets(m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, YSN, YS1,
                                     YS2, YS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN,
-                               GATHER_ALIGN)  # fmt: skip
+                                    GATHER_ALIGN)  # fmt: skip
         m_ok = m < m_end
         a = tl.load(dy_ptr + dy_col[:, None] + dy_row[None, :],
                     mask=n_ok[:, None] & m_ok[None, :], other=0.0)  # fmt: skip
@@ -239,23 +211,9 @@ def _dgrad_kernel(
     kr = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     x_row, dy_row = row_offsets(m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, YSN, YS1, YS2,
                                 YS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN,
-                               GATHER_ALIGN)  # fmt: skip
-    x_col, kr_ok = column_offsets(
-        kr,
-        KRED,
-        C,
-        R1,
-        R2,
-        R3,
-        XSC,
-        XS1,
-        XS2,
-        XS3,
-        CHANNELS_LAST_COLUMNS,
-        RUN,
-        ROW_ALIGN,
-        GATHER_ALIGN,
-    )
+                                GATHER_ALIGN)  # fmt: skip
+    x_col, kr_ok = column_offsets(kr, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3,
+        CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN, GATHER_ALIGN)  # fmt: skip
     m_ok = m < M
 
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
