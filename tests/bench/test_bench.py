@@ -150,7 +150,7 @@ def _stats(**changes):
 
     row = {
         "case": "a", "layout": "cf", "direction": "fwd", "dtype": "bf16", "api_ms": 1.0,
-        "vendor_api_ms": 2.0, "linear_api_ms": 2.0, "floor_ratio": 0.9,
+        "vendor_api_ms": 6.0, "linear_api_ms": 2.0, "floor_ratio": 0.9,
         "speedup_vs_vendor": 2.0, "speedup_vs_linear": 2.0, "immediate_gap": 0.0,
         "memory_ok": True, "gemmconv_ms": 1.0, "candidates": {}, **changes,
     }  # fmt: skip
@@ -160,19 +160,21 @@ def _stats(**changes):
 def test_targets_are_counted_and_each_miss_is_named():
     from gemmconv.bench.report import check_status, targets_line, unmet_targets
 
-    # api geomean, api rows, floor geomean, floor minimum, device rows, gaps, memory.
-    assert unmet_targets(_stats()) == (7, [])
-    checked, unmet = unmet_targets(_stats(floor_ratio=0.3, linear_api_ms=0.5))
-    assert checked == 7 and unmet == [
-        "api linear/gemmconv geomean 0.500 < 1.5",
+    # api geomeans (rewrite, cuDNN), api rows, floor geomean, floor minimum, device rows,
+    # gaps, memory.
+    assert unmet_targets(_stats()) == (8, [])
+    checked, unmet = unmet_targets(_stats(floor_ratio=0.3, linear_api_ms=0.5, vendor_api_ms=4.0))
+    assert checked == 8 and unmet == [
+        "api linear/gemmconv geomean 0.500 < 1.6",
+        "api vendor/gemmconv geomean 4.000 < 5.0",
         "1 row(s) under 0.97 x vendor or x linear (api)",
-        "floor/gemmconv geomean 0.300 < 0.6",
+        "floor/gemmconv geomean 0.300 < 0.7",
         "floor/gemmconv minimum 0.300 < 0.4",
     ]
     assert targets_line(checked, unmet, quick=False) == (
-        "targets: 4 of 7 NOT met: " + "; ".join(unmet)
+        "targets: 5 of 8 NOT met: " + "; ".join(unmet)
     )
-    assert targets_line(7, [], quick=False) == "targets: all 7 met"
+    assert targets_line(8, [], quick=False) == "targets: all 8 met"
     assert targets_line(0, [], quick=False) == "targets: none checked (no rows ran)"
     assert [check_status(7, []), check_status(7, unmet), check_status(0, [])] == [0, 1, 1]
 
