@@ -332,13 +332,12 @@ def markdown(results: dict, stats: dict) -> str:
     if g is None:
         lines.append(f"- no rows were run: {_no_rows_reason(results)}")
     if stats["api_rows"]:
-        linear = stats["api_linear_geomean"]
+        linear, vendor = stats["api_linear_geomean"], stats["api_vendor_geomean"]
         lines.append(
             "- what users pay (api_ms): geometric mean of linear/gemmconv "
             + ("n/a" if linear is None else f"{linear:.3f}")
             + f" (target >= {API_LINEAR_GEOMEAN}), of cuDNN/gemmconv "
-            + ("n/a" if stats["api_vendor_geomean"] is None
-               else f"{stats['api_vendor_geomean']:.3f}")  # fmt: skip
+            + ("n/a" if vendor is None else f"{vendor:.3f}")
             + f" (target >= {API_VENDOR_GEOMEAN})"
         )
         slower = stats["api_slower_than_vendor_or_linear"]
