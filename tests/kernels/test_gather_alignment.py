@@ -153,3 +153,23 @@ def test_kernels_on_aligned_gathers_interpreted(case):
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=[c[0] for c in KERNEL_CASES])
 def test_kernels_on_aligned_gathers_on_cuda(case, dtype):
     _check_kernels(case, dtype, torch.device("cuda"))
+
+
+@pytest.mark.parametrize(
+    ("shape", "kernel", "row_stride", "row_align", "expected"),
+    [
+        ((1, 3, 14, 14), (14, 14), 588, 0, 4),  # CLIP-L/14's 588: 8-byte rows
+        ((1, 3, 14, 14), (14, 14), 592, 0, 4),  # padded rows keep the reduction's vector
+        ((1, 3, 16, 16), (16, 16), 768, 0, 8),  # ViT-B/16: 16-byte rows
+        ((1, 3, 5, 5), (5, 5), 75, 0, 1),  # an odd reduction: element loads
+        ((1, 3, 2, 14, 14), (2, 14, 14), 1184, 8, 8),  # the whole-row form's is W's too
+    ],
+)
+def test_weight_rows_load_in_the_vector_the_reduction_and_stride_allow(
+    shape, kernel, row_stride, row_align, expected
+):
+    from gemmconv.kernels.patch_gemm import _weight_alignment
+
+    g = _geometry(torch.empty(shape), kernel, False)
+    rows = torch.empty(4, row_stride, dtype=torch.bfloat16)[:, : g.reduction]
+    assert _weight_alignment(g, rows, row_align) == expected

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from gemmconv.kernels.launch import LaunchCache, PreparedLaunch, TensorSlot
-from gemmconv.kernels.patch_index import column_offsets, row_offsets
+from gemmconv.kernels.patch_index import below, column_offsets, gathered, row_offsets
 from gemmconv.kernels.patch_permute import PatchGeometry, contiguous_run
 from gemmconv.kernels.program_order import grouped_tile
 
@@ -95,6 +95,7 @@ def _forward_kernel(
     XSN, XSC, XS1, XS2, XS3,
     YSN, YSC, YS1, YS2, YS3,
     WLD, BS,
+    W_ALIGN: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     CHANNELS_LAST_COLUMNS: tl.constexpr,
     RUN: tl.constexpr,
@@ -111,11 +112,10 @@ def _forward_kernel(
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     kout = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     x_row, y_row = row_offsets(m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, YSN, YS1, YS2,
-                               YS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN,
-                               GATHER_ALIGN)  # fmt: skip
+                               YS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN)  # fmt: skip
     w_row = kout.to(tl.int64) * WLD
-    if ROW_ALIGN > 0:
-        w_row = tl.multiple_of(w_row, ROW_ALIGN)
+    if W_ALIGN > 1:
+        w_row = tl.multiple_of(w_row, W_ALIGN)
     m_ok = m < M
     n_ok = kout < KOUT
 
@@ -124,10 +124,10 @@ def _forward_kernel(
         kr = k0 + tl.arange(0, BLOCK_K)
         x_col, k_ok = column_offsets(kr, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3,
             CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN, GATHER_ALIGN)  # fmt: skip
-        a = tl.load(x_ptr + x_row[:, None] + x_col[None, :],
+        a = tl.load(x_ptr + gathered(x_row, x_col, GATHER_ALIGN),
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         b = tl.load(w_ptr + w_row[None, :] + kr[:, None],
-                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
+                    mask=below(kr, KRED, W_ALIGN)[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
     if HAS_BIAS:
@@ -173,12 +173,11 @@ def _wgrad_kernel(
     for m0 in range(m_start, m_end, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M)
         x_row, dy_row = row_offsets(m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, YSN, YS1,
-                                    YS2, YS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN,
-                                    GATHER_ALIGN)  # fmt: skip
+                                    YS2, YS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN)  # fmt: skip
         m_ok = m < m_end
         a = tl.load(dy_ptr + dy_col[:, None] + dy_row[None, :],
                     mask=n_ok[:, None] & m_ok[None, :], other=0.0)  # fmt: skip
-        b = tl.load(x_ptr + x_row[:, None] + x_col[None, :],
+        b = tl.load(x_ptr + gathered(x_row, x_col, GATHER_ALIGN),
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
@@ -193,6 +192,7 @@ def _dgrad_kernel(
     XSN, XSC, XS1, XS2, XS3,
     YSN, YSC, YS1, YS2, YS3,
     WLD,
+    W_ALIGN: tl.constexpr,
     CHANNELS_LAST_COLUMNS: tl.constexpr,
     RUN: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
@@ -210,8 +210,7 @@ def _dgrad_kernel(
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     kr = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     x_row, dy_row = row_offsets(m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, YSN, YS1, YS2,
-                                YS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN,
-                                GATHER_ALIGN)  # fmt: skip
+                                YS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN)  # fmt: skip
     x_col, kr_ok = column_offsets(kr, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3,
         CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN, GATHER_ALIGN)  # fmt: skip
     m_ok = m < M
@@ -223,14 +222,14 @@ def _dgrad_kernel(
         a = tl.load(dy_ptr + dy_row[:, None] + kout[None, :].to(tl.int64) * YSC,
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         w_row = kout.to(tl.int64) * WLD
-        if ROW_ALIGN > 0:
-            w_row = tl.multiple_of(w_row, ROW_ALIGN)
+        if W_ALIGN > 1:
+            w_row = tl.multiple_of(w_row, W_ALIGN)
         b = tl.load(w_ptr + w_row[:, None] + kr[None, :],
-                    mask=k_ok[:, None] & kr_ok[None, :], other=0.0)  # fmt: skip
+                    mask=k_ok[:, None] & below(kr, KRED, W_ALIGN)[None, :], other=0.0)  # fmt: skip
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
     out = acc.to(dx_ptr.dtype.element_ty)
-    tl.store(dx_ptr + x_row[:, None] + x_col[None, :], out,
+    tl.store(dx_ptr + gathered(x_row, x_col, GATHER_ALIGN), out,
              mask=m_ok[:, None] & kr_ok[None, :])  # fmt: skip
 
 
@@ -285,6 +284,16 @@ def gather_alignment(g: PatchGeometry, element_size: int) -> int:
     strides = [sn, *(stride for size, stride in steps if size > 1)]
     align = vector_elements(element_size, run, *strides)
     return align if align > 1 else 0
+
+
+def _weight_alignment(g: PatchGeometry, weight_rows: torch.Tensor, row_align: int) -> int:
+    """W_ALIGN: the vector, in elements, that W's dense rows load in (the whole-row
+    alignment where there is one): the largest power of two up to 16 bytes dividing the
+    reduction and the row stride. Triton cannot see it where the reduction is not a
+    multiple of 16 (588 proves 4: 8-byte loads where it compiled 2-byte ones)."""
+    return row_align or vector_elements(
+        weight_rows.element_size(), g.reduction, weight_rows.stride(0)
+    )
 
 
 def vector_elements(element_size: int, *extents: int) -> int:
@@ -386,6 +395,7 @@ def forward_launch(
     )  # fmt: skip
     constants = {
         **_tile_constants(g, cfg, x.dtype, channels_last_columns, allow_tf32, row_align),
+        "W_ALIGN": _weight_alignment(g, weight_rows, row_align),
         "HAS_BIAS": bias is not None,
         "GROUP_M": 8,
     }
@@ -479,7 +489,10 @@ def backward_data_launch(
         *_output_strides(grad_output), weight_rows.stride(0),
     )  # fmt: skip
     row_align = whole_row_alignment(g, dx.element_size(), weight_rows.stride(0))
-    constants = _tile_constants(g, cfg, dx.dtype, channels_last_columns, allow_tf32, row_align)
+    constants = {
+        **_tile_constants(g, cfg, dx.dtype, channels_last_columns, allow_tf32, row_align),
+        "W_ALIGN": _weight_alignment(g, weight_rows, row_align),
+    }
     return PreparedLaunch(_dgrad_kernel, grid, args, constants, cfg.launch_options(),
                           device, {"do_not_specialize": _FORWARD_ARGS})  # fmt: skip
 

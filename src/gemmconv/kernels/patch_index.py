@@ -79,12 +79,10 @@ def _patch_columns(k, C, R1, R2, R3, SC, S1, S2, S3,
 
 def _row_offsets(m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, YSN, YS1, YS2, YS3,
                  CHANNELS_LAST_COLUMNS: tl.constexpr, RUN: tl.constexpr,
-                 ROW_ALIGN: tl.constexpr, GATHER_ALIGN: tl.constexpr):  # fmt: skip
+                 ROW_ALIGN: tl.constexpr):  # fmt: skip
     """(offset of each patch in x, offset of its pixel in y or dY) for rows ``m``. With
     ``ROW_ALIGN`` > 0 a patch is a whole dense sample: row m starts at m * XSN, a
-    multiple of ROW_ALIGN elements (kernels/patch_gemm.whole_row_alignment). Otherwise
-    ``GATHER_ALIGN`` > 1 says every patch starts at a multiple of that many elements
-    (kernels/patch_gemm.gather_alignment)."""
+    multiple of ROW_ALIGN elements (kernels/patch_gemm.whole_row_alignment)."""
     if ROW_ALIGN > 0:
         x_row = tl.multiple_of(m.to(tl.int64) * XSN, ROW_ALIGN)
         y_row = m.to(tl.int64) * YSN
@@ -92,8 +90,6 @@ def _row_offsets(m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, YSN, YS1, Y
         n, o1, o2, o3, x_row = patch_rows(
             m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN
         )
-        if GATHER_ALIGN > 1:
-            x_row = tl.multiple_of(x_row, GATHER_ALIGN)
         y_row = n * YSN + o1.to(tl.int64) * YS1 + o2.to(tl.int64) * YS2
         y_row += o3.to(tl.int64) * YS3
     return x_row, y_row
@@ -103,23 +99,36 @@ def _column_offsets(k, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3,
                     CHANNELS_LAST_COLUMNS: tl.constexpr, RUN: tl.constexpr,
                     ROW_ALIGN: tl.constexpr, GATHER_ALIGN: tl.constexpr):  # fmt: skip
     """(offset of columns ``k`` within a patch, whether they are below KRED). With
-    ``ROW_ALIGN`` > 0 the offset is k itself and the test is made over groups of
-    ROW_ALIGN columns, so that it is constant over each aligned vector. With
-    ``GATHER_ALIGN`` > 1 each aligned group of that many columns is consecutive in
-    memory from a multiple of it (the host proved it: the run is a multiple of it, and
-    so are the strides between runs), which Triton cannot see through a run of 14 or
-    strides not divisible by 16; the test is made over those groups likewise."""
+    ``ROW_ALIGN`` > 0 the offset is k itself. The test is made over aligned groups of
+    ROW_ALIGN or GATHER_ALIGN columns, so that it is constant over each vector."""
     if ROW_ALIGN > 0:
-        offset = k
-        inside = k // ROW_ALIGN < KRED // ROW_ALIGN
-    else:
-        offset = patch_columns(k, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN)
-        if GATHER_ALIGN > 1:
-            offset = tl.max_contiguous(tl.multiple_of(offset, GATHER_ALIGN), GATHER_ALIGN)
-            inside = k // GATHER_ALIGN < KRED // GATHER_ALIGN
-        else:
-            inside = k < KRED
-    return offset, inside
+        return k, below(k, KRED, ROW_ALIGN)
+    offset = patch_columns(k, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN)
+    return offset, below(k, KRED, GATHER_ALIGN)
+
+
+def _below(k, KRED, ALIGN: tl.constexpr):
+    """k < KRED, tested over groups of ALIGN columns (KRED is a multiple of ALIGN) so that
+    Triton sees it constant over each ALIGN-wide vector; it cannot see that through a
+    KRED it does not know to be a multiple of 16 (588: CLIP-L/14, Qwen2-VL)."""
+    if ALIGN > 1:
+        return k // ALIGN < KRED // ALIGN
+    return k < KRED
+
+
+def _gathered(x_row, x_col, GATHER_ALIGN: tl.constexpr):
+    """x_row[:, None] + x_col[None, :]: the offsets of a tile of patch columns. With
+    GATHER_ALIGN > 1 (kernels/patch_gemm.gather_alignment) each aligned group of that many
+    columns is consecutive memory from a multiple of it, which the host proved and
+    Triton cannot see through a run of 14 or a stride not divisible by 16 (ConvNeXt's 56,
+    Wan 2.1's 104). The hint is put on the 2-D offsets: on the 1-D ones Triton 3.8 lost it
+    through the add for ConvNeXt's and Wan 2.1's channels-first gathers (2-byte loads in
+    the compiled kernel, 4-byte copies with it here)."""
+    offsets = x_row[:, None] + x_col[None, :]
+    if GATHER_ALIGN > 1:
+        offsets = tl.multiple_of(offsets, [GATHER_ALIGN, GATHER_ALIGN])
+        offsets = tl.max_contiguous(offsets, [1, GATHER_ALIGN])
+    return offsets
 
 
 def _mixed_radix_digits(k, B0, B1, B2):
@@ -135,6 +144,16 @@ patch_rows = DeviceHelper(_patch_rows)
 patch_columns = DeviceHelper(_patch_columns)
 mixed_radix_digits = DeviceHelper(_mixed_radix_digits)
 row_offsets = DeviceHelper(_row_offsets)
+below = DeviceHelper(_below)
 column_offsets = DeviceHelper(_column_offsets)
+gathered = DeviceHelper(_gathered)
 
-__all__ = ["DeviceHelper", "column_offsets", "patch_columns", "patch_rows", "row_offsets"]
+__all__ = [
+    "DeviceHelper",
+    "below",
+    "column_offsets",
+    "gathered",
+    "patch_columns",
+    "patch_rows",
+    "row_offsets",
+]
