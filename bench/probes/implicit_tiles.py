@@ -16,9 +16,10 @@ where ``ptx`` counts the compiled kernel's global loads by width (cp.async copie
 gather whose alignment Triton cannot prove compiles to plain loads, not pipelined
 (CLIP-L/14's 14-pixel runs on an H100 at e1278fd). A forward row's lines follow one
 naming the tiles the library picks for it (patch_gemm.forward_tiles). With
-``--gather-align-ab`` each configuration of a row whose runs the host proves aligned
-(patch_gemm.gather_alignment) is timed twice, with that proof and without it (the
-line's ``align`` field), so that the hint's effect is read within one run.
+``--gather-align-ab`` each configuration of a row is timed twice: with the alignment
+hints the host proves (patch_gemm.gather_alignment for the gather, _weight_alignment
+for W's rows; ``align`` is the gather's) and with neither (``align=0``), so that
+their effect is read within one run.
 
     PYTHONPATH=src python3 bench/probes/implicit_tiles.py [--cases vit_b16,...]
         [--layouts cf,cl] [--directions fwd,wgrad] [--gather-align-ab] [--out FILE]
@@ -129,10 +130,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _sweep(direction: str, case, layout: str, device: torch.device, out, ab: bool) -> None:
     library_tiles, proof = patch_gemm.forward_tiles, patch_gemm.gather_alignment
+    weight_proof = patch_gemm._weight_alignment
     try:
         _sweep_row(direction, case, layout, device, out, proof, ab)
     finally:
         patch_gemm.forward_tiles, patch_gemm.gather_alignment = library_tiles, proof
+        patch_gemm._weight_alignment = weight_proof
 
 
 def _sweep_row(direction, case, layout, device, out, proof, ab: bool) -> None:
@@ -140,8 +143,11 @@ def _sweep_row(direction, case, layout, device, out, proof, ab: bool) -> None:
     kernel, last = case.full.kernel, layout == "cl"
     geometry = PatchGeometry.of(x, outs, kernel, last)
     proved = proof(geometry, x.element_size())
-    for align in (proved, 0) if ab and proved else (proved,):
+    weight_proof = patch_gemm._weight_alignment
+    for hinted in (True, False) if ab else (True,):
+        align = proved if hinted else 0
         patch_gemm.gather_alignment = lambda *args, chosen=align: chosen
+        patch_gemm._weight_alignment = weight_proof if hinted else lambda g, w, row: row
         _time_configs(direction, case, layout, device, out, x, w, y, align)
 
 
