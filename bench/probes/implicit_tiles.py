@@ -19,7 +19,7 @@ naming the tiles the library picks for it (patch_gemm.forward_tiles). With
 ``--gather-align-ab`` each configuration of a row is timed twice: with the alignment
 hints the host proves (patch_gemm.gather_alignment for the gather, _weight_alignment
 for W's rows; ``align`` is the gather's) and with neither (``align=0``), so that
-their effect is read within one run.
+their effect is read within one run (the ``hints`` field).
 
     PYTHONPATH=src python3 bench/probes/implicit_tiles.py [--cases vit_b16,...]
         [--layouts cf,cl] [--directions fwd,wgrad] [--gather-align-ab] [--out FILE]
@@ -148,10 +148,11 @@ def _sweep_row(direction, case, layout, device, out, proof, ab: bool) -> None:
         align = proved if hinted else 0
         patch_gemm.gather_alignment = lambda *args, chosen=align: chosen
         patch_gemm._weight_alignment = weight_proof if hinted else lambda g, w, row: row
-        _time_configs(direction, case, layout, device, out, x, w, y, align)
+        label = f"align={align}" + ("" if hinted else " (no hints)")
+        _time_configs(direction, case, layout, device, out, x, w, y, label)
 
 
-def _time_configs(direction, case, layout, device, out, x, w, y, align: int) -> None:
+def _time_configs(direction, case, layout, device, out, x, w, y, hints: str) -> None:
     kernel, last = case.full.kernel, layout == "cl"
     m, reduction, kout = y.numel() // case.full.k, w.shape[1], case.full.k
     wgrad = direction == "wgrad"
@@ -191,11 +192,11 @@ def _time_configs(direction, case, layout, device, out, x, w, y, align: int) -> 
             print(f"{direction} {case.name} {layout} {cfg}: {type(exc).__name__}", flush=True)
             continue
         tile = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-        print(f"{direction} {case.name} {layout} {tile} align={align} {us:.1f} {cublas:.1f} "
+        print(f"{direction} {case.name} {layout} {tile} {hints} {us:.1f} {cublas:.1f} "
               f"{cublas / us:.2f} {ptx}", flush=True)  # fmt: skip
         if out is not None:
             out.write(json.dumps({"direction": direction, "case": case.name, "layout": layout,
-                                  "tile": tile, "align": align, "kernel_us": round(us, 2),
+                                  "tile": tile, "hints": hints, "kernel_us": round(us, 2),
                                   "cublas_us": round(cublas, 2), "ptx": ptx}) + "\n")  # fmt: skip
             out.flush()
 
