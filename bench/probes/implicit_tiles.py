@@ -18,7 +18,7 @@ gather whose alignment Triton cannot prove compiles to plain loads, not pipeline
 naming the tiles the library picks for it (patch_gemm.forward_tiles). With
 ``--gather-align-ab`` each configuration of a row is timed twice: with the alignment
 hints the host proves (patch_gemm.gather_alignment for the gather, _weight_alignment
-for W's rows; ``align`` is the gather's) and with neither (``align=0``), so that
+for W's rows; ``align`` is the gather's) and with neither (``no hints``), so that
 their effect is read within one run (the ``hints`` field).
 
     PYTHONPATH=src python3 bench/probes/implicit_tiles.py [--cases vit_b16,...]
