@@ -21,8 +21,15 @@ hints the host proves (patch_gemm.gather_alignment for the gather, _weight_align
 for W's rows; ``align`` is the gather's) and with neither (``no hints``), so that
 their effect is read within one run (the ``hints`` field).
 
+With ``--offline`` nothing runs: each row's forward kernel, with the tiles the library
+picks, is compiled for sm_90 on this machine (no GPU needed: Triton's own ptxas) with
+the hints and without, and its load widths printed. The run at f489b52 (Triton 3.8)
+showed every channels-first gather pipelined with the hints, where CLIP-L/14's and
+ConvNeXt's and Wan 2.1's compiled to 2-byte plain loads without.
+
     PYTHONPATH=src python3 bench/probes/implicit_tiles.py [--cases vit_b16,...]
-        [--layouts cf,cl] [--directions fwd,wgrad] [--gather-align-ab] [--out FILE]
+        [--layouts cf,cl] [--directions fwd,wgrad] [--gather-align-ab] [--offline]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -89,7 +96,10 @@ def _cublas_us(m: int, k: int, n: int, device: torch.device, wgrad: bool) -> flo
 def _ptx_summary(launch, tensors) -> str:
     """What the compiled kernel loads and multiplies with (see the docstring)."""
     compiled = launch._ordinary(tensors)
-    ptx = getattr(compiled, "asm", {}).get("ptx", "")
+    return _load_widths(getattr(compiled, "asm", {}).get("ptx", ""))
+
+
+def _load_widths(ptx: str) -> str:
     sizes = re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*?,\s*(0x[0-9a-f]+|\d+)\s*[,;]", ptx)
     widths = {16: 0, 8: 0, 4: 0}
     for size in sizes:
@@ -106,8 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", default="cf,cl")
     ap.add_argument("--directions", default="fwd,wgrad")
     ap.add_argument("--gather-align-ab", action="store_true")
+    ap.add_argument("--offline", action="store_true")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
+    if args.offline:
+        return _offline([c for c in args.cases.split(",") if c] or None, args.layouts)
     device = torch.device("cuda")
     names = [c for c in args.cases.split(",") if c] or None
     out = open(args.out, "a") if args.out else None  # noqa: SIM115 (appended line by line)
@@ -199,6 +212,62 @@ def _time_configs(direction, case, layout, device, out, x, w, y, hints: str) -> 
                                   "tile": tile, "hints": hints, "kernel_us": round(us, 2),
                                   "cublas_us": round(cublas, 2), "ptx": ptx}) + "\n")  # fmt: skip
             out.flush()
+
+
+def _offline(names, layouts: str) -> int:
+    """Compile each forward row for sm_90 here and print its load widths (--offline)."""
+    for case in suite_cases(names):
+        if all(r == 1 for r in case.full.kernel):
+            continue
+        for layout in layouts.split(","):
+            x, w, y, _ = _operands(case, layout, torch.device("meta"))
+            launch = patch_gemm.forward_launch(
+                x, w, None, case.full.kernel, layout == "cl", y, False, torch.device("cpu")
+            )
+            hinted = dict(launch.constants)
+            plain = {**hinted, "GATHER_ALIGN": 0, "W_ALIGN": hinted["ROW_ALIGN"]}
+            for name, constants in (("hints", hinted), ("no hints", plain)):
+                ptx = _compile_for_sm90(launch, constants, (x, w, None, y))
+                aligns = f"GATHER_ALIGN={constants['GATHER_ALIGN']} W_ALIGN={constants['W_ALIGN']}"
+                print(f"fwd {case.name} {layout} {name} {aligns}: {_load_widths(ptx)}", flush=True)
+    return 0
+
+
+def _compile_for_sm90(launch, constants: dict, tensors) -> str:
+    """The PTX of ``launch``'s kernel for sm_90, its arguments specialised as Triton's
+    launcher would (16-byte aligned tensors; integers of 1 and multiples of 16 unless
+    not specialised), compiled without a device."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from gemmconv.kernels.launch import TensorSlot
+
+    fn = launch.kernel.fn
+    free = set(patch_gemm._SIZES) | {"M_PER_SPLIT"}
+    names = list(inspect.signature(fn).parameters)
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(names):
+        value = launch.args[i] if i < len(launch.args) else constants[name]
+        if i >= len(launch.args):
+            signature[name], constexprs[(i,)] = "constexpr", value
+        elif isinstance(value, TensorSlot):
+            tensor = tensors[value.index] if tensors[value.index] is not None else tensors[0]
+            signature[name] = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+                tensor.dtype, "fp32"
+            )
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name not in free and value == 1:
+            signature[name], constexprs[(i,)] = "constexpr", 1
+        else:
+            signature[name] = "i64" if abs(value) >= 2**31 else "i32"
+            if name not in free and value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(triton.jit(fn), signature, constexprs, attrs)
+    options = {k: v for k, v in launch.options.items() if k in ("num_warps", "num_stages")}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
 if __name__ == "__main__":
