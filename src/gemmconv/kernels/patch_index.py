@@ -101,10 +101,15 @@ def _column_offsets(k, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3,
     """(offset of columns ``k`` within a patch, whether they are below KRED). With
     ``ROW_ALIGN`` > 0 the offset is k itself. The test is made over aligned groups of
     ROW_ALIGN or GATHER_ALIGN columns, so that it is constant over each vector."""
+    # One return: Triton compiles every return of a device function to one type, and
+    # the two offsets differ (int32 k, int64 strided).
     if ROW_ALIGN > 0:
-        return k, below(k, KRED, ROW_ALIGN)
-    offset = patch_columns(k, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN)
-    return offset, below(k, KRED, GATHER_ALIGN)
+        offset = k
+        inside = below(k, KRED, ROW_ALIGN)
+    else:
+        offset = patch_columns(k, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN)
+        inside = below(k, KRED, GATHER_ALIGN)
+    return offset, inside
 
 
 def _below(k, KRED, ALIGN: tl.constexpr):
