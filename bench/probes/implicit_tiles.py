@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 
 import torch
 from triton.testing import do_bench
@@ -45,6 +44,7 @@ from triton.testing import do_bench
 from gemmconv.bench.suite import suite_cases
 from gemmconv.core.sizes import round_up
 from gemmconv.kernels import patch_gemm, split_programs
+from gemmconv.kernels.offline import load_widths, sm90_ptx
 from gemmconv.kernels.patch_gemm import TileConfig
 from gemmconv.kernels.patch_permute import PatchGeometry
 
@@ -100,14 +100,9 @@ def _ptx_summary(launch, tensors) -> str:
 
 
 def _load_widths(ptx: str) -> str:
-    sizes = re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*?,\s*(0x[0-9a-f]+|\d+)\s*[,;]", ptx)
-    widths = {16: 0, 8: 0, 4: 0}
-    for size in sizes:
-        value = int(size, 0)
-        widths[value] = widths.get(value, 0) + 1
-    plain = len(re.findall(r"\bld\.global", ptx))
-    return (f"cp16={widths[16]} cp8={widths[8]} cp4={widths[4]} ld={plain} "
-            f"wgmma={'yes' if 'wgmma' in ptx else 'no'}")  # fmt: skip
+    w = load_widths(ptx)
+    return (f"cp16={w['cp16']} cp8={w['cp8']} cp4={w['cp4']} ld={w['ld']} "
+            f"wgmma={'yes' if w['wgmma'] else 'no'}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,47 +222,10 @@ def _offline(names, layouts: str) -> int:
             hinted = dict(launch.constants)
             plain = {**hinted, "GATHER_ALIGN": 0, "W_ALIGN": hinted["ROW_ALIGN"]}
             for name, constants in (("hints", hinted), ("no hints", plain)):
-                ptx = _compile_for_sm90(launch, constants, (x, w, None, y))
+                ptx = sm90_ptx(launch, (x, w, None, y), constants)
                 aligns = f"GATHER_ALIGN={constants['GATHER_ALIGN']} W_ALIGN={constants['W_ALIGN']}"
                 print(f"fwd {case.name} {layout} {name} {aligns}: {_load_widths(ptx)}", flush=True)
     return 0
-
-
-def _compile_for_sm90(launch, constants: dict, tensors) -> str:
-    """The PTX of ``launch``'s kernel for sm_90, its arguments specialised as Triton's
-    launcher would (16-byte aligned tensors; integers of 1 and multiples of 16 unless
-    not specialised), compiled without a device."""
-    import inspect
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from gemmconv.kernels.launch import TensorSlot
-
-    fn = launch.kernel.fn
-    free = set(patch_gemm._SIZES) | {"M_PER_SPLIT"}
-    names = list(inspect.signature(fn).parameters)
-    signature, constexprs, attrs = {}, {}, {}
-    for i, name in enumerate(names):
-        value = launch.args[i] if i < len(launch.args) else constants[name]
-        if i >= len(launch.args):
-            signature[name], constexprs[(i,)] = "constexpr", value
-        elif isinstance(value, TensorSlot):
-            tensor = tensors[value.index] if tensors[value.index] is not None else tensors[0]
-            signature[name] = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
-                tensor.dtype, "fp32"
-            )
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name not in free and value == 1:
-            signature[name], constexprs[(i,)] = "constexpr", 1
-        else:
-            signature[name] = "i64" if abs(value) >= 2**31 else "i32"
-            if name not in free and value % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    source = ASTSource(triton.jit(fn), signature, constexprs, attrs)
-    options = {k: v for k, v in launch.options.items() if k in ("num_warps", "num_stages")}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
 if __name__ == "__main__":

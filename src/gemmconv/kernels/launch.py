@@ -81,6 +81,7 @@ class PreparedLaunch:
         jit_options: dict[str, object] | None = None,
     ) -> None:
         self.kernel = compiled(fn, device, **(jit_options or {}))
+        self.jit_options = dict(jit_options or {})
         self.grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         self.args = list(args)
         self.constants = constants
