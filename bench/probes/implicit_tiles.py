@@ -15,21 +15,14 @@ where ``ptx`` counts the compiled kernel's global loads by width (cp.async copie
 16, 8 and 4 bytes, and plain loads) and says whether it multiplies with wgmma: a
 gather whose alignment Triton cannot prove compiles to plain loads, not pipelined
 (CLIP-L/14's 14-pixel runs on an H100 at e1278fd). A forward row's lines follow one
-naming the tiles the library picks for it (patch_gemm.forward_tiles). With
-``--gather-align-ab`` each configuration of a row is timed twice: with the alignment
-hints the host proves (patch_gemm.gather_alignment for the gather, _weight_alignment
-for W's rows; ``align`` is the gather's) and with neither (``no hints``), so that
-their effect is read within one run (the ``hints`` field).
+naming the tiles the library picks for it (patch_gemm.forward_tiles).
 
 With ``--offline`` nothing runs: each row's forward kernel, with the tiles the library
-picks, is compiled for sm_90 on this machine (no GPU needed: Triton's own ptxas) with
-the hints and without, and its load widths printed. The run at f489b52 (Triton 3.8)
-showed every channels-first gather pipelined with the hints, where CLIP-L/14's and
-ConvNeXt's and Wan 2.1's compiled to 2-byte plain loads without.
+picks, is compiled for sm_90 on this machine (no GPU needed: Triton's own ptxas,
+kernels/offline.py) and its load widths printed.
 
     PYTHONPATH=src python3 bench/probes/implicit_tiles.py [--cases vit_b16,...]
-        [--layouts cf,cl] [--directions fwd,wgrad] [--gather-align-ab] [--offline]
-        [--out FILE]
+        [--layouts cf,cl] [--directions fwd,wgrad] [--offline] [--out FILE]
 """
 
 from __future__ import annotations
@@ -46,7 +39,6 @@ from gemmconv.core.sizes import round_up
 from gemmconv.kernels import patch_gemm, split_programs
 from gemmconv.kernels.offline import load_widths, sm90_ptx
 from gemmconv.kernels.patch_gemm import TileConfig
-from gemmconv.kernels.patch_permute import PatchGeometry
 
 FORWARD_CONFIGS = (
     TileConfig(128, 128, 64, 8, 3),  # FORWARD_TILES at the time of writing
@@ -110,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="", help="comma list of suite case names (default all)")
     ap.add_argument("--layouts", default="cf,cl")
     ap.add_argument("--directions", default="fwd,wgrad")
-    ap.add_argument("--gather-align-ab", action="store_true")
     ap.add_argument("--offline", action="store_true")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
@@ -127,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 if all(r == 1 for r in case.full.kernel):
                     continue  # 1x1: the pointwise solvers' (no gather to put in the GEMM)
                 for layout in args.layouts.split(","):
-                    _sweep(direction, case, layout, device, out, args.gather_align_ab)
+                    _sweep(direction, case, layout, device, out)
     finally:
         patch_gemm.WGRAD_TILES.update(saved)
         patch_gemm._launches.clear()
@@ -136,31 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _sweep(direction: str, case, layout: str, device: torch.device, out, ab: bool) -> None:
-    library_tiles, proof = patch_gemm.forward_tiles, patch_gemm.gather_alignment
-    weight_proof = patch_gemm._weight_alignment
+def _sweep(direction: str, case, layout: str, device: torch.device, out) -> None:
+    library_tiles = patch_gemm.forward_tiles
     try:
-        _sweep_row(direction, case, layout, device, out, proof, ab)
+        _sweep_row(direction, case, layout, device, out)
     finally:
-        patch_gemm.forward_tiles, patch_gemm.gather_alignment = library_tiles, proof
-        patch_gemm._weight_alignment = weight_proof
+        patch_gemm.forward_tiles = library_tiles
 
 
-def _sweep_row(direction, case, layout, device, out, proof, ab: bool) -> None:
+def _sweep_row(direction: str, case, layout: str, device: torch.device, out) -> None:
     x, w, y, outs = _operands(case, layout, device)
-    kernel, last = case.full.kernel, layout == "cl"
-    geometry = PatchGeometry.of(x, outs, kernel, last)
-    proved = proof(geometry, x.element_size())
-    weight_proof = patch_gemm._weight_alignment
-    for hinted in (True, False) if ab else (True,):
-        align = proved if hinted else 0
-        patch_gemm.gather_alignment = lambda *args, chosen=align: chosen
-        patch_gemm._weight_alignment = weight_proof if hinted else lambda g, w, row: row
-        label = f"align={align}" + ("" if hinted else " (no hints)")
-        _time_configs(direction, case, layout, device, out, x, w, y, label)
-
-
-def _time_configs(direction, case, layout, device, out, x, w, y, hints: str) -> None:
     kernel, last = case.full.kernel, layout == "cl"
     m, reduction, kout = y.numel() // case.full.k, w.shape[1], case.full.k
     wgrad = direction == "wgrad"
@@ -200,11 +176,11 @@ def _time_configs(direction, case, layout, device, out, x, w, y, hints: str) -> 
             print(f"{direction} {case.name} {layout} {cfg}: {type(exc).__name__}", flush=True)
             continue
         tile = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-        print(f"{direction} {case.name} {layout} {tile} {hints} {us:.1f} {cublas:.1f} "
+        print(f"{direction} {case.name} {layout} {tile} {us:.1f} {cublas:.1f} "
               f"{cublas / us:.2f} {ptx}", flush=True)  # fmt: skip
         if out is not None:
             out.write(json.dumps({"direction": direction, "case": case.name, "layout": layout,
-                                  "tile": tile, "hints": hints, "kernel_us": round(us, 2),
+                                  "tile": tile, "kernel_us": round(us, 2),
                                   "cublas_us": round(cublas, 2), "ptx": ptx}) + "\n")  # fmt: skip
             out.flush()
 
@@ -219,12 +195,8 @@ def _offline(names, layouts: str) -> int:
             launch = patch_gemm.forward_launch(
                 x, w, None, case.full.kernel, layout == "cl", y, False, torch.device("cpu")
             )
-            hinted = dict(launch.constants)
-            plain = {**hinted, "GATHER_ALIGN": 0, "W_ALIGN": hinted["ROW_ALIGN"]}
-            for name, constants in (("hints", hinted), ("no hints", plain)):
-                ptx = sm90_ptx(launch, (x, w, None, y), constants)
-                aligns = f"GATHER_ALIGN={constants['GATHER_ALIGN']} W_ALIGN={constants['W_ALIGN']}"
-                print(f"fwd {case.name} {layout} {name} {aligns}: {_load_widths(ptx)}", flush=True)
+            ptx = sm90_ptx(launch, (x, w, None, y))
+            print(f"fwd {case.name} {layout}: {_load_widths(ptx)}", flush=True)
     return 0
 
 
