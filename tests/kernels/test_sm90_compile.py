@@ -1,5 +1,5 @@
-"""The implicit GEMMs compile for a Hopper GPU: Triton's interpreter (the other CPU
-tests) runs a kernel's Python, never its compiler, so a kernel that cannot compile
+"""gemmconv's Triton kernels compile for a Hopper GPU: Triton's interpreter (the other
+CPU tests) runs a kernel's Python, never its compiler, so a kernel that cannot compile
 passes there (a device function returning int32 on one constexpr branch and int64 on
 another did). Compiled here for sm_90 without a GPU (kernels/offline.py), a few seconds
 a kernel."""
@@ -12,7 +12,11 @@ import pytest
 import torch
 
 from gemmconv.kernels import patch_gemm
+from gemmconv.kernels.launch import LaunchCache
 from gemmconv.kernels.offline import load_widths, sm90_ptx
+from gemmconv.kernels.patch_permute import gather_patches, scatter_patches
+from gemmconv.kernels.pixel_rows_gemm import channels_first_into_rows, rows_into_channels_first
+from gemmconv.kernels.strided_copy import pad_rows, strided_copy
 
 CPU = torch.device("cpu")
 
@@ -53,3 +57,48 @@ def test_the_three_kernels_compile_for_sm90(name, shape, kernel, k, last):
         sm90_ptx(weight_grad.launch, (y, x, partials)),
     ):
         assert load_widths(ptx)["wgmma"] == 1, name
+
+
+def _copies_and_pixel_rows():
+    """The permutation, copy and pixel-rows kernels run on small CPU tensors
+    (interpreted): gathers and scatters in both column orders, a scaled transposed
+    gather, transposes plain and scaled, padded rows by words and scaled, the pixel-rows
+    GEMM both ways."""
+    x = torch.randn(2, 3, 8, 9, dtype=torch.float16)
+    one = torch.ones(1)
+    for last in (False, True):
+        cols = gather_patches(x, (2, 3), (4, 3), last, out=torch.empty(12, 40, dtype=x.dtype))
+        scatter_patches(cols, (2, 3), (4, 3), last, torch.empty_like(x))
+    gather_patches(x, (2, 3), (4, 3), False, torch.empty(40, 16), scale=one, transposed=True)
+    src = torch.randn(3, 70, 130, dtype=torch.float16)
+    strided_copy(torch.empty_like(src).transpose(1, 2).contiguous().transpose(1, 2), src)
+    strided_copy(torch.empty(3, 130, 70).transpose(1, 2), src, scale=one)
+    pad_rows(torch.empty(70, 136, dtype=torch.float16), src[0])
+    pad_rows(torch.empty(130, 80), src[0].t(), scale=one)
+    col, w = torch.randn(2 * 12, 24), torch.randn(5, 24)
+    rows_into_channels_first(col, w, torch.randn(5), torch.empty(2, 5, 12))
+    channels_first_into_rows(torch.randn(2, 5, 12), w, torch.empty(2 * 12, 24))
+
+
+def test_the_copy_and_pixel_rows_kernels_compile_for_sm90(monkeypatch):
+    launched = []
+    launch = LaunchCache.launch
+
+    def recording(self, key, prepare, *tensors):
+        launched.append((self.get(key, prepare), tensors))
+        launch(self, key, prepare, *tensors)
+
+    monkeypatch.setattr(LaunchCache, "launch", recording)
+    _copies_and_pixel_rows()
+    kernels = {}
+    for prepared, tensors in launched:
+        if prepared is None:
+            continue
+        dtypes = tuple(None if t is None else t.dtype for t in tensors)
+        constants = tuple(sorted((k, str(v)) for k, v in prepared.constants.items()))
+        kernels[(prepared.kernel.fn, constants, dtypes)] = (prepared, tensors)
+    names = {fn.__name__ for fn, _, _ in kernels}
+    assert names == {"_permute_kernel", "_strided_copy_kernel", "_pixel_rows_gemm_kernel"}
+    assert len(kernels) >= 8  # the variants above, each its own constants or dtypes
+    for prepared, tensors in kernels.values():
+        assert ".entry" in sm90_ptx(prepared, tensors), prepared.kernel.fn.__name__

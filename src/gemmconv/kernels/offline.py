@@ -18,7 +18,11 @@ import torch
 
 from gemmconv.kernels.launch import PreparedLaunch, TensorSlot
 
-_POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+_POINTER_TYPES = {
+    torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+    torch.float8_e4m3fn: "*fp8e4nv", torch.float8_e5m2: "*fp8e5",
+    torch.int8: "*i8", torch.int16: "*i16", torch.int32: "*i32", torch.int64: "*i64",
+}  # fmt: skip
 
 
 def sm90_ptx(
