@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from gemmconv.kernels import patch_gemm
+from gemmconv.kernels import patch_gemm, pixel_rows_gemm
 from gemmconv.kernels.launch import LaunchCache
 from gemmconv.kernels.offline import load_widths, sm90_ptx
 from gemmconv.kernels.patch_permute import gather_patches, scatter_patches
@@ -102,3 +102,18 @@ def test_the_copy_and_pixel_rows_kernels_compile_for_sm90(monkeypatch):
     assert len(kernels) >= 8  # the variants above, each its own constants or dtypes
     for prepared, tensors in kernels.values():
         assert ".entry" in sm90_ptx(prepared, tensors), prepared.kernel.fn.__name__
+
+
+def test_the_pixel_rows_weight_gradient_and_its_split_sum_compile_for_sm90():
+    dy3, col = (
+        torch.randn(2, 5, 128, dtype=torch.float16),
+        torch.randn(256, 24, dtype=torch.float16),
+    )
+    out = torch.empty(5, 24)
+    product, total, parts = pixel_rows_gemm._prepared_weight_gradient(
+        dy3, col, out, 256, 5, 24, 128, (640, 128), 2, False
+    )
+    assert parts == 2 and total is not None
+    partials = torch.empty(parts, 5, 24)
+    assert ".entry" in sm90_ptx(product, (dy3, col, partials))
+    assert ".entry" in sm90_ptx(total, (partials, out))
