@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from gemmconv.kernels import patch_gemm, pixel_rows_gemm
+from gemmconv.kernels import amax_scale, patch_gemm, pixel_rows_gemm
 from gemmconv.kernels.launch import LaunchCache
 from gemmconv.kernels.offline import load_widths, sm90_ptx
 from gemmconv.kernels.patch_permute import gather_patches, scatter_patches
@@ -117,3 +117,20 @@ def test_the_pixel_rows_weight_gradient_and_its_split_sum_compile_for_sm90():
     partials = torch.empty(parts, 5, 24)
     assert ".entry" in sm90_ptx(product, (dy3, col, partials))
     assert ".entry" in sm90_ptx(total, (partials, out))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_fp8_scale_kernel_compiles_for_sm90_with_exact_division(dtype):
+    # Its result is torch's bytes only with IEEE division (div.rn, not div.full or
+    # div.approx), and the last program reads the others' maxima only through
+    # acquire-release atomics; x is read in 16-byte vectors.
+    flat = torch.empty(8192 * 1176, dtype=dtype)
+    state = torch.zeros(amax_scale._WORDS, dtype=torch.int32)
+    launch = amax_scale._prepare(flat, 448.0, 1e-12)
+    ptx = sm90_ptx(launch, (flat, state, state.view(torch.float32)))
+    assert ptx.count("div.rn.f32") == 2 and "div.full" not in ptx and "div.approx" not in ptx
+    atomics = [line for line in ptx.splitlines() if "atom." in line]
+    assert len(atomics) == 3 and all(".acq_rel." in line for line in atomics)
+    # A thread's 8 elements of a block: one 16-byte load in half precision, two in fp32.
+    vectors = [line for line in ptx.splitlines() if "ld.global" in line]
+    assert len(vectors) == dtype.itemsize // 2 and all("v4.b32" in line for line in vectors)

@@ -318,6 +318,30 @@ def test_eager_tensorwise_scale_is_the_recipes_to_the_bit(device, dtype, fp8, po
         assert torch.equal(scale.view(torch.int32), expected.reciprocal().view(torch.int32))
 
 
+@pytest.mark.parametrize("pow2", [False, True], ids=["exact", "pow2"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tensorwise_scales_take_one_kernel_where_triton_casts(monkeypatch, layout, pow2):
+    # Where the kernels cast (forced here, as on CUDA), a dense operand's scale pair
+    # comes from kernels/amax_scale.py, to the recipe's bit; a slice of x and power-of-2
+    # scales keep torch's calls.
+    from gemmconv.kernels import amax_scale as scale_kernel
+
+    launched = []
+    scaled = scale_kernel.amax_scale
+    monkeypatch.setattr(scale_kernel, "amax_scale", lambda *a: launched.append(a) or scaled(*a))
+    monkeypatch.setattr(float8, "kernel_casts", lambda *a: True)
+    run, x, dy = _run_and_operands("patch_2d", layout, torch.bfloat16)
+    run = Float8Run(run.problem, gemmconv.Float8Config(round_scales_to_power_of_2=pow2))
+    for t in (x, dy, x[:, :2]):
+        scale, inverse = run._scale(t, torch.float8_e4m3fn, None)
+        expected = torch.linalg.vector_norm(t, float("inf")).reshape(1).float() / 448.0
+        if pow2:
+            expected = torch.exp2(torch.ceil(torch.log2(expected)))
+        assert torch.equal(inverse.view(torch.int32), expected.view(torch.int32))
+        assert torch.equal(scale.view(torch.int32), expected.reciprocal().view(torch.int32))
+    assert len(launched) == (0 if pow2 else 2)
+
+
 def test_no_eps_tensor_is_made_while_a_cuda_graph_is_captured(monkeypatch):
     # A fill recorded in a capture runs only at replay: the eps must not be made then,
     # and the scale takes the recipe's own form meanwhile.

@@ -272,14 +272,28 @@ class Float8Run:
         tensors, or over ``dims`` with them kept. A dimensioned fp32 scale makes the
         multiply in _quantized run in fp32 whatever t's dtype, as torchao's cast does.
 
-        Four small kernels (tensorwise, eager) where the first form took six: in eager
-        mode each is a launch, and the run is host-bound (bench/NOTES.md). The norm runs
-        in t's dtype (exact for a maximum; its ``dtype=`` argument would copy all of t
-        to fp32 first) and only the amax is cast. The scale is the inverse's reciprocal,
-        at most an ulp or two from fp8_max / amax, so |t * scale| still rounds to fp8_max
-        at most."""
+        Tensorwise in eager mode on CUDA over a tensor whose memory is dense, one
+        Triton launch computes both, to the bit (kernels/amax_scale.py; ``kernel_casts``
+        says where Triton runs). Elsewhere four small kernels, where the first form
+        took six: in eager mode each is a launch, and the run is host-bound
+        (bench/NOTES.md). The norm runs in t's dtype (exact for a maximum; its
+        ``dtype=`` argument would copy all of t to fp32 first) and only the amax is
+        cast. The scale is the inverse's reciprocal, at most an ulp or two from
+        fp8_max / amax, so |t * scale| still rounds to fp8_max at most."""
+        compiling = torch.compiler.is_compiling()
+        if (
+            dims is None
+            and not self.config.round_scales_to_power_of_2
+            and kernel_casts(t.device.type, True, compiling)
+        ):
+            from gemmconv.kernels.amax_scale import amax_scale, dense_flat
+
+            flat = dense_flat(t) if t.numel() else None
+            if flat is not None:
+                # One launch for the four calls below (kernels/amax_scale.py).
+                return amax_scale(flat, _FP8_MAX[fp8], AMAX_EPS)
         eps = None
-        if dims is None and not torch.compiler.is_compiling():
+        if dims is None and not compiling:
             eps = _eps_on(t.device)
         if eps is not None:
             # One maximum against a [1] fp32 eps widens, clamps and shapes the amax where

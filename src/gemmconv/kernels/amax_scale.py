@@ -1,0 +1,121 @@
+"""A tensor's fp8 scale and its inverse from the current absolute maximum, in one launch.
+
+The tensorwise recipe's scale took four torch calls an operand in eager mode (the norm,
+the clamp at eps, the division by the format's maximum, the reciprocal), four launches
+and, on an H200's host under cProfile, 220 of the 1434 us that Qwen2-VL's fp8 training
+step spent issuing work (bench/probes/results/fp8_host_h200.jsonl). Here every program
+reduces a chunk of the tensor to its largest |value|, merges it into one word with an
+atomic maximum and counts itself done; the program that finishes last turns the word
+into the scale and its inverse.
+
+|value| is compared as the bits of an fp32 number: a non-negative float orders as its
+bits do, and a NaN (positive once its sign is cleared) lies above +inf, so a NaN wins as
+it does in torch's norm. The divisions round to nearest as torch's do, so the results
+are torch's bytes: inverse = max(amax, eps) / fp8_max, scale = 1 / inverse.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gemmconv.kernels.launch import LaunchCache, PreparedLaunch, TensorSlot
+
+_BLOCK = 1024
+# Blocks a program reduces: 16K elements, about 600 programs for Qwen2-VL's x at 8192
+# patches and 2400 for ViT-B/16's at batch 256, each merged by two atomics.
+_BLOCKS_PER_PROGRAM = 16
+# The result buffer's int32 words: the scale and the inverse each start a 16-byte
+# line (a GEMM's scale pointer is read as any tensor's), the merged maximum and the
+# count of programs done follow.
+# The kernel writes these offsets as literals (a Triton function reads no globals).
+_SCALE, _INVERSE, _AMAX, _DONE, _WORDS = 0, 4, 6, 7, 8
+
+
+@triton.jit
+def _larger(a, b):
+    # tl.max's combine, spelt out: tl.max is a jit helper that Triton's interpreter
+    # (the CPU tests) cannot call, tl.reduce is a builtin it runs.
+    return tl.maximum(a, b)
+
+
+def _amax_scale_kernel(
+    src_ptr,
+    state_ptr,
+    result_ptr,
+    NUMEL,
+    FP8_MAX: tl.constexpr,
+    EPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """result[_SCALE], result[_INVERSE] (fp32) <- fp8_max / max(amax, EPS) and its
+    inverse, amax the largest |src[i]| for i < NUMEL. ``state_ptr`` is the same zeroed
+    buffer as ``result_ptr``, seen as int32."""
+    start = tl.program_id(0).to(tl.int64) * (BLOCK * BLOCKS)
+    lanes = tl.arange(0, BLOCK)
+    largest = tl.full((BLOCK,), 0, dtype=tl.int32)
+    for b in range(BLOCKS):
+        offsets = start + b * BLOCK + lanes
+        values = tl.load(src_ptr + offsets, mask=offsets < NUMEL, other=0.0)
+        bits = tl.abs(values.to(tl.float32)).to(tl.int32, bitcast=True)
+        largest = tl.maximum(largest, bits)
+    tl.atomic_max(state_ptr + 6, tl.reduce(largest, 0, _larger))
+    # acq_rel (the default): the last program sees every other program's maximum.
+    done = tl.atomic_add(state_ptr + 7, 1)
+    if done == tl.num_programs(0) - 1:
+        amax = tl.atomic_max(state_ptr + 6, 0).to(tl.float32, bitcast=True)
+        # where(), not maximum(): a NaN amax stays NaN, as torch's clamp keeps it.
+        clamped = tl.where(amax < EPS, EPS, amax)
+        inverse = tl.math.div_rn(clamped, FP8_MAX)
+        tl.store(result_ptr, tl.math.div_rn(1.0, inverse))
+        tl.store(result_ptr + 4, inverse)
+
+
+def dense_flat(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s elements as one contiguous vector over the same memory (any dimension
+    order), or None where its memory has gaps or repeats (a slice, an expanded
+    gradient): those keep torch's norm."""
+    if t.is_contiguous():
+        return t.view(-1)
+    order = sorted(range(t.dim()), key=lambda d: t.stride(d))
+    expected = 1
+    for d in order:
+        if t.size(d) != 1 and t.stride(d) != expected:
+            return None
+        expected *= t.size(d)
+    return t.as_strided((t.numel(),), (1,))
+
+
+_launches = LaunchCache()
+
+
+def amax_scale(flat: torch.Tensor, fp8_max: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8_max / max(amax, eps), its inverse) as [1] fp32 tensors on ``flat``'s
+    device, amax the largest |value| of the 1-D contiguous ``flat`` (see
+    ``dense_flat``); NaN where ``flat`` holds one."""
+    if flat.dim() != 1 or flat.stride(0) != 1 or flat.numel() == 0:
+        raise ValueError(
+            f"flat of shape {tuple(flat.shape)}, strides {flat.stride()}: expected a "
+            "non-empty contiguous vector"
+        )
+    state = torch.zeros(_WORDS, dtype=torch.int32, device=flat.device)
+    result = state.view(torch.float32)
+    key = (flat.numel(), flat.dtype, flat.device, fp8_max, eps)
+    _launches.launch(key, lambda: _prepare(flat, fp8_max, eps), flat, state, result)
+    scale, _, inverse, _ = result.split((1, _INVERSE - 1, 1, _WORDS - _INVERSE - 1))
+    return scale, inverse
+
+
+def _prepare(flat: torch.Tensor, fp8_max: float, eps: float) -> PreparedLaunch:
+    numel = flat.numel()
+    grid = (triton.cdiv(numel, _BLOCK * _BLOCKS_PER_PROGRAM),)
+    constants = {"FP8_MAX": fp8_max, "EPS": eps, "BLOCK": _BLOCK, "BLOCKS": _BLOCKS_PER_PROGRAM}
+    return PreparedLaunch(
+        _amax_scale_kernel, grid, (TensorSlot(0), TensorSlot(1), TensorSlot(2), numel),
+        constants, {"num_warps": 4}, flat.device,
+    )  # fmt: skip
+
+
+__all__ = ["amax_scale", "dense_flat"]
