@@ -26,11 +26,10 @@ _BLOCK = 1024
 # Blocks a program reduces: 16K elements, about 600 programs for Qwen2-VL's x at 8192
 # patches and 2400 for ViT-B/16's at batch 256, each merged by two atomics.
 _BLOCKS_PER_PROGRAM = 16
-# The result buffer's int32 words: the scale and the inverse each start a 16-byte
-# line (a GEMM's scale pointer is read as any tensor's), the merged maximum and the
-# count of programs done follow.
-# The kernel writes these offsets as literals (a Triton function reads no globals).
-_SCALE, _INVERSE, _AMAX, _DONE, _WORDS = 0, 4, 6, 7, 8
+# The per-call buffer's 32-bit words: the scale (word 0) and the inverse each start a
+# 16-byte line (a GEMM's scale pointer is read as any tensor's), the merged maximum
+# and the count of programs done follow.
+_INVERSE, _AMAX, _DONE, _WORDS = 4, 6, 7, 8
 
 
 @triton.jit
@@ -47,12 +46,15 @@ def _amax_scale_kernel(
     NUMEL,
     FP8_MAX: tl.constexpr,
     EPS: tl.constexpr,
+    INVERSE: tl.constexpr,
+    AMAX: tl.constexpr,
+    DONE: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCKS: tl.constexpr,
 ):
-    """result[_SCALE], result[_INVERSE] (fp32) <- fp8_max / max(amax, EPS) and its
-    inverse, amax the largest |src[i]| for i < NUMEL. ``state_ptr`` is the same zeroed
-    buffer as ``result_ptr``, seen as int32."""
+    """result[0], result[INVERSE] (fp32) <- fp8_max / max(amax, EPS) and its inverse,
+    amax the largest |src[i]| for i < NUMEL. ``state_ptr`` is ``result_ptr``'s zeroed
+    buffer seen as int32: the merged maximum's bits at AMAX, the programs done at DONE."""
     start = tl.program_id(0).to(tl.int64) * (BLOCK * BLOCKS)
     lanes = tl.arange(0, BLOCK)
     largest = tl.full((BLOCK,), 0, dtype=tl.int32)
@@ -61,16 +63,16 @@ def _amax_scale_kernel(
         values = tl.load(src_ptr + offsets, mask=offsets < NUMEL, other=0.0)
         bits = tl.abs(values.to(tl.float32)).to(tl.int32, bitcast=True)
         largest = tl.maximum(largest, bits)
-    tl.atomic_max(state_ptr + 6, tl.reduce(largest, 0, _larger))
+    tl.atomic_max(state_ptr + AMAX, tl.reduce(largest, 0, _larger))
     # acq_rel (the default): the last program sees every other program's maximum.
-    done = tl.atomic_add(state_ptr + 7, 1)
+    done = tl.atomic_add(state_ptr + DONE, 1)
     if done == tl.num_programs(0) - 1:
-        amax = tl.atomic_max(state_ptr + 6, 0).to(tl.float32, bitcast=True)
+        amax = tl.atomic_max(state_ptr + AMAX, 0).to(tl.float32, bitcast=True)
         # where(), not maximum(): a NaN amax stays NaN, as torch's clamp keeps it.
         clamped = tl.where(amax < EPS, EPS, amax)
         inverse = tl.math.div_rn(clamped, FP8_MAX)
         tl.store(result_ptr, tl.math.div_rn(1.0, inverse))
-        tl.store(result_ptr + 4, inverse)
+        tl.store(result_ptr + INVERSE, inverse)
 
 
 def dense_flat(t: torch.Tensor) -> torch.Tensor | None:
@@ -111,7 +113,8 @@ def amax_scale(flat: torch.Tensor, fp8_max: float, eps: float) -> tuple[torch.Te
 def _prepare(flat: torch.Tensor, fp8_max: float, eps: float) -> PreparedLaunch:
     numel = flat.numel()
     grid = (triton.cdiv(numel, _BLOCK * _BLOCKS_PER_PROGRAM),)
-    constants = {"FP8_MAX": fp8_max, "EPS": eps, "BLOCK": _BLOCK, "BLOCKS": _BLOCKS_PER_PROGRAM}
+    constants = {"FP8_MAX": fp8_max, "EPS": eps, "INVERSE": _INVERSE, "AMAX": _AMAX,
+                 "DONE": _DONE, "BLOCK": _BLOCK, "BLOCKS": _BLOCKS_PER_PROGRAM}  # fmt: skip
     return PreparedLaunch(
         _amax_scale_kernel, grid, (TensorSlot(0), TensorSlot(1), TensorSlot(2), numel),
         constants, {"num_warps": 4}, flat.device,
