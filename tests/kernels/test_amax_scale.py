@@ -1,5 +1,7 @@
 """The fp8 scale kernel (kernels/amax_scale.py) gives the tensorwise recipe's bytes:
-inverse = max(amax, eps) / fp8_max and scale = 1 / inverse, as torch computes them,
+inverse = max(amax, eps) / fp8_max and scale = 1 / inverse, as torch computes them on
+the tensor's device (CUDA's division by a Python number is a product with its fp32
+reciprocal, emulated on the CPU too),
 over sizes that end inside a block, on a program's edge and across many programs, and
 over zeros, values below eps, NaN and infinities wherever they sit. Interpreted on the
 CPU; compiled on CUDA (gpu)."""
@@ -11,7 +13,7 @@ import torch
 
 from gemmconv.core.float8 import AMAX_EPS
 from gemmconv.kernels import amax_scale as kernel
-from gemmconv.kernels.amax_scale import amax_scale, dense_flat
+from gemmconv.kernels.amax_scale import amax_scale, dense_flat, fp32_reciprocal
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 CHUNK = kernel._BLOCK * kernel._BLOCKS_PER_PROGRAM
@@ -44,6 +46,33 @@ def test_random_tensors_get_the_recipes_bytes(device, numel, dtype, fp8):
     gen = torch.Generator().manual_seed(numel)
     t = (torch.randn(numel, generator=gen) * 7).to(dtype).to(device)
     _assert_same_bits(amax_scale(t, FP8_MAX[fp8], AMAX_EPS), _recipe(t, FP8_MAX[fp8]), device)
+
+
+@pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cudas_product_with_the_reciprocal_is_emulated_to_the_bit(dtype, fp8):
+    # The CUDA form interpreted on the CPU, against the recipe with CUDA's arithmetic:
+    # max(amax, eps) times fp8_max's fp32 reciprocal, then a rounded reciprocal. Over
+    # 24 draws the two forms of the inverse differ in about half (the form is tested).
+    gen = torch.Generator().manual_seed(7)
+    fp8_max = FP8_MAX[fp8]
+    reciprocal = torch.tensor([fp32_reciprocal(fp8_max)])
+    differs = 0
+    for _ in range(24):
+        t = (torch.randn(33, generator=gen) * 7).to(dtype)
+        amax = torch.linalg.vector_norm(t, float("inf")).reshape(1).float()
+        inverse = amax.clamp_(min=AMAX_EPS).mul_(reciprocal)
+        got = amax_scale(t, fp8_max, AMAX_EPS, by_reciprocal=True)
+        _assert_same_bits(got, (inverse.reciprocal(), inverse), "cpu")
+        differs += not torch.equal(inverse, amax_scale(t, fp8_max, AMAX_EPS)[1])
+    assert differs > 0
+
+
+def test_the_fp32_reciprocal_is_fp32s_rounded_quotient():
+    for value in (448.0, 57344.0, 3.0):
+        r = fp32_reciprocal(value)
+        assert torch.tensor(r, dtype=torch.float32).item() == r
+        assert abs(r * value - 1) < 2**-23
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])

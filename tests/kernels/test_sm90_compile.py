@@ -119,16 +119,20 @@ def test_the_pixel_rows_weight_gradient_and_its_split_sum_compile_for_sm90():
     assert ".entry" in sm90_ptx(total, (partials, out))
 
 
+@pytest.mark.parametrize("by_reciprocal", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_the_fp8_scale_kernel_compiles_for_sm90_with_exact_division(dtype):
+def test_the_fp8_scale_kernel_compiles_for_sm90_with_exact_division(dtype, by_reciprocal):
     # Its result is torch's bytes only with IEEE division (div.rn, not div.full or
-    # div.approx), and the last program reads the others' maxima only through
+    # div.approx): the scale's, and the inverse's unless it is CUDA's product with the
+    # reciprocal; the last program reads the others' maxima only through
     # acquire-release atomics; x is read in 16-byte vectors.
     flat = torch.empty(8192 * 1176, dtype=dtype)
     state = torch.zeros(amax_scale._WORDS, dtype=torch.int32)
-    launch = amax_scale._prepare(flat, 448.0, 1e-12)
+    launch = amax_scale._prepare(flat, 448.0, 1e-12, by_reciprocal)
     ptx = sm90_ptx(launch, (flat, state, state.view(torch.float32)))
-    assert ptx.count("div.rn.f32") == 2 and "div.full" not in ptx and "div.approx" not in ptx
+    divisions = 1 if by_reciprocal else 2
+    assert ptx.count("div.rn.f32") == divisions and "div.full" not in ptx
+    assert "div.approx" not in ptx
     atomics = [line for line in ptx.splitlines() if "atom." in line]
     assert len(atomics) == 3 and all(".acq_rel." in line for line in atomics)
     # A thread's 8 elements of a block: one 16-byte load in half precision, two in fp32.
