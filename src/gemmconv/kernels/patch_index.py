@@ -128,10 +128,11 @@ def _gathered(x_row, x_col, GATHER_ALIGN: tl.constexpr):
     Triton cannot see through a run of 14 or a stride not divisible by 16 (ConvNeXt's 56,
     Wan 2.1's 104). The hint is put on the 2-D offsets: on the 1-D ones Triton 3.8 lost it
     through the add for ConvNeXt's and Wan 2.1's channels-first gathers (2-byte loads in
-    the compiled kernel, 4-byte copies with it here)."""
+    the compiled kernel, 4-byte copies with it here), and along the columns only: down
+    a column the offsets are multiples of nothing in particular."""
     offsets = x_row[:, None] + x_col[None, :]
     if GATHER_ALIGN > 1:
-        offsets = tl.multiple_of(offsets, [GATHER_ALIGN, GATHER_ALIGN])
+        offsets = tl.multiple_of(offsets, [1, GATHER_ALIGN])
         offsets = tl.max_contiguous(offsets, [1, GATHER_ALIGN])
     return offsets
 
@@ -156,16 +157,17 @@ def _pixel_tile(rows, columns, PIXEL_ALIGN: tl.constexpr, PIXELS_DOWN: tl.conste
     (PIXELS_DOWN false). With PIXEL_ALIGN > 1 (kernels/patch_gemm.pixel_alignment) each
     aligned group of that many pixels is consecutive memory from a multiple of it, which
     Triton cannot see through the pixel index's divisions (a channels-first dY loaded
-    in 2-byte pieces, even ViT-B/16's, when compiled for sm_90)."""
+    in 2-byte pieces, even ViT-B/16's, when compiled for sm_90). The claim is made
+    along the pixels only."""
     if PIXELS_DOWN:
         offsets = rows[:, None] + columns[None, :]
         if PIXEL_ALIGN > 1:
-            offsets = tl.multiple_of(offsets, [PIXEL_ALIGN, PIXEL_ALIGN])
+            offsets = tl.multiple_of(offsets, [PIXEL_ALIGN, 1])
             offsets = tl.max_contiguous(offsets, [PIXEL_ALIGN, 1])
     else:
         offsets = columns[:, None] + rows[None, :]
         if PIXEL_ALIGN > 1:
-            offsets = tl.multiple_of(offsets, [PIXEL_ALIGN, PIXEL_ALIGN])
+            offsets = tl.multiple_of(offsets, [1, PIXEL_ALIGN])
             offsets = tl.max_contiguous(offsets, [1, PIXEL_ALIGN])
     return offsets
 
