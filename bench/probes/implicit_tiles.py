@@ -15,14 +15,21 @@ where ``ptx`` counts the compiled kernel's global loads by width (cp.async copie
 16, 8 and 4 bytes, and plain loads) and says whether it multiplies with wgmma: a
 gather whose alignment Triton cannot prove compiles to plain loads, not pipelined
 (CLIP-L/14's 14-pixel runs on an H100 at e1278fd). A forward row's lines follow one
-naming the tiles the library picks for it (patch_gemm.forward_tiles).
+naming the tiles the library picks for it (patch_gemm.forward_tiles). With
+``--gather-align-ab`` each configuration of a row is timed twice: with the alignment
+hints the host proves (patch_gemm.gather_alignment for the gather, _weight_alignment
+for W's rows, pixel_alignment for y's and dY's pixels; ``align`` is the gather's) and
+with none (``no hints``), so that their effect is read within one run.
 
 With ``--offline`` nothing runs: each row's forward kernel, with the tiles the library
-picks, is compiled for sm_90 on this machine (no GPU needed: Triton's own ptxas,
-kernels/offline.py) and its load widths printed.
+picks, is compiled for sm_90 on this machine (no GPU needed: Triton's own ptxas) with
+the hints and without, and its load widths printed. The run at f489b52 (Triton 3.8)
+showed every channels-first gather pipelined with the hints, where CLIP-L/14's and
+ConvNeXt's and Wan 2.1's compiled to 2-byte plain loads without.
 
     PYTHONPATH=src python3 bench/probes/implicit_tiles.py [--cases vit_b16,...]
-        [--layouts cf,cl] [--directions fwd,wgrad] [--offline] [--out FILE]
+        [--layouts cf,cl] [--directions fwd,wgrad] [--gather-align-ab] [--offline]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from gemmconv.core.sizes import round_up
 from gemmconv.kernels import patch_gemm, split_programs
 from gemmconv.kernels.offline import load_widths, sm90_ptx
 from gemmconv.kernels.patch_gemm import TileConfig
+from gemmconv.kernels.patch_permute import PatchGeometry
 
 FORWARD_CONFIGS = (
     TileConfig(128, 128, 64, 8, 3),  # FORWARD_TILES at the time of writing
@@ -102,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="", help="comma list of suite case names (default all)")
     ap.add_argument("--layouts", default="cf,cl")
     ap.add_argument("--directions", default="fwd,wgrad")
+    ap.add_argument("--gather-align-ab", action="store_true")
     ap.add_argument("--offline", action="store_true")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
@@ -118,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 if all(r == 1 for r in case.full.kernel):
                     continue  # 1x1: the pointwise solvers' (no gather to put in the GEMM)
                 for layout in args.layouts.split(","):
-                    _sweep(direction, case, layout, device, out)
+                    _sweep(direction, case, layout, device, out, args.gather_align_ab)
     finally:
         patch_gemm.WGRAD_TILES.update(saved)
         patch_gemm._launches.clear()
@@ -127,16 +136,41 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _sweep(direction: str, case, layout: str, device: torch.device, out) -> None:
-    library_tiles = patch_gemm.forward_tiles
+def _sweep(direction: str, case, layout: str, device: torch.device, out, ab: bool) -> None:
+    saved = {name: getattr(patch_gemm, name) for name in _PROOFS + ("forward_tiles",)}
     try:
-        _sweep_row(direction, case, layout, device, out)
+        _sweep_row(direction, case, layout, device, out, saved["gather_alignment"], ab)
     finally:
-        patch_gemm.forward_tiles = library_tiles
+        for name, value in saved.items():
+            setattr(patch_gemm, name, value)
 
 
-def _sweep_row(direction: str, case, layout: str, device: torch.device, out) -> None:
+# The library's tile rule, which each timed configuration replaces for its run.
+_LIBRARY_TILES = patch_gemm.forward_tiles
+# The host's alignment proofs, each replaced by "nothing proved" for the unhinted runs.
+_PROOFS = ("gather_alignment", "_weight_alignment", "pixel_alignment")
+_ALIGNS = ("GATHER_ALIGN", "W_ALIGN", "PIXEL_ALIGN")
+_NOTHING_PROVED = {
+    "gather_alignment": lambda g, element_size: 0,
+    "_weight_alignment": lambda g, weight_rows, row_align: row_align,
+    "pixel_alignment": lambda t: 0,
+}
+
+
+def _sweep_row(direction, case, layout, device, out, proof, ab: bool) -> None:
     x, w, y, outs = _operands(case, layout, device)
+    kernel, last = case.full.kernel, layout == "cl"
+    geometry = PatchGeometry.of(x, outs, kernel, last)
+    proved = proof(geometry, x.element_size())
+    proofs = {name: getattr(patch_gemm, name) for name in _PROOFS}
+    for hinted in (True, False) if ab else (True,):
+        for name in _PROOFS:
+            setattr(patch_gemm, name, proofs[name] if hinted else _NOTHING_PROVED[name])
+        label = f"align={proved}" if hinted else "align=0 (no hints)"
+        _time_configs(direction, case, layout, device, out, x, w, y, label)
+
+
+def _time_configs(direction, case, layout, device, out, x, w, y, hints: str) -> None:
     kernel, last = case.full.kernel, layout == "cl"
     m, reduction, kout = y.numel() // case.full.k, w.shape[1], case.full.k
     wgrad = direction == "wgrad"
@@ -144,6 +178,9 @@ def _sweep_row(direction: str, case, layout: str, device: torch.device, out) -> 
     dy = torch.randn_like(y)
     dt = torch.bfloat16
     if not wgrad:
+        # The previous pass (--gather-align-ab's hinted one) left its last configuration
+        # in place: the library's pick was printed as that before.
+        patch_gemm.forward_tiles = _LIBRARY_TILES
         picked = patch_gemm.forward_launch(x, w, None, kernel, last, y, False, device)
         print(f"# {case.name} {layout}: the library's tiles {picked.options} "
               f"{ {k: v for k, v in picked.constants.items() if k.startswith('BLOCK')} }",
@@ -176,11 +213,11 @@ def _sweep_row(direction: str, case, layout: str, device: torch.device, out) -> 
             print(f"{direction} {case.name} {layout} {cfg}: {type(exc).__name__}", flush=True)
             continue
         tile = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-        print(f"{direction} {case.name} {layout} {tile} {us:.1f} {cublas:.1f} "
+        print(f"{direction} {case.name} {layout} {tile} {hints} {us:.1f} {cublas:.1f} "
               f"{cublas / us:.2f} {ptx}", flush=True)  # fmt: skip
         if out is not None:
             out.write(json.dumps({"direction": direction, "case": case.name, "layout": layout,
-                                  "tile": tile, "kernel_us": round(us, 2),
+                                  "tile": tile, "hints": hints, "kernel_us": round(us, 2),
                                   "cublas_us": round(cublas, 2), "ptx": ptx}) + "\n")  # fmt: skip
             out.flush()
 
@@ -195,8 +232,12 @@ def _offline(names, layouts: str) -> int:
             launch = patch_gemm.forward_launch(
                 x, w, None, case.full.kernel, layout == "cl", y, False, torch.device("cpu")
             )
-            ptx = sm90_ptx(launch, (x, w, None, y))
-            print(f"fwd {case.name} {layout}: {_load_widths(ptx)}", flush=True)
+            hinted = dict(launch.constants)
+            plain = {**hinted, "GATHER_ALIGN": 0, "W_ALIGN": hinted["ROW_ALIGN"], "PIXEL_ALIGN": 0}
+            for name, constants in (("hints", hinted), ("no hints", plain)):
+                ptx = sm90_ptx(launch, (x, w, None, y), constants)
+                aligns = " ".join(f"{k}={constants[k]}" for k in _ALIGNS)
+                print(f"fwd {case.name} {layout} {name} {aligns}: {_load_widths(ptx)}", flush=True)
     return 0
 
 

@@ -1,8 +1,9 @@
-"""gemmconv's Triton kernels compile for a Hopper GPU: Triton's interpreter (the other
-CPU tests) runs a kernel's Python, never its compiler, so a kernel that cannot compile
-passes there (a device function returning int32 on one constexpr branch and int64 on
-another did). Compiled here for sm_90 without a GPU (kernels/offline.py), a few seconds
-a kernel."""
+"""gemmconv's Triton kernels compile for a Hopper GPU, and the loads the host proves
+aligned are pipelined there: Triton's interpreter (the other CPU tests) runs a kernel's
+Python, never its compiler, so a kernel that cannot compile (a device function
+returning int32 on one constexpr branch and int64 on another did), or whose loads lose
+their width, passes there. Compiled here for sm_90 without a GPU (kernels/offline.py),
+a few seconds a kernel."""
 
 from __future__ import annotations
 
@@ -117,6 +118,41 @@ def test_the_pixel_rows_weight_gradient_and_its_split_sum_compile_for_sm90():
     partials = torch.empty(parts, 5, 24)
     assert ".entry" in sm90_ptx(product, (dy3, col, partials))
     assert ".entry" in sm90_ptx(total, (partials, out))
+
+
+@pytest.mark.parametrize(("name", "shape", "kernel", "k", "last"), GEOMETRIES[1:4],
+                         ids=[g[0] for g in GEOMETRIES[1:4]])  # fmt: skip
+def test_gathers_the_host_proves_aligned_are_pipelined(name, shape, kernel, k, last):
+    # Without the hints these forwards compiled to 2-byte plain loads of x (and of W
+    # where the reduction, 588, is no multiple of 16), unpipelined.
+    x, w, y = _operands(shape, kernel, k, last)
+    launch = patch_gemm.forward_launch(x, w, None, kernel, last, y, False, CPU)
+    assert launch.constants["GATHER_ALIGN"] > 1 and launch.constants["W_ALIGN"] > 1
+    hinted = load_widths(sm90_ptx(launch, (x, w, None, y)))
+    assert hinted["ld"] == 0 and hinted["cp4"] > 0, hinted
+    bare = {**launch.constants, "GATHER_ALIGN": 0, "W_ALIGN": 0}
+    assert load_widths(sm90_ptx(launch, (x, w, None, y), bare))["ld"] > 0
+
+
+@pytest.mark.parametrize(("name", "shape", "kernel", "k", "last"),
+                         [GEOMETRIES[2], ("vit_b16 cf", (256, 3, 224, 224), (16, 16), 768, False)],
+                         ids=["convnext cf", "vit_b16 cf"])  # fmt: skip
+def test_channels_first_pixels_are_loaded_and_stored_in_vectors(name, shape, kernel, k, last):
+    # A channels-first dY compiled to 2-byte plain loads in backward-data and the weight
+    # gradient, even ViT-B/16's, without PIXEL_ALIGN (its pixel index's divisions hide
+    # that a sample's output pixels are consecutive).
+    x, w, y = _operands(shape, kernel, k, last)
+    backward_data = patch_gemm.backward_data_launch(y, w, kernel, last, x, False, CPU)
+    weight_grad = patch_gemm.weight_grad_launch(y, x, kernel, last, 4, False, CPU)
+    partials = torch.empty(weight_grad.partials_shape, device="meta")
+    for launch, tensors in ((backward_data, (y, w, x)), (weight_grad.launch, (y, x, partials))):
+        assert launch.constants["PIXEL_ALIGN"] > 1
+        assert load_widths(sm90_ptx(launch, tensors))["ld"] == 0, name
+        bare = {**launch.constants, "PIXEL_ALIGN": 0}
+        assert load_widths(sm90_ptx(launch, tensors, bare))["ld"] > 0, name
+    forward = patch_gemm.forward_launch(x, w, None, kernel, last, y, False, CPU)
+    ptx = sm90_ptx(forward, (x, w, None, y))
+    assert ptx.count("st.global.v") == ptx.count("st.global") > 0  # y in vectors only
 
 
 @pytest.mark.parametrize("by_reciprocal", [True, False])

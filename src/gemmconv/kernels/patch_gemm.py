@@ -33,7 +33,13 @@ import triton
 import triton.language as tl
 
 from gemmconv.kernels.launch import LaunchCache, PreparedLaunch, TensorSlot
-from gemmconv.kernels.patch_index import column_offsets, row_offsets
+from gemmconv.kernels.patch_index import (
+    below,
+    column_offsets,
+    gathered,
+    pixel_tile,
+    row_offsets,
+)
 from gemmconv.kernels.patch_permute import PatchGeometry, contiguous_run
 from gemmconv.kernels.program_order import grouped_tile
 
@@ -95,10 +101,13 @@ def _forward_kernel(
     XSN, XSC, XS1, XS2, XS3,
     YSN, YSC, YS1, YS2, YS3,
     WLD, BS,
+    W_ALIGN: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     CHANNELS_LAST_COLUMNS: tl.constexpr,
     RUN: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
+    GATHER_ALIGN: tl.constexpr,
+    PIXEL_ALIGN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -112,27 +121,26 @@ def _forward_kernel(
     x_row, y_row = row_offsets(m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, YSN, YS1, YS2,
                                YS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN)  # fmt: skip
     w_row = kout.to(tl.int64) * WLD
-    if ROW_ALIGN > 0:
-        w_row = tl.multiple_of(w_row, ROW_ALIGN)
-    m_ok = m < M
+    if W_ALIGN > 1:
+        w_row = tl.multiple_of(w_row, W_ALIGN)
+    m_ok = below(m, M, PIXEL_ALIGN)
     n_ok = kout < KOUT
 
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     for k0 in range(0, KRED, BLOCK_K):
         kr = k0 + tl.arange(0, BLOCK_K)
-        x_col, k_ok = column_offsets(
-            kr, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN
-        )
-        a = tl.load(x_ptr + x_row[:, None] + x_col[None, :],
+        x_col, k_ok = column_offsets(kr, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3,
+            CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN, GATHER_ALIGN)  # fmt: skip
+        a = tl.load(x_ptr + gathered(x_row, x_col, GATHER_ALIGN),
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         b = tl.load(w_ptr + w_row[None, :] + kr[:, None],
-                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
+                    mask=below(kr, KRED, W_ALIGN)[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
     if HAS_BIAS:
         acc += tl.load(b_ptr + kout * BS, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + y_row[:, None] + kout[None, :].to(tl.int64) * YSC, out,
+    tl.store(y_ptr + pixel_tile(y_row, kout.to(tl.int64) * YSC, PIXEL_ALIGN, True), out,
              mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
 
 
@@ -145,6 +153,8 @@ def _wgrad_kernel(
     CHANNELS_LAST_COLUMNS: tl.constexpr,
     RUN: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
+    GATHER_ALIGN: tl.constexpr,
+    PIXEL_ALIGN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -159,24 +169,25 @@ def _wgrad_kernel(
     kr = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     dy_col = kout.to(tl.int64) * YSC
     n_ok = kout < KOUT
-    x_col, k_ok = column_offsets(
-        kr, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN
-    )
+    x_col, k_ok = column_offsets(kr, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3,
+        CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN, GATHER_ALIGN)  # fmt: skip
     part_row = kout.to(tl.int64) * KRED
     if ROW_ALIGN > 0:
         part_row = tl.multiple_of(part_row, ROW_ALIGN)
 
     acc = tl.full((BLOCK_N, BLOCK_K), 0.0, dtype=tl.float32)
-    m_start = split * M_PER_SPLIT
+    # M_PER_SPLIT is a multiple of BLOCK_M (weight_grad_launch): so is every step's first
+    # row, which the pixel groups' masks and hints rest on.
+    m_start = tl.multiple_of(split * M_PER_SPLIT, BLOCK_M)
     m_end = tl.where(m_start + M_PER_SPLIT < M, m_start + M_PER_SPLIT, M)
     for m0 in range(m_start, m_end, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M)
         x_row, dy_row = row_offsets(m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, YSN, YS1,
                                     YS2, YS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN)  # fmt: skip
-        m_ok = m < m_end
-        a = tl.load(dy_ptr + dy_col[:, None] + dy_row[None, :],
+        m_ok = below(m, m_end, PIXEL_ALIGN)
+        a = tl.load(dy_ptr + pixel_tile(dy_row, dy_col, PIXEL_ALIGN, False),
                     mask=n_ok[:, None] & m_ok[None, :], other=0.0)  # fmt: skip
-        b = tl.load(x_ptr + x_row[:, None] + x_col[None, :],
+        b = tl.load(x_ptr + gathered(x_row, x_col, GATHER_ALIGN),
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
@@ -191,9 +202,12 @@ def _dgrad_kernel(
     XSN, XSC, XS1, XS2, XS3,
     YSN, YSC, YS1, YS2, YS3,
     WLD,
+    W_ALIGN: tl.constexpr,
     CHANNELS_LAST_COLUMNS: tl.constexpr,
     RUN: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
+    GATHER_ALIGN: tl.constexpr,
+    PIXEL_ALIGN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -208,26 +222,25 @@ def _dgrad_kernel(
     kr = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     x_row, dy_row = row_offsets(m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, YSN, YS1, YS2,
                                 YS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN)  # fmt: skip
-    x_col, kr_ok = column_offsets(
-        kr, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN
-    )
-    m_ok = m < M
+    x_col, kr_ok = column_offsets(kr, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3,
+        CHANNELS_LAST_COLUMNS, RUN, ROW_ALIGN, GATHER_ALIGN)  # fmt: skip
+    m_ok = below(m, M, PIXEL_ALIGN)
 
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     for k0 in range(0, KOUT, BLOCK_K):
         kout = k0 + tl.arange(0, BLOCK_K)
         k_ok = kout < KOUT
-        a = tl.load(dy_ptr + dy_row[:, None] + kout[None, :].to(tl.int64) * YSC,
+        a = tl.load(dy_ptr + pixel_tile(dy_row, kout.to(tl.int64) * YSC, PIXEL_ALIGN, True),
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         w_row = kout.to(tl.int64) * WLD
-        if ROW_ALIGN > 0:
-            w_row = tl.multiple_of(w_row, ROW_ALIGN)
+        if W_ALIGN > 1:
+            w_row = tl.multiple_of(w_row, W_ALIGN)
         b = tl.load(w_ptr + w_row[:, None] + kr[None, :],
-                    mask=k_ok[:, None] & kr_ok[None, :], other=0.0)  # fmt: skip
+                    mask=k_ok[:, None] & below(kr, KRED, W_ALIGN)[None, :], other=0.0)  # fmt: skip
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
     out = acc.to(dx_ptr.dtype.element_ty)
-    tl.store(dx_ptr + x_row[:, None] + x_col[None, :], out,
+    tl.store(dx_ptr + gathered(x_row, x_col, GATHER_ALIGN), out,
              mask=m_ok[:, None] & kr_ok[None, :])  # fmt: skip
 
 
@@ -259,6 +272,67 @@ def whole_row_alignment(g: PatchGeometry, element_size: int, *row_strides: int) 
     return vector_elements(element_size, g.reduction, sample_stride, *row_strides)
 
 
+def gather_alignment(g: PatchGeometry, element_size: int) -> int:
+    """GATHER_ALIGN for the general index map (ROW_ALIGN 0): the largest power of two,
+    up to 16 bytes' worth of elements, that divides the contiguous run (contiguous_run)
+    and every stride a patch or a run within it starts at, so that each aligned group
+    of that many columns is consecutive memory from an aligned offset; 0 where no run is
+    contiguous or the group would be one element. A spatial or channel stride along a
+    dimension of size one is never stepped over and does not count (torch leaves it
+    free); the sample stride always counts, as a masked row past the last sample steps
+    over it. It changes only how wide the loads are, never the order of the sums."""
+    run = contiguous_run(g)
+    sn, sc, s1, s2, s3 = g.strides
+    (o1, o2, o3), (r1, r2, _) = g.outs, g.kernel
+    if run == 0 or (sc if g.channels_last_columns else s3) != 1:
+        return 0
+    # (size, stride) of each step between patches or between runs within one: rows step
+    # by o1 and o2 (a window each) and by o3 (a run); runs by r1, r2 and, channels-first,
+    # by c (channels-last: c is inside the run).
+    steps = [(o1, r1 * s1), (o2, r2 * s2), (o3, run), (r1, s1), (r2, s2)]
+    if not g.channels_last_columns:
+        steps.append((g.c, sc))
+    strides = [sn, *(stride for size, stride in steps if size > 1)]
+    align = vector_elements(element_size, run, *strides)
+    return align if align > 1 else 0
+
+
+def _weight_alignment(g: PatchGeometry, weight_rows: torch.Tensor, row_align: int) -> int:
+    """W_ALIGN: the vector, in elements, that W's dense rows load in (the whole-row
+    alignment where there is one): the largest power of two up to 16 bytes dividing the
+    reduction and the row stride. Triton cannot see it where the reduction is not a
+    multiple of 16 (588 proves 4: 8-byte loads where it compiled 2-byte ones)."""
+    return row_align or vector_elements(
+        weight_rows.element_size(), g.reduction, weight_rows.stride(0)
+    )
+
+
+def pixel_alignment(t: torch.Tensor) -> int:
+    """PIXEL_ALIGN for an output-shaped operand ``t`` [N, K, O..] (y or dY): the largest
+    power of two, up to 16 bytes' worth of elements, such that each aligned group of
+    that many pixels (rows m, in (n, o1, o2, o3) order) is consecutive memory from a
+    multiple of it: it divides the run of dense innermost pixels and every stride a
+    group can start at (the sample's, the channel's, and those of the pixel dimensions
+    outside the run); 0 where no run is longer than one pixel. A dimension of size one
+    is never stepped over and does not count. Channels-last operands have no such run
+    (a pixel's channels are what is contiguous) and get 0."""
+    n_stride, k_stride, *pixel_strides = t.stride()
+    run, stepped = 1, []
+    for size, stride in reversed(list(zip(t.shape[2:], pixel_strides))):
+        if size == 1:
+            continue
+        if not stepped and stride == run:
+            run *= size
+        else:
+            stepped.append(stride)
+    if run == 1:
+        return 0
+    sizes = (t.shape[0], t.shape[1])
+    strides = [s for size, s in zip(sizes, (n_stride, k_stride)) if size > 1]
+    align = vector_elements(t.element_size(), run, *strides, *stepped)
+    return align if align > 1 else 0
+
+
 def vector_elements(element_size: int, *extents: int) -> int:
     """The largest power of two, up to 16 bytes' worth of elements, dividing every one
     of ``extents`` (in elements): the widest vector every row they describe loads in."""
@@ -283,6 +357,7 @@ def _tile_constants(
         "CHANNELS_LAST_COLUMNS": channels_last_columns,
         "RUN": contiguous_run(g),
         "ROW_ALIGN": row_align,
+        "GATHER_ALIGN": 0 if row_align else gather_alignment(g, dtype.itemsize),
         "INPUT_PRECISION": _precision(dtype, allow_tf32),
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n,
@@ -357,6 +432,8 @@ def forward_launch(
     )  # fmt: skip
     constants = {
         **_tile_constants(g, cfg, x.dtype, channels_last_columns, allow_tf32, row_align),
+        "W_ALIGN": _weight_alignment(g, weight_rows, row_align),
+        "PIXEL_ALIGN": pixel_alignment(out),
         "HAS_BIAS": bias is not None,
         "GROUP_M": 8,
     }
@@ -450,7 +527,11 @@ def backward_data_launch(
         *_output_strides(grad_output), weight_rows.stride(0),
     )  # fmt: skip
     row_align = whole_row_alignment(g, dx.element_size(), weight_rows.stride(0))
-    constants = _tile_constants(g, cfg, dx.dtype, channels_last_columns, allow_tf32, row_align)
+    constants = {
+        **_tile_constants(g, cfg, dx.dtype, channels_last_columns, allow_tf32, row_align),
+        "W_ALIGN": _weight_alignment(g, weight_rows, row_align),
+        "PIXEL_ALIGN": pixel_alignment(grad_output),
+    }
     return PreparedLaunch(_dgrad_kernel, grid, args, constants, cfg.launch_options(),
                           device, {"do_not_specialize": _FORWARD_ARGS})  # fmt: skip
 
@@ -562,7 +643,10 @@ def weight_grad_launch(
         *_output_strides(grad_output), per_split,
     )  # fmt: skip
     row_align = whole_row_alignment(g, x.element_size())
-    constants = _tile_constants(g, cfg, x.dtype, channels_last_columns, allow_tf32, row_align)
+    constants = {
+        **_tile_constants(g, cfg, x.dtype, channels_last_columns, allow_tf32, row_align),
+        "PIXEL_ALIGN": pixel_alignment(grad_output),
+    }
     launch = PreparedLaunch(_wgrad_kernel, grid, args, constants, cfg.launch_options(),
                             device, {"do_not_specialize": _WGRAD_ARGS})  # fmt: skip
     return WeightGradLaunch(launch, (parts, kout, g.reduction), device)
@@ -579,6 +663,8 @@ __all__ = [
     "backward_data_launch",
     "forward_launch",
     "forward_tiles",
+    "gather_alignment",
+    "pixel_alignment",
     "patch_gemm_backward_data",
     "patch_gemm_forward",
     "patch_gemm_weight_grad",

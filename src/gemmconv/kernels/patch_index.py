@@ -97,17 +97,44 @@ def _row_offsets(m, O1, O2, O3, R1, R2, R3, XSN, XSC, XS1, XS2, XS3, YSN, YS1, Y
 
 def _column_offsets(k, KRED, C, R1, R2, R3, XSC, XS1, XS2, XS3,
                     CHANNELS_LAST_COLUMNS: tl.constexpr, RUN: tl.constexpr,
-                    ROW_ALIGN: tl.constexpr):  # fmt: skip
+                    ROW_ALIGN: tl.constexpr, GATHER_ALIGN: tl.constexpr):  # fmt: skip
     """(offset of columns ``k`` within a patch, whether they are below KRED). With
-    ``ROW_ALIGN`` > 0 the offset is k itself and the test is made over groups of
-    ROW_ALIGN columns, so that it is constant over each aligned vector."""
+    ``ROW_ALIGN`` > 0 the offset is k itself. The test is made over aligned groups of
+    ROW_ALIGN or GATHER_ALIGN columns, so that it is constant over each vector."""
+    # One return: Triton compiles every return of a device function to one type, and
+    # the two offsets differ (int32 k, int64 strided).
     if ROW_ALIGN > 0:
         offset = k
-        inside = k // ROW_ALIGN < KRED // ROW_ALIGN
+        inside = below(k, KRED, ROW_ALIGN)
     else:
         offset = patch_columns(k, C, R1, R2, R3, XSC, XS1, XS2, XS3, CHANNELS_LAST_COLUMNS, RUN)
-        inside = k < KRED
+        inside = below(k, KRED, GATHER_ALIGN)
     return offset, inside
+
+
+def _below(k, KRED, ALIGN: tl.constexpr):
+    """k < KRED, tested over groups of ALIGN columns (KRED is a multiple of ALIGN) so that
+    Triton sees it constant over each ALIGN-wide vector; it cannot see that through a
+    KRED it does not know to be a multiple of 16 (588: CLIP-L/14, Qwen2-VL)."""
+    if ALIGN > 1:
+        return k // ALIGN < KRED // ALIGN
+    return k < KRED
+
+
+def _gathered(x_row, x_col, GATHER_ALIGN: tl.constexpr):
+    """x_row[:, None] + x_col[None, :]: the offsets of a tile of patch columns. With
+    GATHER_ALIGN > 1 (kernels/patch_gemm.gather_alignment) each aligned group of that many
+    columns is consecutive memory from a multiple of it, which the host proved and
+    Triton cannot see through a run of 14 or a stride not divisible by 16 (ConvNeXt's 56,
+    Wan 2.1's 104). The hint is put on the 2-D offsets: on the 1-D ones Triton 3.8 lost it
+    through the add for ConvNeXt's and Wan 2.1's channels-first gathers (2-byte loads in
+    the compiled kernel, 4-byte copies with it here), and along the columns only: down
+    a column the offsets are multiples of nothing in particular."""
+    offsets = x_row[:, None] + x_col[None, :]
+    if GATHER_ALIGN > 1:
+        offsets = tl.multiple_of(offsets, [1, GATHER_ALIGN])
+        offsets = tl.max_contiguous(offsets, [1, GATHER_ALIGN])
+    return offsets
 
 
 def _mixed_radix_digits(k, B0, B1, B2):
@@ -122,7 +149,42 @@ def _mixed_radix_digits(k, B0, B1, B2):
 patch_rows = DeviceHelper(_patch_rows)
 patch_columns = DeviceHelper(_patch_columns)
 mixed_radix_digits = DeviceHelper(_mixed_radix_digits)
-row_offsets = DeviceHelper(_row_offsets)
-column_offsets = DeviceHelper(_column_offsets)
 
-__all__ = ["DeviceHelper", "column_offsets", "patch_columns", "patch_rows", "row_offsets"]
+
+def _pixel_tile(rows, columns, PIXEL_ALIGN: tl.constexpr, PIXELS_DOWN: tl.constexpr):
+    """The offsets of a tile of an output-shaped operand (y or dY): pixel ``rows`` (from
+    row_offsets) down axis 0 and ``columns`` (channels) across, or the other way round
+    (PIXELS_DOWN false). With PIXEL_ALIGN > 1 (kernels/patch_gemm.pixel_alignment) each
+    aligned group of that many pixels is consecutive memory from a multiple of it, which
+    Triton cannot see through the pixel index's divisions (a channels-first dY loaded
+    in 2-byte pieces, even ViT-B/16's, when compiled for sm_90). The claim is made
+    along the pixels only."""
+    if PIXELS_DOWN:
+        offsets = rows[:, None] + columns[None, :]
+        if PIXEL_ALIGN > 1:
+            offsets = tl.multiple_of(offsets, [PIXEL_ALIGN, 1])
+            offsets = tl.max_contiguous(offsets, [PIXEL_ALIGN, 1])
+    else:
+        offsets = columns[:, None] + rows[None, :]
+        if PIXEL_ALIGN > 1:
+            offsets = tl.multiple_of(offsets, [1, PIXEL_ALIGN])
+            offsets = tl.max_contiguous(offsets, [1, PIXEL_ALIGN])
+    return offsets
+
+
+row_offsets = DeviceHelper(_row_offsets)
+pixel_tile = DeviceHelper(_pixel_tile)
+below = DeviceHelper(_below)
+column_offsets = DeviceHelper(_column_offsets)
+gathered = DeviceHelper(_gathered)
+
+__all__ = [
+    "DeviceHelper",
+    "below",
+    "column_offsets",
+    "gathered",
+    "patch_columns",
+    "patch_rows",
+    "pixel_tile",
+    "row_offsets",
+]
