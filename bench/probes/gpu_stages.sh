@@ -7,6 +7,7 @@
 #   bash bench/probes/gpu_stages.sh compiled  # the compiled training step, split by kernel
 #   bash bench/probes/gpu_stages.sh suite     # the suite (about 3 min of rows)
 #   bash bench/probes/gpu_stages.sh fp8       # fp8 GPU tests, the fp8 probe
+#   bash bench/probes/gpu_stages.sh fp8-scale # the fp8 scale kernel: its tests, its A/B
 #   bash bench/probes/gpu_stages.sh invariance  # batch-invariance GPU tests, the chunk budgets
 #   bash bench/probes/gpu_stages.sh tiles     # the implicit GEMMs per tile, invariance's cost
 #   bash bench/probes/gpu_stages.sh models    # the end-to-end table (about 3 min)
@@ -19,7 +20,7 @@
 set -u
 : "${OUT:?set OUT to the folder for the results}"
 export PYTHONPATH=src
-stage=${1:?stage: tests, probe, compiled, suite, fp8, invariance, tiles, suite-in-place, models, gap, rows, precision, node or ab}
+stage=${1:?stage: tests, probe, compiled, suite, fp8, fp8-scale, invariance, tiles, suite-in-place, models, gap, rows, precision, node or ab}
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 # A copied tree can report an older HEAD than the files it holds (an H200's copy
 # reported 6ce0d30 while holding 22a735c's files): a digest of src/'s Python files says which code ran (the same command in
@@ -74,6 +75,17 @@ fp8)
         tests/bench/test_fp8_rows.py >"$OUT/fp8_tests.log" 2>&1
     echo "pytest exit $?" >>"$OUT/fp8_tests.log"
     timeout 480 python3 bench/probes/fp8_embeds.py --out "$OUT/fp8" >/dev/null 2>>"$OUT/fp8_tests.log"
+    ;;
+fp8-scale)
+    # What the fp8 scale kernel lands on: its GPU tests and the fp8 runs' (bytes equal to
+    # torch's calls; 105 s for these with the kernel tests on an H100), then the fp8 rows
+    # with the kernel and with torch's calls in one run.
+    timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu -n 12 \
+        tests/kernels/test_amax_scale.py tests/solvers/test_float8_casts.py \
+        tests/api/test_fp8.py >"$OUT/fp8_scale_tests.log" 2>&1
+    echo "pytest exit $?" >>"$OUT/fp8_scale_tests.log"
+    timeout 90 python3 bench/probes/fp8_scale_ab.py --out "$OUT/fp8_scale_ab.jsonl" \
+        >"$OUT/fp8_scale_ab.txt" 2>&1
     ;;
 invariance)
     # The batch-invariance GPU tests, then each candidate chunk budget of CUDA's
@@ -199,7 +211,7 @@ ab)
     done
     ;;
 *)
-    echo "stage=$stage: expected tests, probe, compiled, suite, fp8, invariance, tiles, suite-in-place, models, gap," \
+    echo "stage=$stage: expected tests, probe, compiled, suite, fp8, fp8-scale, invariance, tiles, suite-in-place, models, gap," \
         "rows, precision, node or ab" >&2
     exit 2
     ;;
