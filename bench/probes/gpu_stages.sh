@@ -23,9 +23,11 @@ export PYTHONPATH=src
 stage=${1:?stage: tests, probe, compiled, suite, fp8, fp8-scale, invariance, tiles, suite-in-place, models, gap, rows, precision, node or ab}
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 # A copied tree can report an older HEAD than the files it holds (an H200's copy
-# reported 6ce0d30 while holding 22a735c's files): a digest of src/'s Python files says which code ran (the same command in
-# a checkout gives that commit's).
-code=$(find src -name '*.py' | sort | xargs sha1sum | sha1sum | cut -c1-12)
+# reported 6ce0d30 while holding 22a735c's files): a digest of src/'s Python files says
+# which code ran (the same command in a checkout gives that commit's). The files are
+# sorted bytewise: a locale's collation orders them otherwise, and a GPU machine's
+# digest matched no checkout's.
+code=$(find src -name '*.py' | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-12)
 echo "$stage at $commit (src digest $code), $(date -u +%FT%TZ)" >>"$OUT/stages.log"
 case $stage in
 tests)
