@@ -145,8 +145,6 @@ def _sweep(direction: str, case, layout: str, device: torch.device, out, ab: boo
             setattr(patch_gemm, name, value)
 
 
-# The library's tile rule, which each timed configuration replaces for its run.
-_LIBRARY_TILES = patch_gemm.forward_tiles
 # The host's alignment proofs, each replaced by "nothing proved" for the unhinted runs.
 _PROOFS = ("gather_alignment", "_weight_alignment", "pixel_alignment")
 _ALIGNS = ("GATHER_ALIGN", "W_ALIGN", "PIXEL_ALIGN")
@@ -163,9 +161,13 @@ def _sweep_row(direction, case, layout, device, out, proof, ab: bool) -> None:
     geometry = PatchGeometry.of(x, outs, kernel, last)
     proved = proof(geometry, x.element_size())
     proofs = {name: getattr(patch_gemm, name) for name in _PROOFS}
+    library_tiles = patch_gemm.forward_tiles
     for hinted in (True, False) if ab else (True,):
         for name in _PROOFS:
             setattr(patch_gemm, name, proofs[name] if hinted else _NOTHING_PROVED[name])
+        # Each timed configuration replaces the library's tile rule; a pass starts from
+        # it, so that the pick it prints is the library's.
+        patch_gemm.forward_tiles = library_tiles
         label = f"align={proved}" if hinted else "align=0 (no hints)"
         _time_configs(direction, case, layout, device, out, x, w, y, label)
 
@@ -178,9 +180,6 @@ def _time_configs(direction, case, layout, device, out, x, w, y, hints: str) -> 
     dy = torch.randn_like(y)
     dt = torch.bfloat16
     if not wgrad:
-        # The previous pass (--gather-align-ab's hinted one) left its last configuration
-        # in place: the library's pick was printed as that before.
-        patch_gemm.forward_tiles = _LIBRARY_TILES
         picked = patch_gemm.forward_launch(x, w, None, kernel, last, y, False, device)
         print(f"# {case.name} {layout}: the library's tiles {picked.options} "
               f"{ {k: v for k, v in picked.constants.items() if k.startswith('BLOCK')} }",
