@@ -8,6 +8,7 @@ a few seconds a kernel."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -81,7 +82,8 @@ def _copies_and_pixel_rows():
     channels_first_into_rows(torch.randn(2, 5, 12), w, torch.empty(2 * 12, 24))
 
 
-def test_the_copy_and_pixel_rows_kernels_compile_for_sm90(monkeypatch):
+def _recorded_launches(monkeypatch) -> list:
+    """(prepared launch, tensors) of each kernel variant _copies_and_pixel_rows runs."""
     launched = []
     launch = LaunchCache.launch
 
@@ -98,11 +100,32 @@ def test_the_copy_and_pixel_rows_kernels_compile_for_sm90(monkeypatch):
         dtypes = tuple(None if t is None else t.dtype for t in tensors)
         constants = tuple(sorted((k, str(v)) for k, v in prepared.constants.items()))
         kernels[(prepared.kernel.fn, constants, dtypes)] = (prepared, tensors)
-    names = {fn.__name__ for fn, _, _ in kernels}
+    return list(kernels.values())
+
+
+def test_the_copy_and_pixel_rows_kernels_compile_for_sm90(monkeypatch):
+    kernels = _recorded_launches(monkeypatch)
+    names = {prepared.kernel.fn.__name__ for prepared, _ in kernels}
     assert names == {"_permute_kernel", "_strided_copy_kernel", "_pixel_rows_gemm_kernel"}
     assert len(kernels) >= 8  # the variants above, each its own constants or dtypes
-    for prepared, tensors in kernels.values():
+    for prepared, tensors in kernels:
         assert ".entry" in sm90_ptx(prepared, tensors), prepared.kernel.fn.__name__
+
+
+def test_every_kernel_asks_for_fp_fusion_and_triton_does_not_warn(monkeypatch):
+    # Triton 3.9 warns about each kernel that leaves floating-point contraction to its
+    # default, which 3.10 turns off; gemmconv's kernels ask for it (launch.COMPILE_OPTIONS).
+    x, w, y = _operands((2, 3, 32, 32), (16, 16), 64, False)
+    forward = patch_gemm.forward_launch(x, w, None, (16, 16), False, y, False, CPU)
+    launches = [*_recorded_launches(monkeypatch), (forward, (x, w, None, y))]
+    for prepared, _ in launches:
+        assert prepared.options["enable_fp_fusion"] is True, prepared.kernel.fn.__name__
+    for tiles in (patch_gemm.FORWARD_TILES, pixel_rows_gemm.TILES, pixel_rows_gemm.WGRAD_TILES):
+        assert all(cfg.launch_options()["enable_fp_fusion"] is True for cfg in tiles.values())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sm90_ptx(forward, (x, w, None, y))
+    assert not [w for w in caught if "FP_FUSION" in str(w.message)]
 
 
 def test_the_pixel_rows_weight_gradient_and_its_split_sum_compile_for_sm90():

@@ -30,6 +30,11 @@ log = logging.getLogger("gemmconv.kernels")
 # launcher from release 3.3 on; older releases take the ordinary route only.
 _DIRECT_LAUNCH_SINCE = (3, 3)
 _POINTER_ALIGNMENT = 16
+# Floating-point contraction (a * b + c as one fma) asked for, not left to Triton's
+# default: Triton 3.9 warns once a process about every kernel that leaves it unset, and
+# 3.10 turns it off. On, as every earlier Triton compiled (and the tests checked)
+# gemmconv's kernels.
+COMPILE_OPTIONS: dict[str, object] = {"enable_fp_fusion": True}
 
 
 def _triton_version() -> tuple[int, int]:
@@ -67,8 +72,8 @@ class TensorSlot:
 class PreparedLaunch:
     """``fn`` over ``grid`` with ``args`` (positional, ``TensorSlot(i)`` where the i-th
     tensor of a call goes) and ``constants`` (constexpr arguments by name) fixed;
-    ``options`` are launch options such as num_warps, ``jit_options`` go to
-    ``triton.jit`` (do_not_specialize)."""
+    ``options`` are launch options such as num_warps (COMPILE_OPTIONS added),
+    ``jit_options`` go to ``triton.jit`` (do_not_specialize)."""
 
     def __init__(
         self,
@@ -85,7 +90,7 @@ class PreparedLaunch:
         self.grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         self.args = list(args)
         self.constants = constants
-        self.options = options
+        self.options = {**COMPILE_OPTIONS, **options}
         self.slots = [i for i, a in enumerate(self.args) if isinstance(a, TensorSlot)]
         self.device = device
         self._index = device.index if device.index is not None else 0

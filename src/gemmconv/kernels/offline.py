@@ -57,7 +57,8 @@ def sm90_ptx(
             if name not in free and value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(triton.jit(fn), signature, constexprs, attrs)
-    options = {k: v for k, v in launch.options.items() if k in ("num_warps", "num_stages")}
+    compile_options = ("num_warps", "num_stages", "enable_fp_fusion")
+    options = {k: v for k, v in launch.options.items() if k in compile_options}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 

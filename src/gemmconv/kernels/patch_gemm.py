@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemmconv.kernels.launch import LaunchCache, PreparedLaunch, TensorSlot
+from gemmconv.kernels.launch import COMPILE_OPTIONS, LaunchCache, PreparedLaunch, TensorSlot
 from gemmconv.kernels.patch_index import (
     below,
     column_offsets,
@@ -52,8 +52,8 @@ class TileConfig:
     num_warps: int
     num_stages: int
 
-    def launch_options(self) -> dict[str, int]:
-        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+    def launch_options(self) -> dict[str, object]:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages, **COMPILE_OPTIONS}
 
 
 # Hopper-sized tiles for half precision; fp32 tiles are half as deep (twice the bytes).
