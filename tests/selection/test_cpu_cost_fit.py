@@ -15,8 +15,8 @@ import torch
 from gemmconv.bench.suite import DIRECTION_NAMES, LAYOUT_NAMES, Shape, make_problem
 from gemmconv.core.device_rates import CPU
 from gemmconv.core.problem import ConvProblem
-from gemmconv.selection import dispatch
-from gemmconv.solvers import get_solver
+
+from recorded_runs import immediate_gap
 
 CALLS = Path(__file__).resolve().parents[1] / "data" / "cpu_small_patch_calls.jsonl"
 TOLERANCE = 0.10
@@ -66,12 +66,5 @@ def test_rows_cover_every_problem_layout_and_direction() -> None:
 
 @pytest.mark.parametrize("row", [_param(r) for r in _rows()])
 def test_immediate_within_tolerance_of_the_fastest_call(row: dict) -> None:
-    calls = row["calls_ms"]
-    choice = dispatch.decide(_problem(row), [get_solver(s) for s in calls], rates=CPU)
-    best = min(calls.values())
-    gap = calls[choice.solver] / best - 1.0
-    assert gap <= TOLERANCE, (
-        f"{_row_id(row)}: immediate picks {choice.solver} ({calls[choice.solver]:.4g} ms), "
-        f"{gap:.0%} behind the fastest {min(calls, key=calls.get)} ({best:.4g} ms); "
-        f"estimates {choice.estimates_ms}"
-    )
+    gap, line = immediate_gap(_problem(row), row["calls_ms"], CPU)
+    assert gap <= TOLERANCE, f"{_row_id(row)}: {line}"
