@@ -15,7 +15,10 @@ import json
 from pathlib import Path
 
 from gemmconv.bench.suite import DIRECTION_NAMES, DTYPES, LAYOUT_NAMES
+from gemmconv.core.device_rates import DeviceRates
 from gemmconv.core.problem import ConvProblem
+from gemmconv.selection import dispatch
+from gemmconv.solvers import get_solver
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -152,3 +155,17 @@ def vendor_measured_competitive(problem: ConvProblem, tolerance: float) -> bool:
             verdicts.append("vendor" in times and times["vendor"] <= (1 + tolerance) * min(gemm))
             break
     return bool(verdicts) and all(verdicts)
+
+
+def immediate_gap(problem: ConvProblem, times: dict[str, float], rates: DeviceRates):
+    """How far behind the fastest of ``times`` (each solver's recorded call, ms) immediate
+    mode's pick among those solvers runs (0.1: 10% slower), and a line saying so."""
+    choice = dispatch.decide(problem, [get_solver(sid) for sid in times], rates=rates)
+    best = min(times.values())
+    gap = times[choice.solver] / best - 1.0
+    line = (
+        f"immediate picks {choice.solver} ({times[choice.solver]:.4g} ms), {gap:.0%} behind "
+        f"the fastest measured {min(times, key=times.get)} ({best:.4g} ms); estimates "
+        f"{choice.estimates_ms}"
+    )
+    return gap, line

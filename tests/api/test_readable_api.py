@@ -46,13 +46,14 @@ def _explained(*shapes, **kwargs):
 
 
 def test_explain_prints_a_table_and_keeps_dict_access():
-    choices = _explained((2, 3, 32, 32), (8, 3, 2, 2), stride=2)
+    # One patch per sample: point_output, a GEMM, in every direction on the CPU.
+    choices = _explained((4, 3, 16, 16), (16, 3, 16, 16), stride=16)
     assert isinstance(choices, dict) and list(choices) == [
         "forward",
         "backward_data",
         "backward_weights",
     ]
-    assert choices["forward"].solver == "patch"
+    assert choices["forward"].solver == "point_output"
     text = repr(choices)
     assert str(choices) == text and "{" not in text and "Choice(" not in text
     lines = text.splitlines()
@@ -69,12 +70,12 @@ def test_explain_prints_a_table_and_keeps_dict_access():
 
 
 def test_a_choice_alone_is_a_table_too():
-    choice = _explained((2, 3, 32, 32), (8, 3, 2, 2), stride=2)["forward"]
+    choice = _explained((4, 3, 16, 16), (16, 3, 16, 16), stride=16)["forward"]
     lines = repr(choice).splitlines()
     assert lines[0].split() == ["solver", "source", "estimate", "measured", "reason"]
-    assert lines[1].split()[:2] == ["patch", "estimate"]
+    assert lines[1].split()[:2] == ["point_output", "estimate"]
     assert len(lines) == 2 + len(choice.rejected)
-    assert str(choice) == f"patch ({choice.reason})"
+    assert str(choice) == f"point_output ({choice.reason})"
 
 
 def test_module_solvers_print_the_same_table():

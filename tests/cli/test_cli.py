@@ -29,6 +29,9 @@ from find_counting import is_finds_pick
 CPU = ["--device", "cpu"]
 # A small patch-class problem: patch, im2col and vendor apply in every direction.
 PATCH = [*CPU, *"-n 4 -c 3 -H 16 -W 16 -k 16 -y 2 -x 2 -u 2 -v 2 -i 2 --warmup 0".split()]
+# One patch per sample: a GEMM solver (point_output) is picked in every direction, where
+# the CPU's oneDNN takes PATCH's small patches.
+POINT = [*CPU, *"-n 4 -c 3 -H 16 -W 16 -k 16 -y 16 -x 16 -u 16 -v 16 -i 2 --warmup 0".split()]
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
@@ -48,15 +51,15 @@ def run_json(capsys, *argv: str) -> dict:
 
 
 def test_conv_reports_every_direction(capsys):
-    code, out, err = run(capsys, "conv", *PATCH)
+    code, out, err = run(capsys, "conv", *POINT)
     assert code == 0, err
     for title in ("Forward:", "Backward-data:", "Backward-weights:"):
         assert title in out
     assert out.count("Verifies OK (rms=") == 3
     assert out.count("TFLOP/s") == 3 and out.count("GB/s") == 3
     assert out.count("call  speed-up ") == 3 and out.count("vendor ") >= 3
-    expected = dispatch.decide(cli.problem_from_args(_parsed(PATCH), torch.device("cpu")))
-    assert f"Forward: solver {expected.solver} (" in out
+    expected = dispatch.decide(cli.problem_from_args(_parsed(POINT), torch.device("cpu")))
+    assert expected.solver != "vendor" and f"Forward: solver {expected.solver} (" in out
     # The last line sums the run up: each direction's speed-up as printed above it.
     lines = out.splitlines()
     speedups = [line.split("speed-up ")[1] for line in lines if "call  speed-up " in line]
@@ -761,7 +764,7 @@ def bars(monkeypatch) -> list[RecordingBar]:
     return RecordingBar.patch(monkeypatch, cli)
 
 
-# PATCH times 2 repetitions with no warm-up. Per direction: the solver's checked call
+# POINT times 2 repetitions with no warm-up. Per direction: the solver's checked call
 # and its timed calls, the vendor's in verification and timed, the float64 reference.
 @pytest.mark.parametrize(
     ("flags", "total"),
@@ -773,7 +776,7 @@ def bars(monkeypatch) -> list[RecordingBar]:
     ],
 )
 def test_the_conv_bar_counts_every_convolution_of_the_run(capsys, bars, flags, total):
-    code, _, err = run(capsys, "conv", *PATCH, *flags.split())
+    code, _, err = run(capsys, "conv", *POINT, *flags.split())
     assert code == 0, err
     assert len(bars) == 1 and bars[0].desc == "conv"
     assert bars[0].total == total and bars[0].n == total
@@ -781,12 +784,12 @@ def test_the_conv_bar_counts_every_convolution_of_the_run(capsys, bars, flags, t
 
 def test_progress_bars_only_when_stderr_is_a_terminal(capsys, monkeypatch, tmp_path):
     problems = tmp_path / "problems.txt"
-    problems.write_text(" ".join(PATCH[:-4]) + " -F 1\n")
-    for argv in (["conv", *PATCH, "-F", "1"], ["tune", str(problems)]):
+    problems.write_text(" ".join(POINT[:-4]) + " -F 1\n")
+    for argv in (["conv", *POINT, "-F", "1"], ["tune", str(problems)]):
         code, _, err = run(capsys, *argv)
         assert code == 0 and err == "", err
     monkeypatch.setattr(progress, "stderr_is_terminal", lambda: True)
-    code, out, err = run(capsys, "conv", *PATCH, "-F", "1")
+    code, out, err = run(capsys, "conv", *POINT, "-F", "1")
     assert code == 0 and "conv:" in err and "/7 " in err and "Verifies OK" in out
     code, _, err = run(capsys, "tune", str(problems))
     assert code == 0 and "find:" in err and "/1 " in err

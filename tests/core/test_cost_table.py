@@ -30,7 +30,10 @@ MEASURED = DeviceRates("Future GPU", {"bf16": 1000.0, "fp32": 60.0}, 6000.0, 3.0
 @pytest.mark.parametrize("entry", [H200, CPU], ids=lambda e: e.name)
 def test_every_entry_has_every_factor_and_says_where_it_comes_from(entry):
     assert set(entry.factors) == set(FACTORS)
-    assert all(0 < v <= 1 for v in entry.factors.values())
+    # A fraction of the floor at the device's measured rates; the CPU entry's rates are
+    # conservative, so oneDNN's factors there may pass 1 (device_rates.CPU says why).
+    ceiling = 3.0 if entry is CPU else 1.0
+    assert all(0 < v <= ceiling for v in entry.factors.values())
     assert entry.source
 
 

@@ -24,7 +24,16 @@ from gemmconv.selection import dispatch
 from gemmconv.solvers import get_solver
 from gemmconv.solvers.vendor import vendor_factor
 
-from recorded_runs import H100_RUN, H200_RUN, RUNS, Run, measured, problem_of, row_id
+from recorded_runs import (
+    H100_RUN,
+    H200_RUN,
+    RUNS,
+    Run,
+    immediate_gap,
+    measured,
+    problem_of,
+    row_id,
+)
 
 TOLERANCE = 0.10
 
@@ -51,17 +60,8 @@ def _pick(row: dict, rates=H200) -> str:
 
 @pytest.mark.parametrize(("run", "row"), [_param(run, r) for run in RUNS for r in run.rows()])
 def test_immediate_within_tolerance_of_find(run: Run, row: dict) -> None:
-    times = measured(row)
-    problem = problem_of(row)
-    solvers = [get_solver(sid) for sid in times]
-    choice = dispatch.decide(problem, solvers, rates=H200)
-    best = min(times.values())
-    gap = times[choice.solver] / best - 1.0
-    assert gap <= TOLERANCE, (
-        f"{run.card} {row_id(row)}: immediate picks {choice.solver} "
-        f"({times[choice.solver]:.4g} ms), {gap:.0%} behind the fastest measured "
-        f"{min(times, key=times.get)} ({best:.4g} ms); estimates {choice.estimates_ms}"
-    )
+    gap, line = immediate_gap(problem_of(row), measured(row), H200)
+    assert gap <= TOLERANCE, f"{run.card} {row_id(row)}: {line}"
 
 
 def test_every_still_off_row_is_a_row_of_its_run() -> None:

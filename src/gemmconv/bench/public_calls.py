@@ -6,8 +6,9 @@ side by side as gemmconv.bench.call_timing describes (back-to-back calls, no hea
 interleaved, median), with gemmconv's default selection. Ratios are torch_ms /
 gemmconv_ms and linear_ms / gemmconv_ms: above 1 gemmconv is faster. The default
 selection is the CPU table (ViT-B/16 at batch 8, the point problem at 950,
-Qwen2-VL's Conv3d at 2048 patches, a ResNet 1x1); ``--quick`` runs tiny versions of
-the same problems for the tests.
+Qwen2-VL's Conv3d at 2048 patches, a ResNet 1x1, SD3's latent patchify at 512px,
+ConvNeXt's downsample at batch 4); ``--quick`` runs tiny versions of the same problems
+for the tests.
 
     gemmconv bench --api --device cpu     # writes gemmconv-bench/cpu.json and cpu.md
 """
@@ -94,6 +95,12 @@ API_CASES: tuple[ApiCase, ...] = (
             Shape(8, 3, 16, (2, 14, 14), (2, 14, 14)), False),
     ApiCase("resnet_1x1_b8", "ResNet 1x1",
             Shape(8, 256, 64, (56, 56), (1, 1)), Shape(2, 16, 8, (6, 5), (1, 1)), False),
+    # Patches of fewer than 16 taps, where the CPU's oneDNN beats the GEMM with its
+    # gather: SD3's latent patchify at a 512px image, ConvNeXt's downsample at batch 4.
+    ApiCase("sd3_512", "SD3 latent patchify",
+            Shape(1, 16, 1536, (64, 64), (2, 2)), Shape(1, 16, 8, (4, 4), (2, 2)), True),
+    ApiCase("convnext_down_b4", "ConvNeXt downsample",
+            Shape(4, 192, 384, (56, 56), (2, 2)), Shape(1, 8, 8, (4, 4), (2, 2)), True),
 )  # fmt: skip
 
 

@@ -205,10 +205,9 @@ H200 = DeviceRates(
 
 # The CPU machines of this project (2 cores): orders of magnitude below any GPU; only
 # the ratios between solvers matter here, and those are set by bytes copied versus
-# flops. CPU GEMMs showed no alignment cliff. Nothing is fitted to a CPU run yet but
-# large patches: the vendor's other factors are the H200 entry's as they were before
-# its refits to cuDNN's channels-last small patches and to two cards, one factor a
-# class for every direction (cuDNN's figures say nothing of the CPU's kernels).
+# flops. CPU GEMMs showed no alignment cliff. The rates are conservative (the 2-core
+# EPYC ran an fp32 GEMM at 0.2 TFLOP/s and a copy at 48 GB/s), so a vendor factor
+# fitted against the GEMM solvers' estimates can exceed 1.
 CPU = DeviceRates(
     name="cpu",
     matrix_tflops={"bf16": 0.05, "fp16": 0.02, "tf32": 0.1, "fp32": 0.1, "fp64": 0.05},
@@ -235,16 +234,27 @@ CPU = DeviceRates(
         "vendor_point_output": 0.1,
         "vendor_point_output_backward_data": 0.1,
         "vendor_point_output_backward_weights": 0.1,
-        "vendor_small_patch": 0.33,
-        "vendor_small_patch_backward_data": 0.33,
-        "vendor_small_patch_backward_weights": 0.33,
-        "vendor_small_patch_channels_first": 0.2,
-        "vendor_few_channel_patch": 0.33,  # no CPU evidence: as other small patches
-        "vendor_few_channel_patch_backward_data": 0.33,
+        # Patches of fewer taps (SD3's, DiT-XL/2's and Wan 2.1's latent patchifies,
+        # ConvNeXt's downsample): oneDNN ran them 1.4-3x faster than the patch GEMM with
+        # its gather (SD3 at 512px, forward: 0.73 ms against 2.32 channels-first), where
+        # the H200's factors, kept before, priced it 3-5x slower and every call went to
+        # the GEMM: 0.16-0.65x torch's forward. Fitted by bench/probes/cpu_vendor_fit.py
+        # to find's call times on the 2-core EPYC (tests/data/cpu_small_patch_calls.jsonl):
+        # a pick within 10% of the fastest call on 21 of 24 rows. The three left are
+        # backward rows where oneDNN and the GEMM trade places within one factor's class
+        # (tests/selection/test_cpu_cost_fit.py names them).
+        "vendor_small_patch": 2.1,
+        "vendor_small_patch_backward_data": 2.4,
+        "vendor_small_patch_backward_weights": 1.3,
+        "vendor_small_patch_channels_first": 1.1,
+        "vendor_few_channel_patch": 1.8,
+        "vendor_few_channel_patch_backward_data": 0.57,
         "vendor_other": 0.5,
     },
-    source="rates: conservative figures for a 2-core CPU; factors: the H200 entry's before "
-    "its small-patch and two-card refits, large patches excepted (bench/results/cpu.md)",
+    source="rates: conservative figures for a 2-core CPU; factors: large patches and point "
+    "patches fitted to bench/results/cpu.md's rows, small patches to "
+    "tests/data/cpu_small_patch_calls.jsonl (AMD EPYC, 2 cores, torch 2.14.1), the rest "
+    "the H200 entry's before its small-patch and two-card refits",
 )
 
 _TABLE: dict[str, DeviceRates] = {"NVIDIA H200": H200, "NVIDIA H100 80GB HBM3": H200}

@@ -1,0 +1,161 @@
+"""Fit the CPU entry's vendor factors for small patches to find's call times here.
+
+For each problem (released models' patchifies of fewer than 16 taps, at sizes a CPU
+runs), layout and direction, find times every applicable solver's call as a user
+makes it, the times find ranks by. Each row implies the vendor factor at which the
+cost model prices torch's convolution against the fastest GEMM solver as the calls
+do. The CPU entry's rates are conservative (0.1 TFLOP/s and 10 GB/s, where this
+2-core machine measured 0.2 and 48), so the vendor is priced at the same ratio of
+estimate to call time as that GEMM solver, and a factor can exceed 1.
+
+Per factor it prints the implied values and the value chosen: their median, moved to
+the nearest value at which immediate mode's pick (dispatch.decide) runs within 10% of
+the fastest call on as many of the factor's rows as any value does. With --out, a
+JSON line per row (the test's copy: tests/data/cpu_small_patch_calls.jsonl).
+
+    PYTHONPATH=src python bench/probes/cpu_vendor_fit.py --out rows.jsonl
+    PYTHONPATH=src python bench/probes/cpu_vendor_fit.py --rows rows.jsonl  # refit only
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+from collections import defaultdict
+
+import torch
+
+import gemmconv
+from gemmconv.bench.suite import DIRECTION_NAMES, LAYOUT_NAMES, Shape, make_problem
+from gemmconv.core.device_rates import CPU, DeviceRates
+from gemmconv.core.problem import ConvProblem
+from gemmconv.selection import dispatch
+from gemmconv.solvers import get_solver
+from gemmconv.solvers.vendor import vendor_factor
+
+CPU_DEVICE = torch.device("cpu")
+# fp32, stride == kernel.
+PROBLEMS = {
+    # diffusers' SD3 PatchEmbed (16 latent channels, 2x2, 1536 wide) at a 512px image.
+    "sd3_512": Shape(1, 16, 1536, (64, 64), (2, 2)),
+    # DiT-XL/2 (4 latent channels, 2x2, 1152 wide) at 256px, batch 8.
+    "dit_xl2_b8": Shape(8, 4, 1152, (32, 32), (2, 2)),
+    # ConvNeXt's 2x2 downsample (192 -> 384 at 56x56, as the suite's), batch 4.
+    "convnext_down_b4": Shape(4, 192, 384, (56, 56), (2, 2)),
+    # Wan 2.1 1.3B's (1, 2, 2) latent patchify (16 channels -> 1536), a short clip.
+    "wan21_1_3b": Shape(1, 16, 1536, (5, 30, 52), (1, 2, 2)),
+}
+# A pick within this fraction of the fastest call counts as right.
+TOLERANCE = 0.10
+# The values tried: two significant digits from 0.10 to 9.9.
+GRID = [m * 10.0**e for e in (-2, -1) for m in range(10, 100)]
+
+
+def problem_of(row: dict) -> ConvProblem:
+    """A row's problem (the tests rebuild rows the same way)."""
+    s = row["shape"]
+    shape = Shape(s["n"], s["c"], s["k"], tuple(s["spatial"]), tuple(s["kernel"]))
+    direction = DIRECTION_NAMES[row["direction"]]
+    return make_problem(shape, LAYOUT_NAMES[row["layout"]], torch.float32, CPU_DEVICE, direction)
+
+
+def measure_row(name: str, shape: Shape, layout_name: str, direction_name: str) -> dict:
+    """Find's call time of every applicable solver on one problem, layout and direction."""
+    x = torch.randn(shape.n, shape.c, *shape.spatial)
+    w = torch.randn(shape.k, shape.c, *shape.kernel)
+    if layout_name == "cl":
+        fmt = torch.channels_last if len(shape.spatial) == 2 else torch.channels_last_3d
+        x, w = x.contiguous(memory_format=fmt), w.contiguous(memory_format=fmt)
+    direction = DIRECTION_NAMES[direction_name]
+    with gemmconv.find_mode("find"):
+        choice = gemmconv.explain(x, w, stride=shape.kernel)[direction.value]
+    return {
+        "problem": name, "shape": dataclasses.asdict(shape), "layout": layout_name,
+        "direction": direction_name, "dtype": "fp32",
+        "calls_ms": {s: round(v, 4) for s, v in choice.times_ms.items()},
+    }  # fmt: skip
+
+
+def implied_factor(row: dict, rates: DeviceRates = CPU) -> float:
+    """The factor at which the vendor's estimated call stands to the fastest GEMM
+    solver's estimate as their call times stand."""
+    p, calls = problem_of(row), row["calls_ms"]
+    gemm = min((s for s in calls if s != "vendor"), key=calls.get)
+    vendor, current = get_solver("vendor"), rates.factor(vendor_factor(p))
+    floor = vendor.work_ms(p, rates) * current
+    fixed = vendor.call_ms(p, rates) - vendor.work_ms(p, rates)
+    scale = get_solver(gemm).call_ms(p, rates) / calls[gemm]
+    return floor / (calls["vendor"] * scale - fixed)
+
+
+def pick(row: dict, rates: DeviceRates) -> str:
+    """Immediate mode's pick among the row's measured solvers."""
+    solvers = [get_solver(s) for s in row["calls_ms"]]
+    return dispatch.decide(problem_of(row), solvers, rates).solver
+
+
+def right_picks(rows: list[dict], name: str, value: float) -> int:
+    """How many rows pick within TOLERANCE of their fastest call with ``name`` at
+    ``value``."""
+    rates = dataclasses.replace(CPU, factors={**CPU.factors, name: value})
+    right = 0
+    for row in rows:
+        calls = row["calls_ms"]
+        right += calls[pick(row, rates)] <= (1 + TOLERANCE) * min(calls.values())
+    return right
+
+
+def chosen_value(rows: list[dict], name: str) -> tuple[float, int]:
+    """The median implied factor, moved to the nearest value of GRID with the most
+    right picks; and that count."""
+    median = statistics.median(implied_factor(r) for r in rows)
+    counts = {v: right_picks(rows, name, v) for v in GRID}
+    top = max(counts.values())
+    if right_picks(rows, name, median) == top:
+        return float(f"{median:.2g}"), top
+    return min((v for v in GRID if counts[v] == top), key=lambda v: abs(v - median)), top
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="a JSON line per measured row")
+    parser.add_argument("--rows", help="refit to these rows (a file --out wrote) instead")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    if args.rows:
+        with open(args.rows) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    else:
+        torch.set_num_threads(args.threads)
+        torch.manual_seed(0)
+        rows = []
+        with tempfile.TemporaryDirectory() as folder:
+            os.environ["GEMMCONV_DB"] = os.path.join(folder, "find.sqlite")
+            for name, shape in PROBLEMS.items():
+                for layout_name in ("cf", "cl"):
+                    for direction_name in DIRECTION_NAMES:
+                        rows.append(measure_row(name, shape, layout_name, direction_name))
+                        if args.out:
+                            with open(args.out, "a") as f:
+                                f.write(json.dumps(rows[-1]) + "\n")
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    by_factor = defaultdict(list)
+    for row in rows:
+        by_factor[vendor_factor(problem_of(row))].append(row)
+        calls = " ".join(f"{s} {v:.3f}" for s, v in row["calls_ms"].items())
+        print(f"{row['problem']} {row['layout']} {row['direction']}: {calls} ms; "
+              f"picks {pick(row, CPU)}; implied {implied_factor(row):.3g}")  # fmt: skip
+    for name, rows_of in sorted(by_factor.items()):
+        implied = ", ".join(f"{implied_factor(r):.3g}" for r in rows_of)
+        value, right = chosen_value(rows_of, name)
+        now = CPU.factor(name)
+        print(f"{name}: now {now} ({right_picks(rows_of, name, now)} of {len(rows_of)} "
+              f"right), implied {implied}; chosen {value} ({right} right)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
