@@ -235,14 +235,15 @@ CPU = DeviceRates(
         "vendor_point_output_backward_data": 0.1,
         "vendor_point_output_backward_weights": 0.1,
         # Patches of fewer taps (SD3's, DiT-XL/2's and Wan 2.1's latent patchifies,
-        # ConvNeXt's downsample): oneDNN ran them 1.4-3x faster than the patch GEMM with
-        # its gather (SD3 at 512px, forward: 0.73 ms against 2.32 channels-first), where
-        # the H200's factors, kept before, priced it 3-5x slower and every call went to
-        # the GEMM: 0.16-0.65x torch's forward. Fitted by bench/probes/cpu_vendor_fit.py
-        # to find's call times on the 2-core EPYC (tests/data/cpu_small_patch_calls.jsonl):
-        # a pick within 10% of the fastest call on 21 of 24 rows. The three left are
-        # backward rows where oneDNN and the GEMM trade places within one factor's class
-        # (tests/selection/test_cpu_cost_fit.py names them).
+        # ConvNeXt's downsample): oneDNN ran most of them faster than the patch GEMM with
+        # its gather, up to 3.2x (SD3 at 512px, forward: 0.79 ms against 2.49
+        # channels-first), where the H200's factors, kept before, priced it 3-5x slower
+        # and every call went to the GEMM: 0.16-0.65x torch's forward. Fitted by
+        # bench/probes/cpu_vendor_fit.py to find's call times on the 2-core EPYC
+        # (tests/data/cpu_small_patch_calls.jsonl): a pick within 10% of the fastest
+        # call on 21 of 24 rows. The three left are backward rows where oneDNN and the
+        # GEMM trade places within one factor's class (tests/selection/
+        # test_cpu_cost_fit.py names them).
         "vendor_small_patch": 2.1,
         "vendor_small_patch_backward_data": 2.4,
         "vendor_small_patch_backward_weights": 1.3,

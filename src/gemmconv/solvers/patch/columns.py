@@ -33,6 +33,7 @@ from gemmconv.solvers.patch.mapping import (
     patches_are_views,
 )
 from gemmconv.solvers.views import ViewRecipe, try_view
+from gemmconv.solvers.word_copy import contiguous_in_words, copy_in_words
 
 # The Triton permutation pass (kernels/patch_permute.py) against a plain copy: the
 # strided side is read in short runs (R elements), so allow a quarter more time.
@@ -135,7 +136,10 @@ class ViewColumns(TorchCopyColumns):
     ) -> torch.Tensor:
         if out is not None or ld != p.gemm_k:
             return super().gather(x, p, ld, out)
-        return patches(x, p).reshape(-1, p.gemm_k)  # a view where x's memory allows
+        source = patches(x, p)
+        rows = x.shape[0] * math.prod(p.output_spatial)  # x may be a slice of the batch
+        view = try_view(source, rows, p.gemm_k)
+        return view if view is not None else contiguous_in_words(source).view(rows, p.gemm_k)
 
     def in_place_target(self, dx: torch.Tensor, p: ConvProblem, ld: int) -> torch.Tensor | None:
         if ld != p.gemm_k:
@@ -152,7 +156,8 @@ class ViewColumns(TorchCopyColumns):
         if view is not None:
             return view.apply
         permuted = ViewRecipe(source, x).apply
-        return lambda t: permuted(t).reshape(p.gemm_m, p.gemm_k)  # torch's copy
+        m, k = p.gemm_m, p.gemm_k
+        return lambda t: contiguous_in_words(permuted(t)).view(m, k)
 
 
 class TritonCopyColumns(ColumnSource):
@@ -227,14 +232,14 @@ def _fill_columns(col: torch.Tensor, source: torch.Tensor, k: int) -> torch.Tens
     zeros after them."""
     if col.shape[1] > k:
         col[:, k:].zero_()
-    col[:, :k].view(source.shape).copy_(source)
+    copy_in_words(col[:, :k].view(source.shape), source)
     return col
 
 
 def _store_columns(target: torch.Tensor, dcol: torch.Tensor, k: int) -> None:
     """The first ``k`` columns of ``dcol`` [rows, ld] written into ``target`` (dx's
     patch positions, a view of the patches' shape): _fill_columns run backwards."""
-    target.copy_(dcol[:, :k].view(target.shape))
+    copy_in_words(target, dcol[:, :k].view(target.shape))
 
 
 def _buffer(x: torch.Tensor, p: ConvProblem, ld: int, out: torch.Tensor | None) -> torch.Tensor:
