@@ -253,7 +253,8 @@ CPU = DeviceRates(
         "vendor_other": 0.5,
     },
     source="rates: conservative figures for a 2-core CPU; factors: large patches and point "
-    "patches fitted to bench/results/cpu.md's rows, small patches to "
+    "patches fitted to the CPU table at b6a7d1b (bench/results/cpu.md's history), small "
+    "patches to "
     "tests/data/cpu_small_patch_calls.jsonl (AMD EPYC, 2 cores, torch 2.14.1), the rest "
     "the H200 entry's before its small-patch and two-card refits",
 )

@@ -2,7 +2,7 @@
 
 torch's CPU copy through a permuted view steps one element at a time along its
 innermost dimension: a channels-first 2x2 patch gather (runs of two fp32) moved a
-4 MB input in 2.6 ms on the 2-core EPYC, the same copy as int64 words in 0.35
+4 MB input in 2.3 ms on the 2-core EPYC, the same copy as int64 words in 0.33
 (bench/NOTES.md). Where both sides' innermost runs are contiguous and every other
 stride and the offsets keep a wider word aligned, the copy runs on integer views of
 that width: the same bits, fewer and wider elements.
