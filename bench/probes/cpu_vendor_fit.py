@@ -133,6 +133,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         torch.manual_seed(0)
         rows = []
+        if args.out:
+            open(args.out, "w").close()  # each row is appended as it is measured
         with tempfile.TemporaryDirectory() as folder:
             os.environ["GEMMCONV_DB"] = os.path.join(folder, "find.sqlite")
             for name, shape in PROBLEMS.items():

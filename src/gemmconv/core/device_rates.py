@@ -241,9 +241,10 @@ CPU = DeviceRates(
         # and every call went to the GEMM: 0.16-0.65x torch's forward. Fitted by
         # bench/probes/cpu_vendor_fit.py to find's call times on the 2-core EPYC
         # (tests/data/cpu_small_patch_calls.jsonl): a pick within 10% of the fastest
-        # call on 21 of 24 rows. The three left are backward rows where oneDNN and the
-        # GEMM trade places within one factor's class (tests/selection/
-        # test_cpu_cost_fit.py names them).
+        # call on 21 of 24 rows. The values are a first run's (at fb8cf7d, before the
+        # word copies); on the committed rows they pick the same 21 as the values those
+        # rows choose. The three left are backward rows where oneDNN and the GEMM trade
+        # places within one factor's class (tests/selection/test_cpu_cost_fit.py).
         "vendor_small_patch": 2.1,
         "vendor_small_patch_backward_data": 2.4,
         "vendor_small_patch_backward_weights": 1.3,
