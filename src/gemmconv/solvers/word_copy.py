@@ -64,6 +64,8 @@ def copy_in_words(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 
 def contiguous_in_words(src: torch.Tensor) -> torch.Tensor:
     """``src.contiguous()``, copied in wider words where ``src`` allows."""
+    if src.device.type != "cpu" or torch.compiler.is_compiling():
+        return src.contiguous()  # no words there: allocate nothing to find that out
     out = torch.empty(src.shape, dtype=src.dtype, device=src.device)
     dtype = word_dtype(out, src)
     if dtype is None:
