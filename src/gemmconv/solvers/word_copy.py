@@ -64,14 +64,9 @@ def copy_in_words(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 
 def contiguous_in_words(src: torch.Tensor) -> torch.Tensor:
     """``src.contiguous()``, copied in wider words where ``src`` allows."""
-    if src.device.type != "cpu" or torch.compiler.is_compiling():
-        return src.contiguous()  # no words there: allocate nothing to find that out
-    out = torch.empty(src.shape, dtype=src.dtype, device=src.device)
-    dtype = word_dtype(out, src)
-    if dtype is None:
-        return src.contiguous()
-    out.view(dtype).copy_(src.view(dtype))
-    return out
+    if src.device.type != "cpu" or torch.compiler.is_compiling() or src.is_contiguous():
+        return src.contiguous()  # no copy, or no words: allocate nothing to find that out
+    return copy_in_words(torch.empty(src.shape, dtype=src.dtype, device=src.device), src)
 
 
 __all__ = ["contiguous_in_words", "copy_in_words", "word_dtype"]
