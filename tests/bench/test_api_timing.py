@@ -20,6 +20,7 @@ from gemmconv.bench.call_timing import (
     public_call_kernels,
     public_calls,
 )
+from gemmconv.bench.public_calls import API_CASES
 from gemmconv.bench.public_calls import main as api_main
 from gemmconv.cli import commands as cli
 from gemmconv.core.memory_format import Layout
@@ -203,7 +204,7 @@ def test_quick_table_on_cuda_every_kind_agrees(tmp_path):
             "cf,cl", "--reps", "3", "--out", str(tmp_path), "--name", "gpu"]  # fmt: skip
     assert api_main(argv) == 0
     rows = json.loads((tmp_path / "gpu.json").read_text())["rows"]
-    assert len(rows) == 4 * len(CALL_KINDS) * 2
+    assert len(rows) == len(API_CASES) * len(CALL_KINDS) * 2
     assert all(r["agrees"] and r["gemmconv_ms"] > 0 and r["dtype"] == "bf16" for r in rows)
 
 
