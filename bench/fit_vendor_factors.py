@@ -1,5 +1,5 @@
 """Refit the cost table's vendor factors (gemmconv.core.device_rates.FACTORS) to the
-recorded suite runs of both cards.
+recorded suite runs (two on H100s, one on the H200).
 
 A factor prices cuDNN's device time as a fraction of the GEMM floor; each row of a run
 implies one, the row's floor over cuDNN's measured device time. The floor is the
@@ -10,14 +10,15 @@ apart (Solver.call_ms).
 
 This prints each class's implied factor per direction and card (what says a class
 needs a factor per direction); then for each factor of the table the rows it prices,
-the median implied factor per card, and the value chosen: the geometric mean of the
-cards' medians, moved to the nearest value at which immediate mode's pick on those
-rows runs within 10% of the fastest recorded call on as many rows of both runs as any
+the median implied factor per run, and the value chosen: the geometric mean of the
+runs' medians, moved to the nearest value at which immediate mode's pick on those
+rows runs within 10% of the fastest recorded call on as many rows of every run as any
 value does, and a tenth either side of it does too (so no pick sits on its edge; where
 no value is that steady, the middle of those that do best).
 
 The runs are the tests' copies (tests/data), which tests/selection/test_cost_model_fit.py
-replays, so a new `gemmconv bench` run changes nothing until both are refitted.
+replays, so a new `gemmconv bench` run changes nothing until it is copied there, named
+here and the table refitted.
 
     PYTHONPATH=src python bench/fit_vendor_factors.py
 """
@@ -41,6 +42,7 @@ from gemmconv.solvers.vendor import vendor_class, vendor_factor
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 RUNS = {
     "H100 f0db2a3": DATA / "h100_suite.json",  # bench/results/h100.json at c3062b9
+    "H100 3dd28ca": DATA / "h100_suite_3dd28ca.json",  # bench/results/h100.json at 07d2002
     "H200 22a735c": DATA / "h200_suite.json",
 }
 # A pick within this fraction of the fastest recorded call counts as right.

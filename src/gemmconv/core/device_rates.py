@@ -145,15 +145,15 @@ H200 = DeviceRates(
     # direction's call pays it on top of its own host time (Solver.call_ms).
     autograd_node_us=60.0,
     # The vendor's fraction of the floor: each card's floor over cuDNN's device time,
-    # the median over a factor's rows of the H100 run at f0db2a3 (tests/data/
-    # h100_suite.json, a copy of bench/results/h100.json at c3062b9) and of this card's
-    # at 22a735c, the geometric mean of the two, where that keeps immediate mode's
-    # picks on both runs as close to the fastest call as any value does
-    # (bench/fit_vendor_factors.py prints each figure). The cards agree to a few
-    # percent where both measured a row: ConvNeXt's channels-last downsample 0.73 of
-    # the floor forward, 0.43 and 0.45 backward-data, 0.50 weight gradient. The
-    # estimate only has to rank the vendor behind a real GEMM where one exists; find
-    # measures the truth.
+    # the median over a factor's rows of the H100 runs at f0db2a3 (tests/data/
+    # h100_suite.json, a copy of bench/results/h100.json at c3062b9) and 3dd28ca
+    # (h100_suite_3dd28ca.json) and of this card's at 22a735c, the geometric mean of
+    # the three, where that keeps immediate mode's picks on the runs as close to the
+    # fastest call as any value does (bench/fit_vendor_factors.py prints each figure).
+    # The cards agree to a few percent where both measured a row: ConvNeXt's
+    # channels-last downsample 0.73 of the floor forward, 0.43 and 0.45 backward-data,
+    # 0.50 weight gradient. The estimate only has to rank the vendor behind a real GEMM
+    # where one exists; find measures the truth.
     factors={
         # 1x1: cuDNN and the pointwise GEMM tie on the device on every ResNet row
         # (within 4%, at 0.81-0.97 of the floor); 0.94-1.0 give the fewest picks off (two
@@ -165,7 +165,7 @@ H200 = DeviceRates(
         # as its forwards on both cards (0.077 and 0.081 against 0.037); no pick moves.
         "vendor_large_patch_backward_weights": 0.079,
         "vendor_point_output": 0.029,
-        "vendor_point_output_backward_data": 0.014,
+        "vendor_point_output_backward_data": 0.013,
         "vendor_point_output_backward_weights": 0.066,
         # Channels-last small patches (ConvNeXt's downsample on both cards, the SD3 and
         # Wan 2.1 latent patchifies on the H100): the forward at the cards' implied
@@ -192,7 +192,7 @@ H200 = DeviceRates(
         # patchifies reached 0.25 and 0.24 on the H100. Priced as ConvNeXt's, SD3's saved
         # an estimated 19 us, under the node, and ran cuDNN's 0.163 ms a call against
         # find's patch_implicit at 0.079 (0.69x the rewrite; H100 at 5202680).
-        "vendor_few_channel_patch": 0.32,
+        "vendor_few_channel_patch": 0.33,
         "vendor_few_channel_patch_backward_data": 0.22,
         "vendor_other": 0.5,  # no suite row: kept
     },
@@ -200,7 +200,8 @@ H200 = DeviceRates(
     "commit 22a735c, bench/results/h200.json at that commit): the "
     "unaligned slowdown and host costs fitted to it; the vendor factors to it and to "
     "tests/data/h100_suite.json (NVIDIA H100 80GB HBM3, the suite at commit f0db2a3, "
-    "bench/results/h100.json at c3062b9) by bench/fit_vendor_factors.py",
+    "bench/results/h100.json at c3062b9) and h100_suite_3dd28ca.json (another H100, the "
+    "suite at 3dd28ca) by bench/fit_vendor_factors.py",
 )
 
 # The CPU machines of this project (2 cores): orders of magnitude below any GPU; only
