@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 
 import torch
+from json_rows import emit
 from triton.testing import do_bench
 
 from gemmconv.bench.suite import suite_cases
@@ -97,10 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                         ms[f"{name}/{library}"] = str(e).splitlines()[0][:80]
         row = {"case": case.name, "device": torch.cuda.get_device_name(), "n": s.n, "p": p,
                "k": s.k, "r": r, "ms": ms}  # fmt: skip
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(row, args.out)
     return 0
 
 

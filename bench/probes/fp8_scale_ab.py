@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 
 import torch
+from json_rows import emit
 
 from gemmconv.bench.call_timing import _interleaved_twice
 from gemmconv.bench.fp8_rows import CASES, _modules, _step
@@ -57,10 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {"case": case.name, "device": torch.cuda.get_device_name(), "ms": ms,
                "torch/kernel": round(ms["torch scale"] / ms["scale kernel"], 3),
                "fp8 x bf16": round(ms["gemmconv bf16"] / ms["scale kernel"], 3)}  # fmt: skip
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as out:
-                out.write(json.dumps(row) + "\n")
+        emit(row, args.out)
     return 0
 
 

@@ -211,6 +211,17 @@ def test_the_forward_tie_rule_sides_with_the_measured_call(run: Run, row: dict) 
         assert public[choice.solver] <= (1 + TIE) * public[other], (row_id(row), public)
 
 
+def _picks_of_rule(run: Run, reason_start: str):
+    """The rows of ``run`` whose immediate pick a rule made, the rule whose reasons begin
+    with ``reason_start``: each row, its recorded call times, the choice and the solver
+    of the lowest estimate."""
+    for row in run.rows():
+        times = measured(row)
+        choice = dispatch.decide(problem_of(row), [get_solver(s) for s in times], rates=H200)
+        if choice.reason.startswith(reason_start):
+            yield row, times, choice, min(choice.estimates_ms, key=choice.estimates_ms.get)
+
+
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: r.card)
 def test_the_forward_tie_rule_changes_some_picks_and_only_forwards(run: Run) -> None:
     """The rule moves forwards from a GEMM to the vendor only (each run's ResNet 1x1
@@ -218,12 +229,7 @@ def test_the_forward_tie_rule_changes_some_picks_and_only_forwards(run: Run) -> 
     a tie; on the H100 SD3's channels-last patchify too); a backward direction's pick is
     never the rule's."""
     changed = []
-    for row in run.rows():
-        times = measured(row)
-        choice = dispatch.decide(problem_of(row), [get_solver(s) for s in times], rates=H200)
-        if not choice.reason.startswith("the vendor's single call"):
-            continue
-        lowest = min(choice.estimates_ms, key=choice.estimates_ms.__getitem__)
+    for row, _, choice, lowest in _picks_of_rule(run, "the vendor's single call"):
         assert row["direction"] == "fwd" and choice.solver == "vendor", row_id(row)
         assert "host time" in choice.rejected[lowest][0]
         changed.append(row_id(row))
@@ -237,12 +243,7 @@ def test_the_host_bound_tie_rule_picks_no_slower_call(run: Run) -> None:
     estimate's (recorded call times; Qwen2-VL's backward-data on the H100s: point_output
     in place of patch_implicit; the H200 run has no such row)."""
     changed = []
-    for row in run.rows():
-        times = measured(row)
-        choice = dispatch.decide(problem_of(row), [get_solver(s) for s in times], rates=H200)
-        if not choice.reason.startswith("least device time"):
-            continue
-        lowest = min(choice.estimates_ms, key=choice.estimates_ms.__getitem__)
+    for row, times, choice, lowest in _picks_of_rule(run, "least device time"):
         assert choice.estimates_ms[choice.solver] <= 1.1 * choice.estimates_ms[lowest]
         assert times[choice.solver] <= times[lowest], (row_id(row), choice.reason, times)
         changed.append(row_id(row))
