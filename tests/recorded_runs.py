@@ -61,8 +61,7 @@ H200_RUN = Run(
 # candidates from the node on a slower host than the H200's, whose costs the table's
 # host prices are fitted to: its misses are backward rows whose calls from the node
 # part from their device times by more than the table prices, none of them cuDNN's
-# (bench/fit_vendor_factors.py: no vendor factor puts them within 10%), and one
-# forward the tie rule sends to cuDNN.
+# (bench/fit_vendor_factors.py: no vendor factor puts them within 10%).
 H100_RUN = Run(
     "H100",
     DATA / "h100_suite.json",
@@ -75,10 +74,6 @@ H100_RUN = Run(
         "node split them, 102 against 88 us",
         "point3d-cf-bwd_weights-bf16": "point_output and patch tie on the device (68 us "
         "each) and in the estimate (85); the calls from the node split them, 92 against 74",
-        "sd3_patchify-cl-fwd-bf16": "the forward tie rule: patch's saving over cuDNN on "
-        "this byte-bound forward is estimated at 7 us (12 with the H100's own 2.95 "
-        "TB/s in place of the H200's 4.3), under its 25 us of host time, where the calls "
-        "saved 15 (patch_triton's 18)",
         "clip_l14_336-cf-bwd_data-bf16": "patch_padded, the fastest on the device (305 us "
         "against patch_triton's 327), ran 512 a call from the node against 409; the "
         "public calls order them the other way (0.451 ms against 0.608)",
@@ -111,9 +106,6 @@ H100_LATER_RUN = Run(
         "sd3_patchify-cf-bwd_data-bf16": "patch_implicit's estimate (0.268 ms) is 3.6x "
         "its device time (0.074) on 2x2 channels-first patches; patch, priced at its "
         "host time in the node (85 us), ran 102 us a call from it against 67",
-        "sd3_patchify-cl-fwd-bf16": "the forward tie rule, as in the H100 run at "
-        "f0db2a3: patch's saving over cuDNN estimated at 7 us, under its 25 us of host "
-        "time, where the calls saved 14 (patch_triton's 17)",
         "dit_xl2-cf-bwd_data-bf16": "patch, priced at its host time in the node (85 "
         "us), ran 107 us a call from it against patch_implicit's 80, which is priced "
         "at its device time (103 us, 85 measured)",

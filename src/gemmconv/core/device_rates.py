@@ -167,32 +167,29 @@ H200 = DeviceRates(
         "vendor_point_output": 0.029,
         "vendor_point_output_backward_data": 0.013,
         "vendor_point_output_backward_weights": 0.066,
-        # Channels-last small patches (ConvNeXt's downsample on both cards, the SD3 and
-        # Wan 2.1 latent patchifies on the H100): the forward at the cards' implied
-        # 0.63-0.73. The weight gradient at its implied 0.50, where cuDNN is the fastest
-        # call on both cards (ConvNeXt: 0.145 ms against patch_triton's 0.164 on this
-        # card). Backward-data (ConvNeXt's alone: fewer channels are few-channel there)
-        # above its implied 0.43-0.45: the GEMM solvers' estimates there are 25-35% under
-        # their calls (patch_implicit priced 0.156 ms, ran 0.205 here and 0.235 on the H100 against
-        # cuDNN's 0.155 and 0.202), so below 0.51 ConvNeXt's goes to patch_implicit. One
-        # factor for the three directions could not hold both: at 0.45 that flip, at
-        # 0.6 the forward and weight gradient priced a quarter off.
-        "vendor_small_patch": 0.65,
+        # Channels-last small patches of 32 channels a group or more (ConvNeXt's
+        # downsample): the forward at the cards' implied 0.72-0.73. The weight gradient
+        # at its implied 0.50, where cuDNN is the fastest call on both cards (ConvNeXt:
+        # 0.145 ms against patch_triton's 0.164 on the H200). Backward-data above its
+        # implied 0.43-0.45: the GEMM solvers' estimates there are 25-35% under their
+        # calls (patch_implicit priced 0.156 ms, ran 0.205 on the H200 and 0.235 on the
+        # H100 against cuDNN's 0.155 and 0.202), so below 0.51 ConvNeXt's goes to
+        # patch_implicit. One factor for the three directions could not hold both.
+        "vendor_small_patch": 0.73,
         "vendor_small_patch_backward_data": 0.56,
         "vendor_small_patch_backward_weights": 0.5,
         "vendor_small_patch_channels_first": 0.18,
-        # cuDNN pads fewer than 8 channels to 8 in two extra kernels and runs its GEMM
-        # at 0.21-0.40 of the floor on DiT-XL/2's 4-channel 2x2 patches, backward-data
-        # lowest (0.21 on both cards). Priced as other small patches (0.6), a training
-        # call's three directions seemed to save 54 us over torch's, less than the
-        # autograd node, so it went to torch's convolution, though they save 210-285 us
-        # by the suite's call times: its backward calls ran 0.69x the rewrite on an H100
-        # at 91437bd (bench/NOTES.md). Backward-data counts fewer than 32 channels as
-        # few (vendor.FEW_CHANNELS_BACKWARD_DATA): SD3's and Wan 2.1's 16-channel
-        # patchifies reached 0.25 and 0.24 on the H100. Priced as ConvNeXt's, SD3's saved
-        # an estimated 19 us, under the node, and ran cuDNN's 0.163 ms a call against
-        # find's patch_implicit at 0.079 (0.69x the rewrite; H100 at 5202680).
-        "vendor_few_channel_patch": 0.33,
+        # Fewer than 32 channels a group (vendor.FEW_CHANNELS): DiT-XL/2's 4 channels,
+        # which cuDNN pads to 8 in two extra kernels, and the SD3 and Wan 2.1 latent
+        # patchifies' 16. Forward and weight gradient at 0.31-0.63 of the floor on the
+        # H100 (0.25-0.31 for DiT on the H200); 0.39 keeps every recorded forward and
+        # weight-gradient pick within 10% (0.01-0.43 do). Priced as ConvNeXt's (0.6), DiT's
+        # training call seemed to save 54 us over torch's, under the autograd node, and
+        # went to torch's convolution, though its directions saved 210-285 us by the
+        # suite's call times (0.69x the rewrite on an H100 at 91437bd, bench/NOTES.md).
+        # Backward-data reached 0.21-0.25 on every card (SD3's ran cuDNN's 0.163 ms a
+        # call against find's patch_implicit at 0.079 when priced as ConvNeXt's).
+        "vendor_few_channel_patch": 0.39,
         "vendor_few_channel_patch_backward_data": 0.22,
         "vendor_other": 0.5,  # no suite row: kept
     },

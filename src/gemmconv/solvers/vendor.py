@@ -11,18 +11,20 @@ import torch
 
 from gemmconv.core.device_rates import FACTORS, DeviceRates
 from gemmconv.core.memory_format import Layout
-from gemmconv.core.problem import ConvProblem, Direction
+from gemmconv.core.problem import ConvProblem
 from gemmconv.solvers.base import ConvTensors, Solver
 
 # Patch embeddings with at least this many kernel taps are "large" in the cost table.
 LARGE_PATCH_TAPS = 16
-# cuDNN pads channels-last inputs of fewer channels a group to this many first.
-FEW_CHANNELS = 8
-# Its channels-last backward-data runs as slowly below this many channels a group: on
-# an H100 the 16-channel latent patchifies (SD3, Wan 2.1) reached 0.25 and 0.24 of the
-# floor (SD3 0.22 on the H200), DiT-XL/2's 4 channels 0.22, ConvNeXt's 96 channels
-# 0.43 (0.45 on the H200).
-FEW_CHANNELS_BACKWARD_DATA = 32
+# cuDNN's channels-last small-patch kernels run far from the floor below this many
+# channels a group, forward and backward-data. On an H100 the 16-channel latent patchifies
+# reached 0.52 (SD3) and 0.63 (Wan 2.1) of the floor forward, 0.37 and 0.55 in the
+# weight gradient, 0.25 and 0.24 in backward-data, DiT-XL/2's 4 channels 0.40, 0.31
+# and 0.22, against ConvNeXt's 192-channel downsample's 0.73, 0.50 and 0.43 (its
+# backward-data's 96 channels). Counted few below 8 channels (where cuDNN pads to 8)
+# outside backward-data, SD3's forward was priced with ConvNeXt's and sent to cuDNN
+# by the forward tie rule, 0.066 ms a call against patch_triton's 0.049 on the H100.
+FEW_CHANNELS = 32
 
 
 def vendor_efficiency(p: ConvProblem, rates: DeviceRates) -> float:
@@ -40,9 +42,8 @@ def vendor_factor(p: ConvProblem) -> str:
 
 
 def vendor_class(p: ConvProblem) -> str:
-    """The factor (device_rates.FACTORS) of ``p``'s class. The direction enters only
-    where cuDNN's kernels split a class otherwise: a channels-last backward-data has
-    few channels below FEW_CHANNELS_BACKWARD_DATA, other directions below FEW_CHANNELS."""
+    """The factor (device_rates.FACTORS) of ``p``'s class; the direction picks among a
+    class's factors (vendor_factor)."""
     if all(r == 1 for r in p.kernel):
         return "vendor_pointwise"
     if p.stride == p.kernel and not any(p.padding) and all(d == 1 for d in p.dilation):
@@ -52,8 +53,7 @@ def vendor_class(p: ConvProblem) -> str:
             return "vendor_large_patch"
         if p.layout is Layout.CHANNELS_FIRST:
             return "vendor_small_patch_channels_first"
-        few = FEW_CHANNELS_BACKWARD_DATA if p.direction is Direction.BACKWARD_DATA else FEW_CHANNELS
-        if p.c // p.groups < few:
+        if p.c // p.groups < FEW_CHANNELS:
             return "vendor_few_channel_patch"
         return "vendor_small_patch"
     return "vendor_other"
