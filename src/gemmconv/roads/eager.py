@@ -22,6 +22,7 @@ and computes everything afresh.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -36,6 +37,7 @@ from gemmconv.roads import ops
 from gemmconv.roads.autograd import under_vmap, vmap_safe_gradients
 from gemmconv.selection import dispatch
 from gemmconv.solvers import get_solver
+from gemmconv.solvers.single_channel_3d import drops_outputs, run_channels_first
 from gemmconv.solvers.views import BATCH_AND_SPACE, bias_grad
 
 # A forward's input without its data, as a gemmconv.nn module remembers it for
@@ -86,6 +88,9 @@ class _Call:
         self.accepted = [arguments]
         self.conv_args = conv_args  # the same resolved: stride, padding, dilation (lists), groups
         self.vendor_function = _TORCH_CONVOLUTIONS[dims]
+        problem = plan.problem
+        if not unbatched and drops_outputs(input, weight, problem.output_shape, *conv_args):
+            self.vendor_function = functools.partial(run_channels_first, F.conv3d)
         self.vendor_arguments = _shortest_arguments(*conv_args)
         self.input_size = list(input.shape)
         self.weight_size = list(weight.shape)

@@ -13,6 +13,7 @@ from gemmconv.core.device_rates import FACTORS, DeviceRates
 from gemmconv.core.memory_format import Layout
 from gemmconv.core.problem import ConvProblem
 from gemmconv.solvers.base import ConvTensors, Solver
+from gemmconv.solvers.single_channel_3d import drops_outputs, run_channels_first
 
 # Patch embeddings with at least this many kernel taps are "large" in the cost table.
 LARGE_PATCH_TAPS = 16
@@ -92,8 +93,12 @@ class VendorSolver(Solver):
         # torch.convolution is aten.convolution through torch's C binding, traced as the
         # same op: 4.4 us a call less than torch.ops.aten's Python overload on the CPU
         # machine (transposed_input_gradient calls it too).
-        y = torch.convolution(t.input, t.weight, t.bias, *self._args(p))
-        return _deliver(y, out)
+        args = self._args(p)
+        if drops_outputs(t.input, t.weight, p.output_shape, p.stride, p.padding, p.dilation,
+                         p.groups):  # fmt: skip
+            return _deliver(run_channels_first(torch.convolution, t.input, t.weight, t.bias,
+                                               *args), out)  # fmt: skip
+        return _deliver(torch.convolution(t.input, t.weight, t.bias, *args), out)
 
     def backward_data(
         self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None

@@ -1,0 +1,98 @@
+"""torch's CPU fp32 3-D convolution of one channel run channels-last drops outputs
+(solvers/single_channel_3d.py): gemmconv's calls that reach torch's convolution there,
+by the eager road, the vendor solver and the op road, match float64 and keep torch's
+output strides."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gemmconv
+from gemmconv.core.memory_format import Layout
+from gemmconv.core.problem import Direction
+from gemmconv.solvers import get_solver
+from gemmconv.solvers.single_channel_3d import drops_outputs
+
+from random_conv import ConvCase, check_every_solver
+
+# (input shape, weight shape, stride): geometries torch 2.13 and 2.14 computed wrongly.
+DROPPED = [
+    ((3, 1, 3, 3, 4), (2, 1, 1, 1, 3), (1, 1, 3)),
+    ((2, 1, 3, 3, 5), (1, 1, 2, 2, 3), (2, 1, 3)),
+    ((3, 1, 3, 3, 4), (1, 1, 1, 2, 3), (1, 1, 2)),
+]
+
+
+def _operands(input_shape, weight_shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(input_shape, generator=g)
+    w = torch.randn(weight_shape, generator=g)
+    x_cl = torch.empty(x.shape, memory_format=torch.channels_last_3d).copy_(x)
+    return x, x_cl, w
+
+
+def _max_error(y: torch.Tensor, reference: torch.Tensor) -> float:
+    return (y.double() - reference).abs().max().item()
+
+
+@pytest.mark.parametrize(("input_shape", "weight_shape", "stride"), DROPPED)
+@pytest.mark.parametrize("solver", [None, "vendor"])
+def test_forward_and_gradients_match_float64_with_torch_strides(
+    input_shape, weight_shape, stride, solver, monkeypatch
+):
+    if solver is not None:
+        monkeypatch.setenv("GEMMCONV_SOLVER", solver)
+    x, x_cl, w = _operands(input_shape, weight_shape)
+    x64 = x.double().requires_grad_()
+    w64 = w.double().requires_grad_()
+    reference = F.conv3d(x64, w64, stride=stride)
+    dy = torch.randn(reference.shape, generator=torch.Generator().manual_seed(1))
+    reference.backward(dy.double())
+    xg, wg = x_cl.clone().requires_grad_(), w.clone().requires_grad_()
+    y = gemmconv.conv3d(xg, wg, stride=stride)
+    y.backward(dy)
+    assert _max_error(y, reference) < 1e-5
+    assert _max_error(xg.grad, x64.grad) < 1e-5
+    assert _max_error(wg.grad, w64.grad) < 1e-5
+    # torch's own output strides for these operands (its values are the ones dropped).
+    assert y.stride() == F.conv3d(x_cl, w, stride=stride).stride()
+
+
+@pytest.mark.parametrize(("input_shape", "weight_shape", "stride"), DROPPED)
+def test_the_vendor_solver_writes_every_output(input_shape, weight_shape, stride):
+    _, x_cl, w = _operands(input_shape, weight_shape)
+    n, c, *spatial = input_shape
+    case = ConvCase(dims=3, n=n, c=c, k=weight_shape[0], spatial=tuple(spatial),
+                    kernel=tuple(weight_shape[2:]), stride=stride, padding=(0, 0, 0),
+                    dilation=(1, 1, 1), groups=1, dtype=torch.float32, bias=False,
+                    x_layout=Layout.CHANNELS_FIRST, w_layout=Layout.CHANNELS_FIRST,
+                    x_view="dense", w_view="dense", dy_view="dense",
+                    needs_grad=(True, True, True), seed=0)  # fmt: skip
+    assert "vendor" in check_every_solver(case)
+    problem = case.problem(Direction.FORWARD, Layout.CHANNELS_LAST, "cpu")
+    assert get_solver("vendor").is_applicable(problem)
+
+
+def test_only_the_dropping_run_is_rerouted():
+    x, x_cl, w = _operands((3, 1, 3, 3, 4), (2, 1, 1, 1, 3))
+    args = ((3, 2, 3, 3, 1), (1, 1, 3), (0, 0, 0), (1, 1, 1), 1)
+    assert drops_outputs(x_cl, w, *args)
+    w_cl = torch.empty(w.shape, memory_format=torch.channels_last_3d).copy_(w)
+    assert drops_outputs(x, w_cl, *args)  # the weight's strides choose channels-last too
+    assert not drops_outputs(x, w, *args)  # channels-first: torch is right
+    assert not drops_outputs(x_cl.double(), w.double(), *args)
+    assert not drops_outputs(x_cl.bfloat16(), w.bfloat16(), *args)
+    two = torch.randn(3, 2, 3, 3, 4).contiguous(memory_format=torch.channels_last_3d)
+    assert not drops_outputs(two, torch.randn(2, 2, 1, 1, 3), *args)
+
+
+def test_the_compiled_call_matches_float64_with_torch_strides():
+    """Under torch.compile the call runs gemmconv's op, whose vendor run is rerouted too
+    (torch's own compiled convolution drops the same outputs)."""
+    x, x_cl, w = _operands((3, 1, 3, 3, 4), (2, 1, 1, 1, 3))
+    compiled = torch.compile(lambda a, b: gemmconv.conv3d(a, b, stride=(1, 1, 3)))
+    y = compiled(x_cl, w)
+    assert _max_error(y, F.conv3d(x.double(), w.double(), stride=(1, 1, 3))) < 1e-5
+    assert y.stride() == F.conv3d(x_cl, w, stride=(1, 1, 3)).stride()
