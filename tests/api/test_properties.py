@@ -20,7 +20,7 @@ import torch
 # CI installs hypothesis (the test extra); a machine without it skips this module by name.
 pytest.importorskip("hypothesis")
 
-from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
 import gemmconv
@@ -393,8 +393,19 @@ def _outcome(fn, *args, **kwargs):
         return None, error
 
 
+def _call(**kwargs) -> dict:
+    return {"bias_size": None, "stride": 1, "padding": 0, "groups": 1, "seed": 0, **kwargs}
+
+
 @_settings(300)
 @given(raw_calls())
+# torch takes a zero dilation where the input is empty, and refuses a negative one there
+# (found by a randomized run of this test).
+@example(_call(dims=1, input_shape=(0, 1, 3), weight_shape=(1, 1, 1), dilation=0))
+@example(_call(dims=3, input_shape=(0, 2, 5, 5, 5), weight_shape=(2, 2, 2, 2, 2),
+               dilation=(1, 0, 1)))  # fmt: skip
+@example(_call(dims=1, input_shape=(1, 0, 5), weight_shape=(2, 0, 2), dilation=0))
+@example(_call(dims=2, input_shape=(0, 2, 5, 5), weight_shape=(2, 2, 2, 2), dilation=-1))
 def test_random_arguments_fail_exactly_where_torch_fails(call):
     gen = torch.Generator().manual_seed(call["seed"])
     x = torch.rand(call["input_shape"], generator=gen, dtype=torch.float64) * 2 - 1

@@ -182,7 +182,8 @@ def _check_against_tensors(
         raise RuntimeError(f"{fn}: groups={groups}; expected a positive integer")
     if any(u <= 0 for u in strides):
         raise RuntimeError(f"{fn}: stride={strides}; expected every value > 0")
-    if any(d <= 0 for d in dilations):
+    # torch checks a zero dilation only where there is data: an empty input takes it.
+    if any(d < 0 or (d == 0 and input.numel() > 0) for d in dilations):
         raise RuntimeError(f"{fn}: dilation={dilations}; expected every value > 0")
 
     _check_dtypes_and_devices(dims, input, weight, bias, args)
