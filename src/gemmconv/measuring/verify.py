@@ -78,11 +78,17 @@ def reference(
 ) -> torch.Tensor:
     """The direction's result in float64 from the same (rounded) inputs, computed by the
     vendor path on ``device`` (the CPU by default; the GPU's own float64 convolution
-    for problems too large for the host)."""
+    for problems too large for the host), on channels-first copies: torch 2.14's CPU
+    float64 weight gradient of a grouped channels-last problem whose size-1 spatial
+    dimension has a stride out of order swapped kernel taps (a randomized property-test
+    run found it; channels-first operands were right)."""
     device = torch.device(device)
 
     def f64(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.detach().to(device=device, dtype=torch.float64)
+        if t is None:
+            return None
+        wide = t.detach().to(device=device, dtype=torch.float64)
+        return wide.clone(memory_format=torch.contiguous_format)
 
     wide = dataclasses.replace(problem, dtype=torch.float64, device_type=device.type)
     t64 = ConvTensors(
