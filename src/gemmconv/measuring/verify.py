@@ -87,8 +87,8 @@ def reference(
     def f64(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
             return None
-        wide = t.detach().to(device=device, dtype=torch.float64)
-        return wide.clone(memory_format=torch.contiguous_format)
+        wide = torch.empty(t.shape, dtype=torch.float64, device=device)
+        return wide.copy_(t.detach())  # one copy, channels-first whatever t's strides
 
     wide = dataclasses.replace(problem, dtype=torch.float64, device_type=device.type)
     t64 = ConvTensors(

@@ -88,8 +88,7 @@ class _Call:
         self.accepted = [arguments]
         self.conv_args = conv_args  # the same resolved: stride, padding, dilation (lists), groups
         self.vendor_function = _TORCH_CONVOLUTIONS[dims]
-        problem = plan.problem
-        if not unbatched and drops_outputs(input, weight, problem.output_shape, *conv_args):
+        if not unbatched and drops_outputs(input, weight, plan.problem.output_shape, *conv_args):
             self.vendor_function = functools.partial(run_channels_first, F.conv3d)
         self.vendor_arguments = _shortest_arguments(*conv_args)
         self.input_size = list(input.shape)
