@@ -37,7 +37,7 @@ from gemmconv.roads import ops
 from gemmconv.roads.autograd import under_vmap, vmap_safe_gradients
 from gemmconv.selection import dispatch
 from gemmconv.solvers import get_solver
-from gemmconv.solvers.single_channel_3d import drops_outputs, run_channels_first
+from gemmconv.solvers.cpu_conv_hazards import hazard_layout, run_avoiding
 from gemmconv.solvers.views import BATCH_AND_SPACE, bias_grad
 
 # A forward's input without its data, as a gemmconv.nn module remembers it for
@@ -88,8 +88,10 @@ class _Call:
         self.accepted = [arguments]
         self.conv_args = conv_args  # the same resolved: stride, padding, dilation (lists), groups
         self.vendor_function = _TORCH_CONVOLUTIONS[dims]
-        if not unbatched and drops_outputs(input, weight, plan.problem.output_shape, *conv_args):
-            self.vendor_function = functools.partial(run_channels_first, F.conv3d)
+        hazard = None if unbatched else hazard_layout(input, weight, plan.problem.output_shape,
+                                                      *conv_args)  # fmt: skip
+        if hazard is not None:
+            self.vendor_function = functools.partial(run_avoiding, hazard, self.vendor_function)
         self.vendor_arguments = _shortest_arguments(*conv_args)
         self.input_size = list(input.shape)
         self.weight_size = list(weight.shape)

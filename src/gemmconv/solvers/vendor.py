@@ -13,7 +13,7 @@ from gemmconv.core.device_rates import FACTORS, DeviceRates
 from gemmconv.core.memory_format import Layout
 from gemmconv.core.problem import ConvProblem
 from gemmconv.solvers.base import ConvTensors, Solver
-from gemmconv.solvers.single_channel_3d import drops_outputs, run_channels_first
+from gemmconv.solvers.cpu_conv_hazards import hazard_layout, run_avoiding
 
 # Patch embeddings with at least this many kernel taps are "large" in the cost table.
 LARGE_PATCH_TAPS = 16
@@ -94,10 +94,11 @@ class VendorSolver(Solver):
         # same op: 4.4 us a call less than torch.ops.aten's Python overload on the CPU
         # machine (transposed_input_gradient calls it too).
         args = self._args(p)
-        if drops_outputs(t.input, t.weight, p.output_shape, p.stride, p.padding, p.dilation,
-                         p.groups):  # fmt: skip
-            return _deliver(run_channels_first(torch.convolution, t.input, t.weight, t.bias,
-                                               *args), out)  # fmt: skip
+        hazard = hazard_layout(t.input, t.weight, p.output_shape, p.stride, p.padding,
+                               p.dilation, p.groups)  # fmt: skip
+        if hazard is not None:
+            y = run_avoiding(hazard, torch.convolution, t.input, t.weight, t.bias, *args)
+            return _deliver(y, out)
         return _deliver(torch.convolution(t.input, t.weight, t.bias, *args), out)
 
     def backward_data(

@@ -1,9 +1,12 @@
-"""torch's CPU fp32 3-D convolution of one channel run channels-last drops outputs
-(solvers/single_channel_3d.py): gemmconv's calls that reach torch's convolution there,
-by the eager road, the vendor solver and the op road, match float64 and keep torch's
-output strides."""
+"""Operands torch's CPU convolution forward mishandles (solvers/cpu_conv_hazards.py):
+gemmconv's calls that reach torch's convolution there, by the eager road, the vendor
+solver and the op road, match float64 and keep torch's output strides."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ import gemmconv
 from gemmconv.core.memory_format import Layout
 from gemmconv.core.problem import Direction
 from gemmconv.solvers import get_solver
-from gemmconv.solvers.single_channel_3d import drops_outputs
+from gemmconv.solvers.cpu_conv_hazards import hazard_layout
 
 from random_conv import ConvCase, check_every_solver
 
@@ -75,17 +78,51 @@ def test_the_vendor_solver_writes_every_output(input_shape, weight_shape, stride
     assert get_solver("vendor").is_applicable(problem)
 
 
-def test_only_the_dropping_run_is_rerouted():
+def test_only_the_hazardous_runs_are_rerouted():
     x, x_cl, w = _operands((3, 1, 3, 3, 4), (2, 1, 1, 1, 3))
     args = ((3, 2, 3, 3, 1), (1, 1, 3), (0, 0, 0), (1, 1, 1), 1)
-    assert drops_outputs(x_cl, w, *args)
+    assert hazard_layout(x_cl, w, *args) is Layout.CHANNELS_LAST
     w_cl = torch.empty(w.shape, memory_format=torch.channels_last_3d).copy_(w)
-    assert drops_outputs(x, w_cl, *args)  # the weight's strides choose channels-last too
-    assert not drops_outputs(x, w, *args)  # channels-first: torch is right
-    assert not drops_outputs(x_cl.double(), w.double(), *args)
-    assert not drops_outputs(x_cl.bfloat16(), w.bfloat16(), *args)
+    assert hazard_layout(x, w_cl, *args) is Layout.CHANNELS_LAST  # the weight's strides too
+    assert hazard_layout(x, w, *args) is None  # channels-first: torch is right
+    assert hazard_layout(x_cl.double(), w.double(), *args) is None
+    assert hazard_layout(x_cl.bfloat16(), w.bfloat16(), *args) is None
     two = torch.randn(3, 2, 3, 3, 4).contiguous(memory_format=torch.channels_last_3d)
-    assert not drops_outputs(two, torch.randn(2, 2, 1, 1, 3), *args)
+    assert hazard_layout(two, torch.randn(2, 2, 1, 1, 3), *args) is None
+    seq = torch.randn(2, 1, 6).transpose(1, 2)  # [2, 6, 1], strides (6, 1, 6)
+    one = ((2, 3, 2), (2,), (1,), (2,), 3)
+    assert hazard_layout(seq.bfloat16(), torch.randn(3, 2, 1).bfloat16(), *one) is not None
+    assert hazard_layout(seq, torch.randn(3, 2, 1), *one) is None  # fp32 ran
+    dense = seq.bfloat16().clone(memory_format=torch.contiguous_format)  # strides (6, 1, 1)
+    assert hazard_layout(dense, torch.randn(3, 2, 1).bfloat16(), *one) is None
+
+
+# torch 2.14 segfaulted on this call; run in a child process, so that a crash fails the
+# test instead of the test run.
+_SEGFAULTING_CALL = """
+import torch, torch.nn.functional as F, gemmconv
+g = torch.Generator().manual_seed(0)
+x = torch.randn(2, 1, 6, generator=g).transpose(1, 2)
+w = torch.randn(3, 2, 1, generator=g)
+ref = F.conv1d(x.double(), w.double(), stride=2, padding=1, dilation=2, groups=3)
+for weight in (w, w.transpose(1, 2).contiguous().transpose(1, 2)):  # strides (2, 1, 1), (2, 1, 2)
+    y = gemmconv.conv1d(x.bfloat16(), weight.bfloat16(), stride=2, padding=1, dilation=2,
+                        groups=3)
+    assert (y.double() - ref).abs().max().item() < 0.05, y
+print("ran")
+"""
+
+
+@pytest.mark.parametrize("solver", [None, "vendor"])
+def test_the_bf16_call_torch_crashed_on_runs(solver):
+    env = dict(os.environ)
+    env.pop("GEMMCONV_SOLVER", None)
+    if solver is not None:
+        env["GEMMCONV_SOLVER"] = solver
+    done = subprocess.run([sys.executable, "-c", _SEGFAULTING_CALL], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ran"
 
 
 def test_the_compiled_call_matches_float64_with_torch_strides():
