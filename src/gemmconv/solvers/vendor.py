@@ -18,10 +18,10 @@ from gemmconv.solvers.cpu_conv_hazards import hazard_layout, run_avoiding
 # Patch embeddings with at least this many kernel taps are "large" in the cost table.
 LARGE_PATCH_TAPS = 16
 # cuDNN's channels-last small-patch kernels run far from the floor below this many
-# channels a group, forward and backward-data. On an H100 the 16-channel latent patchifies
-# reached 0.52 (SD3) and 0.63 (Wan 2.1) of the floor forward, 0.37 and 0.55 in the
-# weight gradient, 0.25 and 0.24 in backward-data, DiT-XL/2's 4 channels 0.40, 0.31
-# and 0.22, against ConvNeXt's 192-channel downsample's 0.73, 0.50 and 0.43 (its
+# channels a group, forward and backward-data. On an H100 the 16-channel latent
+# patchifies reached 0.52 (SD3) and 0.63 (Wan 2.1) of the floor forward, 0.37 and 0.55
+# in the weight gradient, 0.25 and 0.24 in backward-data, DiT-XL/2's 4 channels 0.40,
+# 0.31 and 0.22, against ConvNeXt's 192-channel downsample's 0.73, 0.50 and 0.43 (its
 # backward-data's 96 channels). Counted few below 8 channels (where cuDNN pads to 8)
 # outside backward-data, SD3's forward was priced with ConvNeXt's and sent to cuDNN
 # by the forward tie rule, 0.066 ms a call against patch_triton's 0.049 on the H100.
@@ -96,10 +96,11 @@ class VendorSolver(Solver):
         args = self._args(p)
         hazard = hazard_layout(t.input, t.weight, p.output_shape, p.stride, p.padding,
                                p.dilation, p.groups)  # fmt: skip
-        if hazard is not None:
+        if hazard is None:
+            y = torch.convolution(t.input, t.weight, t.bias, *args)
+        else:
             y = run_avoiding(hazard, torch.convolution, t.input, t.weight, t.bias, *args)
-            return _deliver(y, out)
-        return _deliver(torch.convolution(t.input, t.weight, t.bias, *args), out)
+        return _deliver(y, out)
 
     def backward_data(
         self, p: ConvProblem, t: ConvTensors, out: torch.Tensor | None
