@@ -1,8 +1,10 @@
-"""Fit the CPU entry's vendor factors for small patches to find's call times here.
+"""Fit the CPU entry's vendor factors to find's call times here.
 
-For each problem (released models' patchifies of fewer than 16 taps, at sizes a CPU
-runs), layout and direction, find times every applicable solver's call as a user
-makes it, the times find ranks by. Each row implies the vendor factor at which the
+For each problem of a set, layout and direction, find times every applicable
+solver's call as a user makes it, the times find ranks by. Two sets: ``small_patch``
+(released models' patchifies of fewer than 16 taps, at sizes a CPU runs) and
+``general`` (1x1, strided 1x1 and the convolutions no patch rule takes: ResNet's,
+a depthwise 7x7, a VAE's 3x3, 1-D audio front ends, a 3-D 3x3x3). Each row implies the vendor factor at which the
 cost model prices torch's convolution against the fastest GEMM solver as the calls
 do. The CPU entry's rates are conservative (0.1 TFLOP/s and 10 GB/s, where this
 2-core machine measured 0.2 and 48), so the vendor is priced at the same ratio of
@@ -11,9 +13,10 @@ estimate to call time as that GEMM solver, and a factor can exceed 1.
 Per factor it prints the implied values and the value chosen: their median, moved to
 the nearest value at which immediate mode's pick (dispatch.decide) runs within 10% of
 the fastest call on as many of the factor's rows as any value does. With --out, a
-JSON line per row (the test's copy: tests/data/cpu_small_patch_calls.jsonl).
+JSON line per row (the tests' copies: tests/data/cpu_small_patch_calls.jsonl and
+tests/data/cpu_general_calls.jsonl).
 
-    PYTHONPATH=src python bench/probes/cpu_vendor_fit.py --out rows.jsonl
+    PYTHONPATH=src python bench/probes/cpu_vendor_fit.py --set general --out rows.jsonl
     PYTHONPATH=src python bench/probes/cpu_vendor_fit.py --rows rows.jsonl  # refit only
 """
 
@@ -30,7 +33,7 @@ from collections import defaultdict
 import torch
 
 import gemmconv
-from gemmconv.bench.suite import DIRECTION_NAMES, LAYOUT_NAMES, Shape, make_problem
+from gemmconv.bench.suite import DIRECTION_NAMES, LAYOUT_NAMES
 from gemmconv.core.device_rates import CPU, DeviceRates
 from gemmconv.core.problem import ConvProblem
 from gemmconv.selection import dispatch
@@ -38,16 +41,56 @@ from gemmconv.solvers import get_solver
 from gemmconv.solvers.vendor import vendor_factor
 
 CPU_DEVICE = torch.device("cpu")
-# fp32, stride == kernel.
-PROBLEMS = {
-    # diffusers' SD3 PatchEmbed (16 latent channels, 2x2, 1536 wide) at a 512px image.
-    "sd3_512": Shape(1, 16, 1536, (64, 64), (2, 2)),
-    # DiT-XL/2 (4 latent channels, 2x2, 1152 wide) at 256px, batch 8.
-    "dit_xl2_b8": Shape(8, 4, 1152, (32, 32), (2, 2)),
-    # ConvNeXt's 2x2 downsample (192 -> 384 at 56x56, as the suite's), batch 4.
-    "convnext_down_b4": Shape(4, 192, 384, (56, 56), (2, 2)),
-    # Wan 2.1 1.3B's (1, 2, 2) latent patchify (16 channels -> 1536), a short clip.
-    "wan21_1_3b": Shape(1, 16, 1536, (5, 30, 52), (1, 2, 2)),
+
+
+@dataclasses.dataclass(frozen=True)
+class Conv:
+    """A problem's sizes and arguments; stride None means stride == kernel (a patch)."""
+
+    n: int
+    c: int
+    k: int
+    spatial: tuple[int, ...]
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...] | None = None
+    padding: tuple[int, ...] | None = None
+    groups: int = 1
+
+
+def _patch(n, c, k, spatial, kernel) -> Conv:
+    return Conv(n, c, k, spatial, kernel)
+
+
+# fp32.
+PROBLEM_SETS = {
+    "small_patch": {
+        # diffusers' SD3 PatchEmbed (16 latent channels, 2x2, 1536 wide) at a 512px image.
+        "sd3_512": _patch(1, 16, 1536, (64, 64), (2, 2)),
+        # DiT-XL/2 (4 latent channels, 2x2, 1152 wide) at 256px, batch 8.
+        "dit_xl2_b8": _patch(8, 4, 1152, (32, 32), (2, 2)),
+        # ConvNeXt's 2x2 downsample (192 -> 384 at 56x56, as the suite's), batch 4.
+        "convnext_down_b4": _patch(4, 192, 384, (56, 56), (2, 2)),
+        # Wan 2.1 1.3B's (1, 2, 2) latent patchify (16 channels -> 1536), a short clip.
+        "wan21_1_3b": _patch(1, 16, 1536, (5, 30, 52), (1, 2, 2)),
+    },
+    "general": {
+        # ResNet-50's bottleneck 1x1s at batch 4: reduce, expand, and a strided downsample.
+        "resnet50_reduce_b4": Conv(4, 256, 64, (56, 56), (1, 1), (1, 1), (0, 0)),
+        "resnet50_expand_b4": Conv(4, 64, 256, (56, 56), (1, 1), (1, 1), (0, 0)),
+        "resnet_down_1x1_b4": Conv(4, 128, 256, (28, 28), (1, 1), (2, 2), (0, 0)),
+        # ResNet's 7x7 stem and 3x3s, stride 1 and 2, batch 4.
+        "resnet_stem_b4": Conv(4, 3, 64, (224, 224), (7, 7), (2, 2), (3, 3)),
+        "resnet_3x3_b4": Conv(4, 64, 64, (56, 56), (3, 3), (1, 1), (1, 1)),
+        "resnet_3x3_s2_b4": Conv(4, 128, 256, (28, 28), (3, 3), (2, 2), (1, 1)),
+        # ConvNeXt's depthwise 7x7 (96 channels at 56x56), batch 4.
+        "convnext_dw7_b4": Conv(4, 96, 96, (56, 56), (7, 7), (1, 1), (3, 3), groups=96),
+        # A VAE decoder's 3x3 (128 channels at 64x64), batch 1.
+        "vae_3x3": Conv(1, 128, 128, (64, 64), (3, 3), (1, 1), (1, 1)),
+        # Whisper-tiny's second 1-D convolution (384 -> 384, k3 s2) over 30 s of audio.
+        "whisper_conv2": Conv(1, 384, 384, (3000,), (3,), (2,), (1,)),
+        # A video UNet's 3x3x3 (64 channels, 8 frames of 32x32), batch 1.
+        "video_3x3x3": Conv(1, 64, 64, (8, 32, 32), (3, 3, 3), (1, 1, 1), (1, 1, 1)),
+    },
 }
 # A pick within this fraction of the fastest call counts as right.
 TOLERANCE = 0.10
@@ -55,26 +98,40 @@ TOLERANCE = 0.10
 GRID = [m * 10.0**e for e in (-2, -1) for m in range(10, 100)]
 
 
+def conv_of(shape: dict) -> Conv:
+    """A row's "shape" as a Conv (rows of the small-patch set carry no stride)."""
+    tuples = {f: tuple(shape[f]) for f in ("spatial", "kernel", "stride", "padding")
+              if shape.get(f) is not None}  # fmt: skip
+    return Conv(shape["n"], shape["c"], shape["k"], **tuples, groups=shape.get("groups", 1))
+
+
 def problem_of(row: dict) -> ConvProblem:
     """A row's problem (the tests rebuild rows the same way)."""
-    s = row["shape"]
-    shape = Shape(s["n"], s["c"], s["k"], tuple(s["spatial"]), tuple(s["kernel"]))
-    direction = DIRECTION_NAMES[row["direction"]]
-    return make_problem(shape, LAYOUT_NAMES[row["layout"]], torch.float32, CPU_DEVICE, direction)
+    conv = conv_of(row["shape"])
+    return ConvProblem.from_sizes(
+        n=conv.n, c=conv.c, k=conv.k, spatial=conv.spatial, kernel=conv.kernel,
+        stride=conv.stride or conv.kernel, padding=conv.padding or 0, groups=conv.groups,
+        layout=LAYOUT_NAMES[row["layout"]], dtype=torch.float32, device_type="cpu",
+        direction=DIRECTION_NAMES[row["direction"]],
+    )  # fmt: skip
 
 
-def measure_row(name: str, shape: Shape, layout_name: str, direction_name: str) -> dict:
+def measure_row(name: str, conv: Conv, layout_name: str, direction_name: str) -> dict:
     """Find's call time of every applicable solver on one problem, layout and direction."""
-    x = torch.randn(shape.n, shape.c, *shape.spatial)
-    w = torch.randn(shape.k, shape.c, *shape.kernel)
+    x = torch.randn(conv.n, conv.c, *conv.spatial)
+    w = torch.randn(conv.k, conv.c // conv.groups, *conv.kernel)
     if layout_name == "cl":
-        fmt = torch.channels_last if len(shape.spatial) == 2 else torch.channels_last_3d
-        x, w = x.contiguous(memory_format=fmt), w.contiguous(memory_format=fmt)
+        fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+        if fmt is None:  # 1-D: channels-last is a transposed [N, L, C] view
+            x, w = x.transpose(1, 2).contiguous().transpose(1, 2), w.transpose(1, 2).contiguous().transpose(1, 2)
+        else:
+            x, w = x.contiguous(memory_format=fmt), w.contiguous(memory_format=fmt)
     direction = DIRECTION_NAMES[direction_name]
     with gemmconv.find_mode("find"):
-        choice = gemmconv.explain(x, w, stride=shape.kernel)[direction.value]
+        choice = gemmconv.explain(x, w, stride=conv.stride or conv.kernel,
+                                  padding=conv.padding or 0, groups=conv.groups)[direction.value]  # fmt: skip
     return {
-        "problem": name, "shape": dataclasses.asdict(shape), "layout": layout_name,
+        "problem": name, "shape": dataclasses.asdict(conv), "layout": layout_name,
         "direction": direction_name, "dtype": "fp32",
         "calls_ms": {s: round(v, 4) for s, v in choice.times_ms.items()},
     }  # fmt: skip
@@ -124,6 +181,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="a JSON line per measured row")
     parser.add_argument("--rows", help="refit to these rows (a file --out wrote) instead")
+    parser.add_argument("--set", choices=sorted(PROBLEM_SETS), default="small_patch")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     if args.rows:
@@ -137,10 +195,10 @@ def main() -> None:
             open(args.out, "w").close()  # each row is appended as it is measured
         with tempfile.TemporaryDirectory() as folder:
             os.environ["GEMMCONV_DB"] = os.path.join(folder, "find.sqlite")
-            for name, shape in PROBLEMS.items():
+            for name, conv in PROBLEM_SETS[args.set].items():
                 for layout_name in ("cf", "cl"):
                     for direction_name in DIRECTION_NAMES:
-                        rows.append(measure_row(name, shape, layout_name, direction_name))
+                        rows.append(measure_row(name, conv, layout_name, direction_name))
                         if args.out:
                             with open(args.out, "a") as f:
                                 f.write(json.dumps(rows[-1]) + "\n")

@@ -1,6 +1,6 @@
-"""Immediate mode on the CPU against the call times the CPU entry's small-patch vendor
-factors are fitted to (tests/data/cpu_small_patch_calls.jsonl, written by
-bench/probes/cpu_vendor_fit.py on the 2-core EPYC, torch 2.14.1): on every row the
+"""Immediate mode on the CPU against the call times the CPU entry's vendor factors are
+fitted to (tests/data/cpu_small_patch_calls.jsonl and cpu_general_calls.jsonl, written
+by bench/probes/cpu_vendor_fit.py on the 2-core EPYC, torch 2.14.1): on every row the
 cost model's pick must run within 10% of the fastest call find measured. Offline: each
 row is rebuilt as a CPU problem and ranked by dispatch.decide with the CPU entry."""
 
@@ -12,13 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from gemmconv.bench.suite import DIRECTION_NAMES, LAYOUT_NAMES, Shape, make_problem
+from gemmconv.bench.suite import DIRECTION_NAMES, LAYOUT_NAMES
 from gemmconv.core.device_rates import CPU
 from gemmconv.core.problem import ConvProblem
 
 from recorded_runs import immediate_gap
 
-CALLS = Path(__file__).resolve().parents[1] / "data" / "cpu_small_patch_calls.jsonl"
+DATA = Path(__file__).resolve().parents[1] / "data"
+# Each file's rows: every problem of its set in both layouts and all three directions.
+CALLS = {"cpu_small_patch_calls.jsonl": 24, "cpu_general_calls.jsonl": 60}
 TOLERANCE = 0.10
 # Rows where the pick still runs over 10% behind the fastest call, and why: the two
 # solvers trade places within the class one factor prices. Strict xfail, so an entry
@@ -33,11 +35,25 @@ STILL_OFF = {
     "wan21_1_3b-cl-bwd_weights": "oneDNN's channels-last-3d weight gradient ran 6.6 ms "
     "against the GEMM's 2.5, where SD3's 2-D one ran 0.5x the GEMM's and ConvNeXt's level "
     "with it",
+    "resnet_down_1x1_b4-cf-bwd_data": "oneDNN's channels-first strided 1x1 backward-data "
+    "ran 0.41 ms against strided_pointwise's 0.34, where its other 17 1x1 rows ran "
+    "1.2-2.5x faster than the GEMMs",
+    "video_3x3x3-cf-fwd": "oneDNN's 3x3x3 ran 36 ms against im2col's 28, where its 2-D "
+    "and 1-D general kernels ran 2-300x faster than im2col; one factor prices both",
+    "video_3x3x3-cl-bwd_weights": "the same 3x3x3's channels-last weight gradient: oneDNN "
+    "31.4 ms against im2col's 25.8",
 }
 
 
-def _rows() -> list[dict]:
-    return [json.loads(line) for line in CALLS.read_text().splitlines() if line.strip()]
+def _rows(name: str | None = None) -> list[dict]:
+    """The rows of one file of CALLS, or of all of them."""
+    names = [name] if name else list(CALLS)
+    return [
+        json.loads(line)
+        for n in names
+        for line in (DATA / n).read_text().splitlines()
+        if line.strip()
+    ]
 
 
 def _row_id(row: dict) -> str:
@@ -45,11 +61,14 @@ def _row_id(row: dict) -> str:
 
 
 def _problem(row: dict) -> ConvProblem:
+    """A row's CPU problem; a row without a stride is a patch (stride == kernel)."""
     s = row["shape"]
-    shape = Shape(s["n"], s["c"], s["k"], tuple(s["spatial"]), tuple(s["kernel"]))
-    direction = DIRECTION_NAMES[row["direction"]]
-    return make_problem(shape, LAYOUT_NAMES[row["layout"]], torch.float32, torch.device("cpu"),
-                        direction)  # fmt: skip
+    return ConvProblem.from_sizes(
+        n=s["n"], c=s["c"], k=s["k"], spatial=s["spatial"], kernel=s["kernel"],
+        stride=s.get("stride") or s["kernel"], padding=s.get("padding") or 0,
+        groups=s.get("groups", 1), layout=LAYOUT_NAMES[row["layout"]], dtype=torch.float32,
+        device_type="cpu", direction=DIRECTION_NAMES[row["direction"]],
+    )  # fmt: skip
 
 
 def _param(row: dict):
@@ -58,11 +77,20 @@ def _param(row: dict):
     return pytest.param(row, id=_row_id(row), marks=marks)
 
 
-def test_rows_cover_every_problem_layout_and_direction() -> None:
-    rows = _rows()
-    assert len(rows) == 24 and len({_row_id(r) for r in rows}) == 24
-    assert all({"patch", "vendor"} <= set(r["calls_ms"]) for r in rows)
-    assert set(STILL_OFF) <= {_row_id(r) for r in rows}
+@pytest.mark.parametrize("name", list(CALLS))
+def test_rows_cover_every_problem_layout_and_direction(name: str) -> None:
+    rows = _rows(name)
+    ids = {_row_id(r) for r in rows}
+    assert len(rows) == CALLS[name] and len(ids) == CALLS[name]
+    problems = {r["problem"] for r in rows}
+    assert ids == {f"{p}-{lay}-{d}" for p in problems for lay in LAYOUT_NAMES
+                   for d in DIRECTION_NAMES}  # fmt: skip
+    # The vendor and at least one GEMM solver timed on every row.
+    assert all("vendor" in r["calls_ms"] and len(r["calls_ms"]) >= 2 for r in rows)
+
+
+def test_every_still_off_row_exists() -> None:
+    assert set(STILL_OFF) <= {_row_id(r) for r in _rows()}
 
 
 @pytest.mark.parametrize("row", [_param(r) for r in _rows()])

@@ -225,7 +225,14 @@ CPU = DeviceRates(
     # patches (950x3x14x14: 27.7 ms against the GEMM's 7.9) are far behind: 0.1
     # (bench/results/cpu.md, the run before this fit, is in its git history).
     factors={
-        "vendor_pointwise": 0.8,
+        # oneDNN's 1x1 convolution ran ResNet-50's 1x1s 1.4-2.5x faster than torch.mm
+        # (MKL) on the same product on the 2-core EPYC (12544x256x64: 0.88 against 2.0
+        # ms), and its general kernels 2-300x faster than im2col (ResNet's 3x3 at batch
+        # 4: 2.1 against 13.6 ms; a depthwise 7x7: 0.62 against 87): fitted by
+        # bench/probes/cpu_vendor_fit.py --set general (tests/data/cpu_general_calls.jsonl),
+        # a pick within 10% of the fastest call on 17 of 18 pointwise rows and 40 of 42
+        # others, where 0.8 and 0.5 (the H200's) got 4 and 16.
+        "vendor_pointwise": 1.6,
         "vendor_large_patch": 1.0,
         "vendor_large_patch_backward_data": 0.1,
         "vendor_large_patch_backward_weights": 1.0,
@@ -249,13 +256,13 @@ CPU = DeviceRates(
         "vendor_small_patch_channels_first": 1.1,
         "vendor_few_channel_patch": 1.8,
         "vendor_few_channel_patch_backward_data": 0.57,
-        "vendor_other": 0.5,
+        "vendor_other": 2.2,
     },
     source="rates: conservative figures for a 2-core CPU; factors: large patches and point "
     "patches fitted to the CPU table at b6a7d1b (bench/results/cpu.md's history), small "
     "patches to "
-    "tests/data/cpu_small_patch_calls.jsonl (AMD EPYC, 2 cores, torch 2.14.1), the rest "
-    "the H200 entry's before its small-patch and two-card refits",
+    "tests/data/cpu_small_patch_calls.jsonl, 1x1s and the rest to "
+    "tests/data/cpu_general_calls.jsonl (AMD EPYC, 2 cores, torch 2.14.1)",
 )
 
 _TABLE: dict[str, DeviceRates] = {"NVIDIA H200": H200, "NVIDIA H100 80GB HBM3": H200}
