@@ -4,7 +4,9 @@ For each problem of a set, layout and direction, find times every applicable
 solver's call as a user makes it, the times find ranks by. Two sets: ``small_patch``
 (released models' patchifies of fewer than 16 taps, at sizes a CPU runs) and
 ``general`` (1x1, strided 1x1 and the convolutions no patch rule takes: ResNet's,
-a depthwise 7x7, a VAE's 3x3, 1-D audio front ends, a 3-D 3x3x3). Each row implies the vendor factor at which the
+a depthwise 7x7, a VAE's 3x3, 1-D audio front ends, a 3-D 3x3x3); ``half`` takes one
+problem of each class for a dtype's scale on every factor (``--dtype bf16``). In fp32
+each row implies the vendor factor at which the
 cost model prices torch's convolution against the fastest GEMM solver as the calls
 do. The CPU entry's rates are conservative (0.1 TFLOP/s and 10 GB/s, where this
 2-core machine measured 0.2 and 48), so the vendor is priced at the same ratio of
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -41,6 +44,7 @@ from gemmconv.solvers import get_solver
 from gemmconv.solvers.vendor import vendor_factor
 
 CPU_DEVICE = torch.device("cpu")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +96,16 @@ PROBLEM_SETS = {
         "video_3x3x3": Conv(1, 64, 64, (8, 32, 32), (3, 3, 3), (1, 1, 1), (1, 1, 1)),
     },
 }
+# For half precision, whose scale on every class's factor is fitted at once: the CPU
+# table's large patches (ViT-B/16 at batch 8, a point patch per sample) and one problem
+# of each other class.
+PROBLEM_SETS["half"] = {
+    "vit_b16_b8": _patch(8, 3, 768, (224, 224), (16, 16)),
+    "point_950": _patch(950, 3, 1280, (14, 14), (14, 14)),
+    **{name: PROBLEM_SETS["small_patch"][name] for name in ("sd3_512", "convnext_down_b4")},
+    **{name: PROBLEM_SETS["general"][name]
+       for name in ("resnet50_reduce_b4", "resnet_down_1x1_b4", "resnet_3x3_b4", "whisper_conv2")},
+}  # fmt: skip
 # A pick within this fraction of the fastest call counts as right.
 TOLERANCE = 0.10
 # The values tried: two significant digits from 0.10 to 9.9.
@@ -111,28 +125,30 @@ def problem_of(row: dict) -> ConvProblem:
     return ConvProblem.from_sizes(
         n=conv.n, c=conv.c, k=conv.k, spatial=conv.spatial, kernel=conv.kernel,
         stride=conv.stride or conv.kernel, padding=conv.padding or 0, groups=conv.groups,
-        layout=LAYOUT_NAMES[row["layout"]], dtype=torch.float32, device_type="cpu",
+        layout=LAYOUT_NAMES[row["layout"]], dtype=DTYPES[row["dtype"]], device_type="cpu",
         direction=DIRECTION_NAMES[row["direction"]],
     )  # fmt: skip
 
 
-def measure_row(name: str, conv: Conv, layout_name: str, direction_name: str) -> dict:
+def measure_row(name: str, conv: Conv, layout_name: str, direction_name: str,
+                dtype_name: str = "fp32") -> dict:  # fmt: skip
     """Find's call time of every applicable solver on one problem, layout and direction."""
-    x = torch.randn(conv.n, conv.c, *conv.spatial)
-    w = torch.randn(conv.k, conv.c // conv.groups, *conv.kernel)
+    x = torch.randn(conv.n, conv.c, *conv.spatial, dtype=DTYPES[dtype_name])
+    w = torch.randn(conv.k, conv.c // conv.groups, *conv.kernel, dtype=DTYPES[dtype_name])
     if layout_name == "cl":
         fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
         if fmt is None:  # 1-D: channels-last is a transposed [N, L, C] view
-            x, w = x.transpose(1, 2).contiguous().transpose(1, 2), w.transpose(1, 2).contiguous().transpose(1, 2)
+            x, w = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (x, w))
         else:
             x, w = x.contiguous(memory_format=fmt), w.contiguous(memory_format=fmt)
     direction = DIRECTION_NAMES[direction_name]
     with gemmconv.find_mode("find"):
-        choice = gemmconv.explain(x, w, stride=conv.stride or conv.kernel,
-                                  padding=conv.padding or 0, groups=conv.groups)[direction.value]  # fmt: skip
+        choices = gemmconv.explain(x, w, stride=conv.stride or conv.kernel,
+                                   padding=conv.padding or 0, groups=conv.groups)  # fmt: skip
+    choice = choices[direction.value]
     return {
         "problem": name, "shape": dataclasses.asdict(conv), "layout": layout_name,
-        "direction": direction_name, "dtype": "fp32",
+        "direction": direction_name, "dtype": dtype_name,
         "calls_ms": {s: round(v, 4) for s, v in choice.times_ms.items()},
     }  # fmt: skip
 
@@ -166,6 +182,28 @@ def right_picks(rows: list[dict], name: str, value: float) -> int:
     return right
 
 
+def right_picks_scaled(rows: list[dict], dtype_name: str, scale: float) -> int:
+    """How many rows pick within TOLERANCE of their fastest call with every vendor
+    factor scaled by ``scale`` for ``dtype_name``."""
+    rates = dataclasses.replace(
+        CPU, vendor_dtype_scale={**CPU.vendor_dtype_scale, dtype_name: scale}
+    )
+    return sum(
+        r["calls_ms"][pick(r, rates)] <= (1 + TOLERANCE) * min(r["calls_ms"].values()) for r in rows
+    )
+
+
+def chosen_scale(rows: list[dict], dtype_name: str) -> tuple[float, int]:
+    """The scale of GRID whose fewest right picks within 10% of it are the most (a
+    scale is known to no better than that: bf16's 47 at 0.53-0.55 fell to 43 at 0.56),
+    nearest 1 among ties; and its own count."""
+    counts = {v: right_picks_scaled(rows, dtype_name, v) for v in GRID}
+    worst = {v: min(c for u, c in counts.items() if abs(u / v - 1) <= 0.1) for v in GRID}
+    top = max(worst.values())
+    best = min((v for v in GRID if worst[v] == top), key=lambda v: abs(math.log(v)))
+    return best, counts[best]
+
+
 def chosen_value(rows: list[dict], name: str) -> tuple[float, int]:
     """The median implied factor, moved to the nearest value of GRID with the most
     right picks; and that count."""
@@ -182,6 +220,7 @@ def main() -> None:
     parser.add_argument("--out", help="a JSON line per measured row")
     parser.add_argument("--rows", help="refit to these rows (a file --out wrote) instead")
     parser.add_argument("--set", choices=sorted(PROBLEM_SETS), default="small_patch")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     if args.rows:
@@ -198,11 +237,25 @@ def main() -> None:
             for name, conv in PROBLEM_SETS[args.set].items():
                 for layout_name in ("cf", "cl"):
                     for direction_name in DIRECTION_NAMES:
-                        rows.append(measure_row(name, conv, layout_name, direction_name))
+                        row = measure_row(name, conv, layout_name, direction_name, args.dtype)
+                        rows.append(row)
                         if args.out:
                             with open(args.out, "a") as f:
                                 f.write(json.dumps(rows[-1]) + "\n")
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    half = {r["dtype"] for r in rows} - {"fp32"}
+    if half:
+        (dtype_name,) = half
+        scale, right = chosen_scale(rows, dtype_name)
+        now = CPU.vendor_dtype_scale.get(dtype_name, 1.0)
+        for row in rows:
+            calls = " ".join(f"{s} {v:.3f}" for s, v in row["calls_ms"].items())
+            print(f"{row['problem']} {row['layout']} {row['direction']}: {calls} ms; "
+                  f"picks {pick(row, CPU)}")  # fmt: skip
+        print(f"{dtype_name} scale on every vendor factor: now {now} "
+              f"({right_picks_scaled(rows, dtype_name, now)} of {len(rows)} right); "
+              f"chosen {scale} ({right} right)")  # fmt: skip
+        return
     by_factor = defaultdict(list)
     for row in rows:
         by_factor[vendor_factor(problem_of(row))].append(row)

@@ -80,6 +80,10 @@ class DeviceRates:
     # (Solver.call_ms), each running inside that node.
     autograd_node_us: float = 60.0
     factors: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    # By dtype name, a multiplier on every vendor factor for problems of that dtype,
+    # where the factors were fitted in another and the vendor stands otherwise to the
+    # GEMMs in this one (1 where a dtype has none).
+    vendor_dtype_scale: Mapping[str, float] = dataclasses.field(default_factory=dict)
     source: str = ""
 
     def matrix_rate(self, dtype_key: str) -> float:
@@ -97,7 +101,8 @@ class DeviceRates:
             raise KeyError(f"{self.name} ({self.source}): no fitted factor {name!r}") from None
 
     def as_json(self) -> dict:
-        return {**dataclasses.asdict(self), "factors": dict(self.factors)}
+        return {**dataclasses.asdict(self), "factors": dict(self.factors),
+                "vendor_dtype_scale": dict(self.vendor_dtype_scale)}  # fmt: skip
 
 
 # ---- the table ---------------------------------------------------------------------
@@ -258,6 +263,15 @@ CPU = DeviceRates(
         "vendor_few_channel_patch_backward_data": 0.57,
         "vendor_other": 2.2,
     },
+    # The factors are fp32's, whose torch.mm is MKL's. bf16 GEMMs run on oneDNN's
+    # matmul (AVX512-BF16): ResNet-50's 1x1 ran 5.7x faster in bf16 than in fp32 on
+    # pointwise, 1.5x on oneDNN's convolution (0.53 and 1.02 ms). Unscaled, 30 of 48
+    # bf16 rows picked within 10% of the fastest call (ViT-B/16's forward went to the
+    # vendor, 3.2 ms against the patch GEMM's 2.4); scaled by 0.5, 46
+    # (bench/probes/cpu_vendor_fit.py --set half --dtype bf16,
+    # tests/data/cpu_bf16_calls.jsonl; 0.45-0.55 gave 46-47, 0.56 43). fp16, which this
+    # EPYC computes without native instructions (10-100x slower than bf16), is unfitted.
+    vendor_dtype_scale={"bf16": 0.5},
     source="rates: conservative figures for a 2-core CPU; factors: large patches and point "
     "patches fitted to the CPU table at b6a7d1b (bench/results/cpu.md's history), small "
     "patches to "

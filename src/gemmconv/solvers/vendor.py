@@ -11,7 +11,7 @@ import torch
 
 from gemmconv.core.device_rates import FACTORS, DeviceRates
 from gemmconv.core.memory_format import Layout
-from gemmconv.core.problem import ConvProblem
+from gemmconv.core.problem import ConvProblem, dtype_name
 from gemmconv.solvers.base import ConvTensors, Solver
 from gemmconv.solvers.cpu_conv_hazards import hazard_layout, run_avoiding
 
@@ -30,8 +30,9 @@ FEW_CHANNELS = 32
 
 def vendor_efficiency(p: ConvProblem, rates: DeviceRates) -> float:
     """The fraction of the GEMM floor the vendor's general kernels reach on ``p``: the
-    device's fitted factor for the problem's class (device_rates.FACTORS)."""
-    return rates.factor(vendor_factor(p))
+    device's fitted factor for the problem's class (device_rates.FACTORS), scaled for
+    its dtype where the device has a scale for it."""
+    return rates.factor(vendor_factor(p)) * rates.vendor_dtype_scale.get(dtype_name(p.dtype), 1.0)
 
 
 def vendor_factor(p: ConvProblem) -> str:
