@@ -1,9 +1,9 @@
 """Immediate mode on the CPU against the call times the CPU entry's vendor factors are
 fitted to (tests/data/cpu_small_patch_calls.jsonl, cpu_general_calls.jsonl and, in bf16,
 cpu_bf16_calls.jsonl, written by bench/probes/cpu_vendor_fit.py on the 2-core EPYC,
-torch 2.14.1): on every row the
-cost model's pick must run within 10% of the fastest call find measured. Offline: each
-row is rebuilt as a CPU problem and ranked by dispatch.decide with the CPU entry."""
+torch 2.14.1): on every row the cost model's pick must run within 10% of the fastest
+call find measured. Offline: each row is rebuilt as a CPU problem and ranked by
+dispatch.decide with the CPU entry."""
 
 from __future__ import annotations
 

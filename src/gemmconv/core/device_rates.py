@@ -230,7 +230,7 @@ CPU = DeviceRates(
     # patches (950x3x14x14: 27.7 ms against the GEMM's 7.9) are far behind: 0.1
     # (bench/results/cpu.md, the run before this fit, is in its git history).
     factors={
-        # oneDNN's 1x1 convolution ran ResNet-50's 1x1s 1.4-2.5x faster than torch.mm
+        # oneDNN's 1x1 convolution ran ResNet's 1x1s 1.2-2.5x faster than torch.mm
         # (MKL) on the same product on the 2-core EPYC (12544x256x64: 0.88 against 2.0
         # ms), and its general kernels 2-300x faster than im2col (ResNet's 3x3 at batch
         # 4: 2.1 against 13.6 ms; a depthwise 7x7: 0.62 against 87): fitted by
