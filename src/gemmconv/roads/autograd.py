@@ -20,6 +20,7 @@ import torch
 
 from gemmconv.core.memory_format import Layout, layout_of
 from gemmconv.roads.ops import conv_backward_data, conv_backward_weights, conv_forward
+from gemmconv.solvers.cpu_conv_hazards import weight_gradient_operands
 from gemmconv.solvers.views import bias_grad
 
 
@@ -69,6 +70,8 @@ def vmap_safe_gradients(
         input = weight.new_empty(1).expand(input_size)
     if weight is None:
         weight = input.new_empty(1).expand(weight_size)
+    if need_dw:
+        input, weight = weight_gradient_operands(input, weight, padding)
     dx, dw, _ = torch.ops.aten.convolution_backward(
         grad_output, input, weight, None, stride, padding, dilation,
         False, [0] * len(stride), groups, [need_dx, need_dw, False],

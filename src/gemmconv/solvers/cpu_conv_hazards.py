@@ -14,6 +14,18 @@ the same memory seen with channels-first strides, the result laid out as torch's
   input with a weight of such strides; with strides (6, 1, 1) it ran, as fp32 and
   fp16 did. A size-1 dimension's stride addresses nothing, so both views read the
   same elements.
+- bf16, computed channels-last (either operand laid out so), a padded dimension of at
+  most 2 input elements: torch 2.14's backward returns a wrong weight gradient. In
+  1-D and 2-D, with a channels-last weight, a kernel tap that reads only padding is
+  left unwritten (whatever the memory held: NaN, 1e36); of the 224 1-D problems of a
+  sweep with such a weight and tap, 56 came back wrong, all of a length-1 input. In
+  3-D, 50 of the 72 problems of a 2x2x2 input under a 3x3x3 kernel with padding 1 came
+  back wrong every time (up to 1.5x the gradient's largest element), and others of a
+  length-1 or length-2 input. No sweep found one with a larger padded dimension,
+  channels-first operands or fp32 and fp16. The forward takes channels-first operands
+  here, so the backward torch records for it does too, and the vendor's own weight
+  gradient (vendor.weight_gradient, whose weight stands in contiguous) a channels-first
+  input. A padded dimension of one or two elements is rare, so are the copies.
 """
 
 from __future__ import annotations
@@ -42,7 +54,10 @@ def hazard_layout(
     transposed_bf16 = input.dtype == torch.bfloat16 and (
         _length_one_transposed(input) or _length_one_transposed(weight)
     )
-    if not (single_channel_3d or transposed_bf16):
+    small_padded_bf16 = _small_padded_bf16(input, padding) and not (
+        input.is_contiguous() and weight.is_contiguous()
+    )
+    if not (single_channel_3d or transposed_bf16 or small_padded_bf16):
         return None
     layout = forward_output_layout(
         input, weight, None, output_shape, stride, padding, dilation, groups
@@ -70,6 +85,24 @@ def run_avoiding(
     return result.copy_(y)
 
 
+def weight_gradient_operands(
+    input: torch.Tensor, weight: torch.Tensor, padding: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input and weight torch's weight gradient of (batched) ``input`` should be
+    given: channels-first copies where channels-last ones are the bf16 run above, else
+    the operands themselves."""
+    if input.device.type == "cpu" and _small_padded_bf16(input, padding):
+        return tuple(t if t.is_contiguous() else t.contiguous() for t in (input, weight))
+    return input, weight
+
+
+def _small_padded_bf16(input: torch.Tensor, padding: Sequence[int]) -> bool:
+    """Whether ``input`` is bf16 with a padded dimension of at most 2 elements."""
+    return input.dtype == torch.bfloat16 and any(
+        p > 0 and size <= 2 for size, p in zip(input.shape[2:], padding)
+    )
+
+
 def _length_one_transposed(t: torch.Tensor) -> bool:
     """Whether ``t`` is 1-D of length 1 with the length's stride not 1 (a view of
     [N, L, C] memory)."""
@@ -83,4 +116,4 @@ def _channels_first(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.shape, dense_strides(t.shape, Layout.CHANNELS_FIRST))
 
 
-__all__ = ["hazard_layout", "run_avoiding"]
+__all__ = ["hazard_layout", "run_avoiding", "weight_gradient_operands"]

@@ -13,7 +13,11 @@ from gemmconv.core.device_rates import FACTORS, DeviceRates
 from gemmconv.core.memory_format import Layout
 from gemmconv.core.problem import ConvProblem, dtype_name
 from gemmconv.solvers.base import ConvTensors, Solver
-from gemmconv.solvers.cpu_conv_hazards import hazard_layout, run_avoiding
+from gemmconv.solvers.cpu_conv_hazards import (
+    hazard_layout,
+    run_avoiding,
+    weight_gradient_operands,
+)
 
 # Patch embeddings with at least this many kernel taps are "large" in the cost table.
 LARGE_PATCH_TAPS = 16
@@ -177,6 +181,7 @@ def weight_gradient(
     # input's memory format decides the kernels' layout, as in torch's own backward.
     shape_only_weight = grad_output.new_empty(weight_size)
     no_output_padding = [0] * len(stride)
+    input, shape_only_weight = weight_gradient_operands(input, shape_only_weight, padding)
     _, grad_weight, _ = torch.ops.aten.convolution_backward.default(
         grad_output, input, shape_only_weight, None, list(stride), list(padding),
         list(dilation), False, no_output_padding, groups, [False, True, False],
