@@ -44,7 +44,12 @@ from gemmconv.solvers import get_solver
 from gemmconv.solvers.vendor import vendor_factor
 
 CPU_DEVICE = torch.device("cpu")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp64": torch.float64,
+}
 
 
 @dataclasses.dataclass(frozen=True)
