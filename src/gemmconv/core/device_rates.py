@@ -264,12 +264,12 @@ CPU = DeviceRates(
         "vendor_other": 2.2,
     },
     # The factors are fp32's, whose torch.mm is MKL's. bf16 GEMMs run on oneDNN's
-    # matmul (AVX512-BF16): ResNet-50's 1x1 ran 5.7x faster in bf16 than in fp32 on
-    # pointwise, 1.5x on oneDNN's convolution (0.53 and 1.02 ms). Unscaled, 30 of 48
+    # matmul (AVX512-BF16): ResNet-50's 1x1 ran 5.0x faster in bf16 than in fp32 on
+    # pointwise, 1.5x on oneDNN's convolution (0.59 and 1.04 ms). Unscaled, 30 of 48
     # bf16 rows picked within 10% of the fastest call (ViT-B/16's forward went to the
-    # vendor, 3.2 ms against the patch GEMM's 2.4); scaled by 0.5, 46
+    # vendor, 3.1 ms against the patch GEMM's 2.6); scaled by 0.5, 47
     # (bench/probes/cpu_vendor_fit.py --set half --dtype bf16,
-    # tests/data/cpu_bf16_calls.jsonl; 0.45-0.55 gave 46-47, 0.56 43). fp16, which this
+    # tests/data/cpu_bf16_calls.jsonl; 0.44-0.52 gave 47, 0.56 43). fp16, which this
     # EPYC computes without native instructions (10-100x slower than bf16), is unfitted.
     vendor_dtype_scale={"bf16": 0.5},
     source="rates: conservative figures for a 2-core CPU; factors: large patches and point "
