@@ -66,21 +66,17 @@ class Conv:
     groups: int = 1
 
 
-def _patch(n, c, k, spatial, kernel) -> Conv:
-    return Conv(n, c, k, spatial, kernel)
-
-
 # fp32.
 PROBLEM_SETS = {
     "small_patch": {
         # diffusers' SD3 PatchEmbed (16 latent channels, 2x2, 1536 wide) at a 512px image.
-        "sd3_512": _patch(1, 16, 1536, (64, 64), (2, 2)),
+        "sd3_512": Conv(1, 16, 1536, (64, 64), (2, 2)),
         # DiT-XL/2 (4 latent channels, 2x2, 1152 wide) at 256px, batch 8.
-        "dit_xl2_b8": _patch(8, 4, 1152, (32, 32), (2, 2)),
+        "dit_xl2_b8": Conv(8, 4, 1152, (32, 32), (2, 2)),
         # ConvNeXt's 2x2 downsample (192 -> 384 at 56x56, as the suite's), batch 4.
-        "convnext_down_b4": _patch(4, 192, 384, (56, 56), (2, 2)),
+        "convnext_down_b4": Conv(4, 192, 384, (56, 56), (2, 2)),
         # Wan 2.1 1.3B's (1, 2, 2) latent patchify (16 channels -> 1536), a short clip.
-        "wan21_1_3b": _patch(1, 16, 1536, (5, 30, 52), (1, 2, 2)),
+        "wan21_1_3b": Conv(1, 16, 1536, (5, 30, 52), (1, 2, 2)),
     },
     "general": {
         # ResNet-50's bottleneck 1x1s at batch 4: reduce, expand, and a strided downsample.
@@ -105,8 +101,8 @@ PROBLEM_SETS = {
 # table's large patches (ViT-B/16 at batch 8, a point patch per sample) and one problem
 # of each other class.
 PROBLEM_SETS["half"] = {
-    "vit_b16_b8": _patch(8, 3, 768, (224, 224), (16, 16)),
-    "point_950": _patch(950, 3, 1280, (14, 14), (14, 14)),
+    "vit_b16_b8": Conv(8, 3, 768, (224, 224), (16, 16)),
+    "point_950": Conv(950, 3, 1280, (14, 14), (14, 14)),
     **{name: PROBLEM_SETS["small_patch"][name] for name in ("sd3_512", "convnext_down_b4")},
     **{name: PROBLEM_SETS["general"][name]
        for name in ("resnet50_reduce_b4", "resnet_down_1x1_b4", "resnet_3x3_b4", "whisper_conv2")},
@@ -176,26 +172,24 @@ def pick(row: dict, rates: DeviceRates) -> str:
     return dispatch.decide(problem_of(row), solvers, rates).solver
 
 
+def _right_under(rows: list[dict], rates: DeviceRates) -> int:
+    """How many rows pick within TOLERANCE of their fastest call with ``rates``."""
+    return sum(
+        r["calls_ms"][pick(r, rates)] <= (1 + TOLERANCE) * min(r["calls_ms"].values()) for r in rows
+    )
+
+
 def right_picks(rows: list[dict], name: str, value: float) -> int:
     """How many rows pick within TOLERANCE of their fastest call with ``name`` at
     ``value``."""
-    rates = dataclasses.replace(CPU, factors={**CPU.factors, name: value})
-    right = 0
-    for row in rows:
-        calls = row["calls_ms"]
-        right += calls[pick(row, rates)] <= (1 + TOLERANCE) * min(calls.values())
-    return right
+    return _right_under(rows, dataclasses.replace(CPU, factors={**CPU.factors, name: value}))
 
 
 def right_picks_scaled(rows: list[dict], dtype_name: str, scale: float) -> int:
     """How many rows pick within TOLERANCE of their fastest call with every vendor
     factor scaled by ``scale`` for ``dtype_name``."""
-    rates = dataclasses.replace(
-        CPU, vendor_dtype_scale={**CPU.vendor_dtype_scale, dtype_name: scale}
-    )
-    return sum(
-        r["calls_ms"][pick(r, rates)] <= (1 + TOLERANCE) * min(r["calls_ms"].values()) for r in rows
-    )
+    scales = {**CPU.vendor_dtype_scale, dtype_name: scale}
+    return _right_under(rows, dataclasses.replace(CPU, vendor_dtype_scale=scales))
 
 
 def chosen_scale(rows: list[dict], dtype_name: str) -> tuple[float, int]:

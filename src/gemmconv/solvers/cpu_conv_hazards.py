@@ -14,18 +14,19 @@ the same memory seen with channels-first strides, the result laid out as torch's
   input with a weight of such strides; with strides (6, 1, 1) it ran, as fp32 and
   fp16 did. A size-1 dimension's stride addresses nothing, so both views read the
   same elements.
-- bf16, computed channels-last (either operand laid out so), a padded dimension of at
-  most 2 input elements: torch 2.14's backward returns a wrong weight gradient. In
-  1-D and 2-D, with a channels-last weight, a kernel tap that reads only padding is
-  left unwritten (whatever the memory held: NaN, 1e36); of the 224 1-D problems of a
-  sweep with such a weight and tap, 56 came back wrong, all of a length-1 input. In
-  3-D, 50 of the 72 problems of a 2x2x2 input under a 3x3x3 kernel with padding 1 came
-  back wrong every time (up to 1.5x the gradient's largest element), and others of a
-  length-1 or length-2 input. No sweep found one with a larger padded dimension,
-  channels-first operands or fp32 and fp16. The forward takes channels-first operands
-  here, so the backward torch records for it does too, and the vendor's own weight
-  gradient (vendor.weight_gradient, whose weight stands in contiguous) a channels-first
-  input. A padded dimension of one or two elements is rare, so are the copies.
+- bf16, computed channels-last (torch's choice: either operand so laid out), a padded
+  dimension of at most 2 input elements: torch 2.14's backward returns a wrong weight
+  gradient. In 1-D and 2-D, with a channels-last weight, a kernel tap that reads only
+  padding is left unwritten (whatever the memory held: NaN, 1e36); of the 224 1-D
+  problems of a sweep with such a weight and tap, 56 came back wrong, all of a length-1
+  input. In 3-D, 50 of the 72 problems of a 2x2x2 input under a 3x3x3 kernel with
+  padding 1 came back wrong every time (up to 1.5x the gradient's largest element), and
+  others of a length-1 or length-2 input. No sweep found one with a larger padded
+  dimension, channels-first operands or fp32 and fp16. The forward takes channels-first
+  operands here, so the backward torch records for it does too, and the vendor's own
+  weight gradient (vendor.weight_gradient, whose weight stands in contiguous) a
+  channels-first input. A padded dimension of one or two elements is rare, so are the
+  copies.
 """
 
 from __future__ import annotations
@@ -54,16 +55,13 @@ def hazard_layout(
     transposed_bf16 = input.dtype == torch.bfloat16 and (
         _length_one_transposed(input) or _length_one_transposed(weight)
     )
-    small_padded_bf16 = _small_padded_bf16(input, padding) and not (
-        input.is_contiguous() and weight.is_contiguous()
-    )
-    if not (single_channel_3d or transposed_bf16 or small_padded_bf16):
+    if not (single_channel_3d or transposed_bf16 or _small_padded_bf16(input, padding)):
         return None
     layout = forward_output_layout(
         input, weight, None, output_shape, stride, padding, dilation, groups
     )
-    if single_channel_3d and layout is not Layout.CHANNELS_LAST:
-        return None  # computed channels-first: torch is right
+    if not transposed_bf16 and layout is not Layout.CHANNELS_LAST:
+        return None  # the other two computed channels-first: torch is right
     return layout
 
 
@@ -92,7 +90,7 @@ def weight_gradient_operands(
     given: channels-first copies where channels-last ones are the bf16 run above, else
     the operands themselves."""
     if input.device.type == "cpu" and _small_padded_bf16(input, padding):
-        return tuple(t if t.is_contiguous() else t.contiguous() for t in (input, weight))
+        return _channels_first(input), _channels_first(weight)
     return input, weight
 
 
