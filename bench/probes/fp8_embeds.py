@@ -18,7 +18,8 @@ Each result line is printed and appended to DIR/fp8_embeds.jsonl as it finishes;
 ``--json PATH`` also writes the timing rows as one JSON document at the end.
 
     PYTHONPATH=src python3 bench/probes/fp8_embeds.py --out DIR [--steps 300] [--reps 30]
-        [--scaling tensorwise rowwise] [--skip-training] [--skip-timing] [--json PATH]
+        [--scaling tensorwise rowwise] [--skip-training] [--skip-timing] [--skip-compiled]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "code (with the fp8 run let onto the CPU)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="the suite's tiny shapes")
     parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--skip-compiled", action="store_true",
+                        help="leave out the torch.compile timings (eight compiles)")  # fmt: skip
     args = parser.parse_args(argv)
     for name in ("reps", "steps", "batch"):
         if getattr(args, name) < 1:
@@ -112,6 +115,8 @@ def time_rows(args, log: Log) -> list[dict]:
                 + "; ".join(f"{n} {us} us x{calls}" for n, us, calls in split["own_time"][:6]),
                 record,
             )
+        if args.skip_compiled:
+            continue
         compiled = {n: [_step(torch.compile(modules[n]), x, dy)] for n in VARIANTS}
         times = _interleaved_twice(compiled, device, args.reps, 3, None, {})
         ms = {n: times[n].median_ms for n in VARIANTS}
@@ -167,7 +172,7 @@ def device_split(call) -> dict:
             "largest_other": [[n, round(us, 1)] for n, us in top]}  # fmt: skip
 
 
-def host_split(call, steps: int = 30, top: int = 12) -> dict:
+def host_split(call, steps: int = 30, top: int = 24) -> dict:
     """Host time of ``call`` (after two warm ones), in microseconds: the median time to
     issue one call (the device left running), and the functions with the most own time
     under cProfile over ``steps`` calls, per call, the backward run on the calling

@@ -5,8 +5,10 @@ solver and the op road, match float64 and keep torch's output strides."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +19,11 @@ from gemmconv.core.memory_format import Layout
 from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.solvers import get_solver
 from gemmconv.solvers.base import ConvTensors
-from gemmconv.solvers.cpu_conv_hazards import hazard_layout
+from gemmconv.solvers.cpu_conv_hazards import (
+    hazard_layout,
+    unit_stride_reads,
+    weight_gradient_arguments,
+)
 
 from random_conv import ConvCase, check_every_solver
 
@@ -252,3 +258,195 @@ def test_batched_bf16_weight_gradients_of_small_padded_inputs_match_float64(case
         (dw,) = torch.autograd.grad(y, wg, batch, is_grads_batched=True)
         assert _relative_error(dw[0], want) < 0.02, (seed, dw[0])
         assert _relative_error(dw[1], 2 * want) < 0.02, (seed, dw[1])
+
+
+# Strided 1x1s whose channels-last weight gradient torch 2.14 computed by writing past
+# the end of a buffer, with two threads (tests/native/guard_allocator.c faults at the
+# write): (dtype, samples, in channels, out channels, size, stride).
+OVERFLOWING = [
+    ("bf16", 1, 3, 2, (6, 7), (2, 1)),
+    ("fp32", 3, 3, 1, (6, 6), (2, 1)),
+    ("fp32", 3, 5, 2, (6, 10), (3, 1)),
+    ("fp32", 3, 6, 6, (7, 8), (1, 2)),
+]
+# The same reads in 1-D and 3-D, which no sweep saw fault but which are routed alike.
+STRIDED_POINTWISE = [
+    *OVERFLOWING,
+    ("fp32", 2, 4, 3, (9,), (2,)),
+    ("bf16", 2, 4, 3, (5, 6, 7), (1, 2, 3)),
+]
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _strided_pointwise_operands(case, seed):
+    """x and W of ``case`` (x channels-last, W contiguous), dY, and the float64
+    reference's y, dx and dW."""
+    dtype, n, c, k, size, stride = case
+    g = torch.Generator().manual_seed(seed)
+    x = _channels_last(torch.randn(n, c, *size, generator=g).to(_DTYPES[dtype]))
+    w = torch.randn(k, c, *(1,) * len(size), generator=g).to(_DTYPES[dtype])
+    x64, w64 = (t.double().contiguous().requires_grad_() for t in (x, w))
+    reference = _CONVS[x.dim()](x64, w64, stride=stride)
+    dy = torch.randn(reference.shape, generator=g, dtype=torch.float64)
+    reference.backward(dy)
+    return x, w, dy.to(x.dtype), (reference.detach(), x64.grad, w64.grad)
+
+
+def _bound(dtype: torch.dtype) -> float:
+    return 0.02 if dtype == torch.bfloat16 else 1e-5
+
+
+@pytest.mark.parametrize("case", STRIDED_POINTWISE, ids=lambda c: f"{c[0]}-{len(c[4])}d-{c[5]}")
+@pytest.mark.parametrize("solver", [None, "vendor"])
+def test_strided_pointwise_gradients_match_float64_with_torch_strides(case, solver, monkeypatch):
+    if solver is not None:
+        monkeypatch.setenv("GEMMCONV_SOLVER", solver)
+    stride = case[5]
+    for seed in range(3):
+        x, w, dy, (y64, dx64, dw64) = _strided_pointwise_operands(case, seed)
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = _GEMMCONV_CONVS[x.dim()](xg, wg, stride=stride)
+        assert y.stride() == _CONVS[x.dim()](x, w, stride=stride).stride()
+        y.backward(dy)
+        bound = _bound(x.dtype)
+        assert _relative_error(y, y64) < bound
+        assert _relative_error(xg.grad, dx64) < bound
+        assert _relative_error(wg.grad, dw64) < bound, (seed, wg.grad)
+
+
+@pytest.mark.parametrize("case", STRIDED_POINTWISE, ids=lambda c: f"{c[0]}-{len(c[4])}d-{c[5]}")
+def test_the_vendor_solvers_strided_pointwise_weight_gradient_matches_float64(case):
+    stride = case[5]
+    x, w, dy, (_, _, dw64) = _strided_pointwise_operands(case, 0)
+    ones = (1,) * len(stride)
+    problem = ConvProblem.from_tensors(x, w, None, stride, (0,) * len(stride), ones, 1)
+    problem = problem.with_direction(Direction.BACKWARD_WEIGHTS)
+    tensors = ConvTensors(input=x, weight=w, bias=None, grad_output=dy)
+    dw = get_solver("vendor").run(problem, tensors)
+    assert _relative_error(dw, dw64) < _bound(x.dtype)
+
+
+def test_strided_pointwise_runs_go_to_unit_stride_only_where_channels_last():
+    x = _channels_last(torch.randn(3, 5, 6, 10))
+    w = torch.randn(2, 5, 1, 1)
+    stride, none, ones = [3, 1], [0, 0], [1, 1]
+    reads = unit_stride_reads(x, w, stride, none, ones, 1)
+    assert reads is not None
+    # The elements the strided 1x1 reads, copied dense channels-last.
+    assert torch.equal(x[reads], x[:, :, ::3])
+    seen, weight, unit_stride, unit_dilation = weight_gradient_arguments(
+        x, w, stride, none, ones, 1
+    )
+    assert torch.equal(seen, x[:, :, ::3])
+    assert seen.is_contiguous(memory_format=torch.channels_last)
+    assert (weight is w, unit_stride, unit_dilation) == (True, [1, 1], [1, 1])
+    assert unit_stride_reads(x.contiguous(), w, stride, none, ones, 1) is None  # channels-first
+    assert unit_stride_reads(x.double(), w.double(), stride, none, ones, 1) is None
+    assert unit_stride_reads(x, w, ones, none, ones, 1) is None
+    assert unit_stride_reads(x, w, stride, [1, 0], ones, 1) is None
+    kernel = torch.randn(2, 5, 3, 1)
+    assert unit_stride_reads(x, kernel, stride, none, ones, 1) is None
+    # Unchanged arguments come back as they were given.
+    same = weight_gradient_arguments(x.contiguous(), w, stride, none, ones, 1)
+    assert same[2] is stride and same[3] is ones
+
+
+def test_torch_records_the_unit_stride_convolution_where_it_serves_training(monkeypatch):
+    """Where the eager road hands a training call to torch's own convolution, torch
+    records the unit-stride one, whose backward never runs the strided kernel."""
+    monkeypatch.setenv("GEMMCONV_SOLVER", "vendor")
+    x, w, dy, (_, dx64, dw64) = _strided_pointwise_operands(OVERFLOWING[1], 0)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = gemmconv.conv2d(xg, wg, stride=OVERFLOWING[1][5])
+    assert type(y.grad_fn).__name__ == "ConvolutionBackward0"
+    assert tuple(y.grad_fn._saved_stride) == (1, 1)
+    assert y.stride() == F.conv2d(x, w, stride=OVERFLOWING[1][5]).stride()
+    with torch.no_grad():  # a forward alone runs torch's strided call itself
+        alone = gemmconv.conv2d(x, w, stride=OVERFLOWING[1][5])
+    assert torch.equal(alone, F.conv2d(x, w, stride=OVERFLOWING[1][5]))
+    y.backward(dy)
+    assert _relative_error(xg.grad, dx64) < 1e-5
+    assert _relative_error(wg.grad, dw64) < 1e-5
+
+
+@pytest.mark.parametrize("case", OVERFLOWING[:2], ids=lambda c: f"{c[0]}-{c[5]}")
+def test_batched_strided_pointwise_gradients_match_float64(case, monkeypatch):
+    """Batched gradients through gemmconv's own node run torch's convolution_backward
+    (roads/autograd.py): dW at unit stride, dx from the strided operands."""
+    monkeypatch.setenv("GEMMCONV_SOLVER", "im2col")
+    x, w, dy, (_, dx64, dw64) = _strided_pointwise_operands(case, 0)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = gemmconv.conv2d(xg, wg, stride=case[5])
+    assert type(y.grad_fn).__name__ != "ConvolutionBackward0"
+    dx, dw = torch.autograd.grad(y, (xg, wg), torch.stack([dy, 2 * dy]), is_grads_batched=True)
+    bound = _bound(x.dtype)
+    for i, scale in enumerate((1, 2)):
+        assert _relative_error(dx[i], scale * dx64) < bound
+        assert _relative_error(dw[i], scale * dw64) < bound
+
+
+_OVERFLOW_RUN = """
+import sys, torch
+torch.set_num_threads(2)
+import gemmconv
+from gemmconv.core.problem import ConvProblem, Direction
+from gemmconv.solvers import get_solver
+from gemmconv.solvers.base import ConvTensors
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+caller = sys.argv[1]
+for dtype, n, c, k, size, stride in %r:
+    x = torch.rand(n, c, *size, dtype=DTYPES[dtype]).contiguous(memory_format=torch.channels_last)
+    w = torch.rand(k, c, 1, 1, dtype=x.dtype)
+    if caller == "torch":
+        dy = torch.rand(n, k, *((s - 1) // t + 1 for s, t in zip(size, stride)), dtype=x.dtype)
+        dy = dy.contiguous(memory_format=torch.channels_last)
+        torch.ops.aten.convolution_backward.default(
+            dy, x, w, None, list(stride), [0, 0], [1, 1], False, [0, 0], 1, [False, True, False])
+        continue
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = gemmconv.conv2d(xg, wg, stride=stride)
+    dy = torch.rand_like(y)
+    y.backward(dy)
+    torch.autograd.grad(gemmconv.conv2d(xg, wg, stride=stride), (xg, wg),
+                        torch.stack([dy, dy]), is_grads_batched=True)
+    problem = ConvProblem.from_tensors(x, w, None, stride, (0, 0), (1, 1), 1)
+    problem = problem.with_direction(Direction.BACKWARD_WEIGHTS)
+    get_solver("vendor").run(problem, ConvTensors(input=x, weight=w, bias=None, grad_output=dy))
+print("ran")
+"""
+
+
+@pytest.fixture(scope="module")
+def guard_allocator(tmp_path_factory) -> str:
+    """tests/native/guard_allocator.c built into a library to preload."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler (cc or gcc) to build tests/native/guard_allocator.c")
+    library = tmp_path_factory.mktemp("guard") / "guard_allocator.so"
+    source = Path(__file__).resolve().parents[1] / "native" / "guard_allocator.c"
+    subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(library), str(source),
+                    "-lpthread"], check=True)  # fmt: skip
+    return str(library)
+
+
+def _under_guard(library: str, caller: str, solver: str | None):
+    env = {k: v for k, v in os.environ.items() if k != "GEMMCONV_SOLVER"}
+    env.update(LD_PRELOAD=library, GUARD_READ="1", OMP_NUM_THREADS="2")
+    if solver is not None:
+        env["GEMMCONV_SOLVER"] = solver
+    return subprocess.run([sys.executable, "-c", _OVERFLOW_RUN % (OVERFLOWING,), caller],
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+@pytest.mark.parametrize("solver", [None, "vendor", "im2col"])
+def test_no_strided_pointwise_call_writes_past_a_buffer(guard_allocator, solver):
+    """Under an allocator that faults at a write past a buffer's end, torch's own calls
+    fault on these problems and gemmconv's run (public calls, batched gradients, the
+    vendor solver's weight gradient)."""
+    torch_run = _under_guard(guard_allocator, "torch", None)
+    if torch_run.returncode == 0:
+        pytest.skip(f"torch {torch.__version__}'s own weight gradients wrote no byte past a "
+                    "buffer here: nothing to avoid")  # fmt: skip
+    done = _under_guard(guard_allocator, "gemmconv", solver)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ran"

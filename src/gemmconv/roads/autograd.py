@@ -20,7 +20,7 @@ import torch
 
 from gemmconv.core.memory_format import Layout, layout_of
 from gemmconv.roads.ops import conv_backward_data, conv_backward_weights, conv_forward
-from gemmconv.solvers.cpu_conv_hazards import weight_gradient_operands
+from gemmconv.solvers.cpu_conv_hazards import weight_gradient_arguments
 from gemmconv.solvers.views import bias_grad
 
 
@@ -70,13 +70,22 @@ def vmap_safe_gradients(
         input = weight.new_empty(1).expand(input_size)
     if weight is None:
         weight = input.new_empty(1).expand(weight_size)
+    dx = None
     if need_dw:
-        input, weight = weight_gradient_operands(input, weight, padding)
-    dx, dw, _ = torch.ops.aten.convolution_backward(
+        dw_input, weight, dw_stride, dw_dilation = weight_gradient_arguments(
+            input, weight, stride, padding, dilation, groups
+        )
+        if dw_stride is not stride and need_dx:
+            # dW from the elements a strided 1x1 reads, at unit stride: dx apart.
+            dx, _ = vmap_safe_gradients(grad_output, input, weight, input_size, weight_size,
+                                        conv_args, True, False)  # fmt: skip
+            need_dx = False
+        input, stride, dilation = dw_input, dw_stride, dw_dilation
+    dx_here, dw, _ = torch.ops.aten.convolution_backward(
         grad_output, input, weight, None, stride, padding, dilation,
         False, [0] * len(stride), groups, [need_dx, need_dw, False],
     )  # fmt: skip
-    return dx, dw
+    return (dx_here if need_dx else dx), dw
 
 
 def _forward_backward(ctx, grad_output: torch.Tensor):

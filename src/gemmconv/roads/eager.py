@@ -37,7 +37,12 @@ from gemmconv.roads import ops
 from gemmconv.roads.autograd import under_vmap, vmap_safe_gradients
 from gemmconv.selection import dispatch
 from gemmconv.solvers import get_solver
-from gemmconv.solvers.cpu_conv_hazards import hazard_layout, run_avoiding
+from gemmconv.solvers.cpu_conv_hazards import (
+    hazard_layout,
+    run_at_unit_stride,
+    run_avoiding,
+    unit_stride_reads,
+)
 from gemmconv.solvers.views import BATCH_AND_SPACE, bias_grad
 
 # A forward's input without its data, as a gemmconv.nn module remembers it for
@@ -92,6 +97,12 @@ class _Call:
                                                       *conv_args)  # fmt: skip
         if hazard is not None:
             self.vendor_function = functools.partial(run_avoiding, hazard, self.vendor_function)
+        # torch's own autograd records this function where it serves a training call.
+        reads = unit_stride_reads(input, weight, *conv_args)
+        if reads is not None:
+            self.vendor_function = functools.partial(
+                run_at_unit_stride, reads, self.vendor_function, conv_args[3]
+            )
         self.vendor_arguments = _shortest_arguments(*conv_args)
         self.input_size = list(input.shape)
         self.weight_size = list(weight.shape)

@@ -16,7 +16,7 @@ from gemmconv.solvers.base import ConvTensors, Solver
 from gemmconv.solvers.cpu_conv_hazards import (
     hazard_layout,
     run_avoiding,
-    weight_gradient_operands,
+    weight_gradient_arguments,
 )
 
 # Patch embeddings with at least this many kernel taps are "large" in the cost table.
@@ -181,10 +181,12 @@ def weight_gradient(
     # input's memory format decides the kernels' layout, as in torch's own backward.
     shape_only_weight = grad_output.new_empty(weight_size)
     no_output_padding = [0] * len(stride)
-    input, shape_only_weight = weight_gradient_operands(input, shape_only_weight, padding)
+    input, shape_only_weight, stride, dilation = weight_gradient_arguments(
+        input, shape_only_weight, list(stride), padding, list(dilation), groups
+    )
     _, grad_weight, _ = torch.ops.aten.convolution_backward.default(
-        grad_output, input, shape_only_weight, None, list(stride), list(padding),
-        list(dilation), False, no_output_padding, groups, [False, True, False],
+        grad_output, input, shape_only_weight, None, stride, list(padding), dilation,
+        False, no_output_padding, groups, [False, True, False],
     )  # fmt: skip
     return grad_weight
 
