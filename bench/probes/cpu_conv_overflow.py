@@ -10,7 +10,7 @@ restarted after the faulting problem. Prints, per class and caller, how many pro
 faulted, and the first few of torch's.
 
     PYTHONPATH=src python3 bench/probes/cpu_conv_overflow.py [--problems 3000]
-        [--threads 2] [--seed 21] [--classes strided_1x1_cl unit_1x1_cl ...]
+        [--threads 2] [--seed 21] [--classes strided_1x1_cl_fp32 ...] [--callers torch]
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
  *
  * torch's CPU allocator and oneDNN take their buffers from posix_memalign; each such
  * block here gets pages of its own that end at a page nobody may touch, the block's end
- * (rounded up to its alignment) at that page. A freed block's pages are unmapped, so
- * a use after free faults until the addresses are mapped again. Other allocations (Python objects, small glibc ones) go to glibc.
- * glibc's own checks catch a stray write only when the damaged chunk is next touched,
- * often much later and not at all in most runs; here the faulting instruction is the
- * write itself.
+ * (rounded up to its alignment) at that page. A freed block's pages are unmapped, so a
+ * use after free faults until the addresses are mapped again. Other allocations (Python
+ * objects, glibc's own) go to glibc, whose checks notice a stray write only when the
+ * damaged chunk is next touched, often much later or never; here the faulting
+ * instruction is the write itself.
  *
  * Environment: GUARD_READ=1 leaves the page after a block readable, so that only a
  * write faults; GUARD_MAX (bytes, 256 MiB by default) bounds the blocks guarded.
