@@ -260,7 +260,7 @@ def test_batched_bf16_weight_gradients_of_small_padded_inputs_match_float64(case
         assert _relative_error(dw[1], 2 * want) < 0.02, (seed, dw[1])
 
 
-# Strided 1x1s whose channels-last weight gradient torch 2.13 and 2.14 computed by writing past
+# Strided 1x1s whose channels-last weight gradient torch 2.13 to 2.15 computed by writing past
 # the end of a buffer, with two threads (tests/native/guard_allocator.c faults at the
 # write): (dtype, samples, in channels, out channels, size, stride).
 OVERFLOWING = [

@@ -28,7 +28,7 @@ the same memory seen with channels-first strides, the result laid out as torch's
   channels-first input. A padded dimension of one or two elements is rare, so are the
   copies.
 - fp32 or bf16, computed channels-last, a 1x1 kernel with a stride above 1 and no
-  padding: torch 2.14's weight gradient writes past the end of a buffer on some small
+  padding: torch's weight gradient (2.13 to 2.15) writes past the end of a buffer on some small
   problems (heap corruption, which glibc noticed hundreds of calls later, if at all).
   Under an allocator that faults at such a write (tests/native/guard_allocator.c),
   23 of 2000 bf16 and 14 of 2000 fp32 random problems faulted with two threads, 35 and
