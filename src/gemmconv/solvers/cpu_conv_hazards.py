@@ -90,9 +90,7 @@ def run_avoiding(
     y = conv(_channels_first(input), _channels_first(weight), bias, *arguments)
     if layout is Layout.CHANNELS_FIRST:
         return y
-    result = torch.empty_strided(y.shape, dense_strides(y.shape, layout), dtype=y.dtype,
-                                 device=y.device)  # fmt: skip
-    return result.copy_(y)
+    return empty_in(y.shape, layout, y.dtype, y.device).copy_(y)
 
 
 def weight_gradient_arguments(
