@@ -79,3 +79,11 @@ def test_the_package_ships_its_type_hints_and_the_license_it_names():
     license_text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
     assert "END OF TERMS AND CONDITIONS" in license_text
+
+
+def test_the_package_ships_the_cpp_node_source_it_compiles_at_first_use():
+    from gemmconv.roads import native_node
+
+    shipped = PYPROJECT["tool"]["setuptools"]["package-data"]["gemmconv"]
+    assert native_node.SOURCE.is_file()
+    assert native_node.SOURCE.relative_to(ROOT / "src" / "gemmconv").as_posix() in shipped

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from gemmconv.bench.host_probe import host_fields, host_lines
-from gemmconv.bench.report import check_status, default_stem, targets_line
+from gemmconv.bench.report import check_status, default_stem, native_node_text, targets_line
 from gemmconv.bench.scenarios import (
     SCENARIOS,
     VARIANTS,
@@ -325,7 +325,8 @@ def markdown(results: dict, checks: list[dict]) -> str:
         "",
         f"torch {results['torch']}, cuDNN {results['cudnn']}, CUDA {results['cuda']}, triton "
         f"{results['triton']}, timm {results['timm']}, transformers {results['transformers']}, "
-        f"gemmconv {results['gemmconv']}; gemmconv selection mode {results['find_mode']}, "
+        f"gemmconv {results['gemmconv']}{native_node_text(results)}; gemmconv selection mode "
+        f"{results['find_mode']}, "
         f"cudnn.benchmark {results['cudnn_benchmark']}.",
         "",
         *host_lines(results),

@@ -73,7 +73,14 @@ def _versions_text(results: dict) -> str:
     return (
         f"torch {results['torch']}, cuDNN {results['cudnn']}, CUDA {results['cuda']}, "
         f"triton {results['triton']}, gemmconv {results['gemmconv']}"
+        f"{native_node_text(results)}"
     )
+
+
+def native_node_text(results: dict) -> str:
+    """The clause on gemmconv's C++ autograd node (empty for results from before it)."""
+    status = results.get("native_node")
+    return f" (C++ autograd node {status})" if status else ""
 
 
 def _timing_text(results: dict) -> str:

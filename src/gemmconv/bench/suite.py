@@ -396,7 +396,21 @@ def environment(device: torch.device) -> dict:
     from gemmconv.core.version import __version__
 
     env["gemmconv"] = __version__
+    env["native_node"] = native_node_before_timing(device)
     return env
+
+
+def native_node_before_timing(device: torch.device) -> str:
+    """gemmconv's C++ autograd node built (or loaded) before anything is timed, where
+    its setting wants it on ``device``; what became of it. A process uses the Python
+    node until the node's first build ends (seconds), and the benchmarks time the
+    steady state after it."""
+    from gemmconv.roads import native_node
+
+    if not native_node.wanted_on(device.type):
+        return f"off on {device.type} (${native_node.ENVIRONMENT}={native_node.setting()})"
+    native_node.build()
+    return native_node.status()
 
 
 Plan = list[tuple[BenchCase, str, Layout, Direction]]

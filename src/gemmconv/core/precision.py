@@ -258,6 +258,14 @@ def _reduction_dtype(
     return None if fp32_ok else torch.float64
 
 
+def widens_reduction(
+    dtype: torch.dtype, device_type: str, rows: int, out_rows: int, out_cols: int
+) -> bool:
+    """Whether reduction_mm runs [out_rows, rows] @ [rows, out_cols] operands of
+    ``dtype`` on ``device_type`` wider than the operands (fp64)."""
+    return _reduction_dtype(dtype, device_type, rows, out_rows, out_cols) is not None
+
+
 def reduction_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """a @ b for a GEMM whose inner dimension is the long weight-gradient reduction."""
     wide = _reduction_dtype(a.dtype, a.device.type, a.shape[1], a.shape[0], b.shape[1])

@@ -32,8 +32,9 @@ import torch.nn.functional as F
 from gemmconv.core import device_rates
 from gemmconv.core.arguments import handed_to_torch, resolve_arguments
 from gemmconv.core.memory_format import Layout
+from gemmconv.core.precision import widens_reduction
 from gemmconv.core.problem import ConvProblem, Direction
-from gemmconv.roads import ops
+from gemmconv.roads import native_node, ops
 from gemmconv.roads.autograd import under_vmap, vmap_safe_gradients
 from gemmconv.selection import dispatch
 from gemmconv.solvers import get_solver
@@ -81,7 +82,7 @@ class _Call:
     __slots__ = ("plan", "unbatched", "accepted", "conv_args", "vendor_function",
                  "vendor_arguments", "input_size", "weight_size", "channels_last",
                  "vendor_forward", "bias_dims", "keeps_columns", "_vendor_serves",
-                 "_backward_plans")  # fmt: skip
+                 "_backward_plans", "rows_form", "_native_serves")  # fmt: skip
 
     def __init__(self, dims: int, plan: ops.Plan, unbatched: bool, arguments: tuple,
                  conv_args: tuple, input: torch.Tensor, weight: torch.Tensor) -> None:  # fmt: skip
@@ -118,6 +119,14 @@ class _Call:
         self._backward_plans: tuple[dict[tuple, ops.Plan], ...] = ({}, {})
         # columns_serve_weight_gradient's verdict, None until a forward needing dW asks.
         self.keeps_columns: bool | None = None
+        # The C++ node's arguments after the operands where the call is one GEMM over
+        # views of them (rows_form), and per (dx needed, dW needed) whether it serves.
+        device_type = plan.problem.device_type
+        wanted = not unbatched and native_node.wanted_on(device_type)
+        self.rows_form = rows_form(plan) if wanted else None
+        self._native_serves: dict[tuple[bool, bool], bool] = {}
+        if self.rows_form is not None:
+            native_node.request(device_type)
 
     def accepts(self, arguments: tuple) -> bool:
         """Whether ``arguments``, equal to the checked call's, are of the same types all
@@ -141,6 +150,22 @@ class _Call:
             verdict = self._vendor_serves[needed] = road.on_torch
             if road.on_torch and road.gemm_solvers:
                 dispatch.log.info("%s: %s", self.plan.problem.key(), road.describe())
+        return verdict
+
+    def native_serves(self, need_dx: bool, need_dw: bool) -> bool:
+        """Whether the C++ node (native_node) serves a call that needs these gradients:
+        where the backward directions needed chose the GEMM the forward did, on the
+        same views (one-patch or channels-last 1x1)."""
+        needed = (need_dx, need_dw)
+        verdict = self._native_serves.get(needed)
+        if verdict is None:
+            problem = self.plan.problem
+            directions = [d for d, n in ((Direction.BACKWARD_DATA, need_dx),
+                                         (Direction.BACKWARD_WEIGHTS, need_dw)) if n]  # fmt: skip
+            verdict = self._native_serves[needed] = all(
+                dispatch.solver_for(backward_problem(problem, d)).id in _ROWS_SOLVERS
+                for d in directions
+            )
         return verdict
 
     def columns_serve_weight_gradient(self) -> bool:
@@ -201,6 +226,45 @@ class _Call:
                 plans.clear()
             plans[key] = plan
         return plan
+
+
+# The solvers whose GEMM in every direction is the C++ node's, over views of the
+# operands as rows: one row a sample (point_output on a one-patch input) or a pixel
+# (pointwise on channels-last operands).
+_ROWS_SOLVERS = frozenset({"point_output", "pointwise"})
+# The dtypes the node computes on CUDA: fp32 follows the convolution's TF32 rule,
+# which the Python node applies through torch's per-backend precision settings.
+_NATIVE_CUDA_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float64})
+
+
+def rows_form(plan: ops.Plan) -> tuple[bool, bool, bool, bool] | None:
+    """The C++ node's arguments after the operands (one patch, channels-last rows,
+    channels-last output, widened weight gradient) where ``plan`` is one GEMM over
+    views of its operands, with the result's strides torch gives; else None."""
+    p, solver = plan.problem, plan.solver
+    if solver.id not in _ROWS_SOLVERS or plan.copy_first or plan.copy_second:
+        return None
+    if p.device_type == "cuda" and p.dtype not in _NATIVE_CUDA_DTYPES:
+        return None
+    if solver.runs_invariant(p):
+        return None
+    one_patch = solver.id == "point_output"
+    if one_patch and tuple(p.spatial) != tuple(p.kernel):
+        return None  # a cropped input: its rows are a copy
+    channels_last = p.layout is Layout.CHANNELS_LAST
+    if not (one_patch or channels_last):
+        return None  # a channels-first 1x1 is batched products, not rows
+    n, k, *out = p.output_shape
+    cl_strides = torch.empty((n, *out, k), device="meta").movedim(-1, 1).stride()
+    cf_strides = torch.empty(p.output_shape, device="meta").stride()
+    if tuple(plan.result_strides) == cl_strides:
+        channels_last_output = True
+    elif one_patch and tuple(plan.result_strides) == cf_strides:
+        channels_last_output = False
+    else:
+        return None
+    widen = widens_reduction(p.dtype, p.device_type, p.gemm_m, p.k, p.gemm_k)
+    return one_patch, channels_last, channels_last_output, widen
 
 
 def backward_problem(problem: ConvProblem, direction: Direction) -> ConvProblem:
@@ -395,6 +459,12 @@ def convolve(
         return call.vendor_function(input, weight, bias)
     if call.unbatched:
         input = input.unsqueeze(0)
+    if needs_grad and call.rows_form is not None:
+        node = native_node.rows_gemm
+        if node is not None and call.native_serves(input.requires_grad, weight.requires_grad):
+            if bias is not None:
+                bias = _unwrap_if_dead(bias)
+            return node(_unwrap_if_dead(input), _unwrap_if_dead(weight), bias, *call.rows_form)
     if needs_grad:
         if bias is not None:
             bias = _unwrap_if_dead(bias)
