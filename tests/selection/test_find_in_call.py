@@ -43,16 +43,19 @@ def _fake_times(monkeypatch, bare: dict[str, float], public: dict[str, float]) -
     def bare_device_time(problem, solver, tensors, policy, *, setup=None):
         return Timing.from_samples((bare[solver.id],))
 
-    def public_call_time(solver, in_call_, device, policy):
-        with in_call_(solver) as calls:  # the real public call, made once
-            assert calls, f"{solver.id}: the public call did not reach the problem"
-            calls[0]()
-        timed.append(solver.id)
-        return Timing.from_samples((public[solver.id],))
+    def public_call_times(solvers, in_call_, device, policy):
+        times = {}
+        for solver in solvers:
+            with in_call_(solver) as made:  # the real public call, made once
+                assert made, f"{solver.id}: the public call did not reach the problem"
+                made.calls[0]()
+            timed.append(solver.id)
+            times[solver.id] = Timing.from_samples((public[solver.id],))
+        return times, {}
 
     monkeypatch.setattr(measure, "time_solver", time_solver)
     monkeypatch.setattr(measure, "bare_device_time", bare_device_time)
-    monkeypatch.setattr(measure, "public_call_time", public_call_time)
+    monkeypatch.setattr(measure, "public_call_times", public_call_times)
     return timed
 
 
@@ -146,10 +149,59 @@ def test_the_public_call_reaches_every_suite_problem(problem):
     for solver in SOLVERS:
         if not solver.is_applicable(problem):
             continue
-        with tried(solver) as calls:
-            assert calls, f"{solver.id}: the public call missed {problem.key()}"
-            result = calls[-1]()
+        with tried(solver) as made:
+            assert made, f"{solver.id}: the public call missed {problem.key()}"
+            result = made.calls[-1]()
         assert result is not None
+
+
+@pytest.mark.parametrize("direction", list(Direction))
+def test_find_times_the_candidates_interleaved_each_block_in_its_own_trial(monkeypatch, direction):
+    """Every candidate's public calls are made, then timed block by block in one
+    interleaved run (measure.time_interleaved), each block with its own candidate
+    tried for the problem; at the end no trial is left open."""
+    problem = _problem(direction)
+    met = (
+        dataclasses.replace(problem, has_bias=False) if direction != Direction.FORWARD else problem
+    )
+    solvers = [s for s in SOLVERS if s.is_applicable(problem)]
+    outside = dispatch.selection_key()
+    blocks: list[tuple[str, str]] = []  # (the block's candidate, the problem's choice in it)
+    interleave = measure.time_interleaved
+
+    def recording(calls, device, *, settings, **kwargs):
+        assert set(calls) == set(settings) == {s.id for s in solvers}
+        for name in reversed(list(calls)):  # another order than the trials were opened in
+            with settings[name]():
+                blocks.append((name, dispatch.choose(met).solver))
+                calls[name][0]()
+        return interleave(calls, device, settings=settings, **kwargs)
+
+    monkeypatch.setattr(measure, "time_interleaved", recording)
+    times, failed = measure.public_call_times(
+        solvers, in_call.public_calls(problem), CPU, measure.default_policy("cpu")
+    )
+    assert set(times) == {s.id for s in solvers} and failed == {}
+    assert blocks and all(owner == chosen for owner, chosen in blocks), blocks
+    assert dispatch.selection_key() == outside
+    assert dispatch.choose(met).source == "estimate"
+
+
+def test_a_candidate_whose_public_call_raises_is_skipped_and_the_rest_timed(monkeypatch):
+    problem = _problem(Direction.BACKWARD_WEIGHTS)
+    solvers = [s for s in SOLVERS if s.is_applicable(problem)]
+    failing = solvers[0]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted failure")
+
+    monkeypatch.setattr(failing, "backward_weights", broken)
+    monkeypatch.setattr(failing, "prepare", lambda p, t: broken)
+    times, failed = measure.public_call_times(
+        solvers, in_call.public_calls(problem), CPU, measure.default_policy("cpu")
+    )
+    assert "planted failure" in failed[failing.id]
+    assert set(times) == {s.id for s in solvers[1:]}
 
 
 def test_find_times_the_eager_road_the_user_call_takes():

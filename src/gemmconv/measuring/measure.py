@@ -78,12 +78,24 @@ def default_policy(device_type: str) -> TimingPolicy:
     return DEFAULT_POLICY.get(device_type, DEFAULT_POLICY["cpu"])
 
 
-# A candidate's calls as users make them: given a solver, a context inside which the
-# public call runs with that solver tried for the problem; it yields the calls (one per
-# operand set), or None where the problem's call cannot be made so (a road closed), and
-# the candidate is then timed bare. gemmconv.selection.dispatch builds one per find.
 Calls = Sequence[Callable[[], object]]
-InCall = Callable[[Solver], contextlib.AbstractContextManager[Calls | None]]
+
+
+@dataclasses.dataclass(frozen=True)
+class PublicCalls:
+    """A candidate's public calls (one per operand set), and the context they run in
+    again once another candidate's trial has been entered after theirs (its trial
+    resumed): find times the candidates' blocks interleaved."""
+
+    calls: Calls
+    resumed: Callable[[], contextlib.AbstractContextManager[None]]
+
+
+# A candidate's calls as users make them: given a solver, a context inside which the
+# public call runs with that solver tried for the problem; it yields its PublicCalls,
+# or None where the problem's call cannot be made so (a road closed), and the candidate
+# is then timed bare. gemmconv.selection.dispatch builds one per find.
+InCall = Callable[[Solver], contextlib.AbstractContextManager[PublicCalls | None]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,22 +294,60 @@ def bare_device_time(
     )
 
 
-def public_call_time(
-    solver: Solver, in_call: InCall, device: torch.device, policy: TimingPolicy
-) -> Timing | None:
-    """The time of the public call with ``solver`` tried (``in_call``), back to back as
-    a user makes it (CUDA: rotating over the operand sets, ``policy.call_reps`` blocks;
-    the CPU: ``policy.reps`` calls after ``policy.warmup``); None where the call cannot
-    be made so."""
-    with in_call(solver) as calls:
-        if not calls:
-            return None
-        if device.type != "cuda":
-            first = calls[0]
-            return time_ms(first, device=device, warmup=policy.warmup, reps=policy.reps)
-        return time_interleaved(
-            {solver.id: calls}, device, reps=policy.call_reps, warmup=1, block_ms=policy.block_ms
-        )[solver.id]
+def public_call_times(
+    solvers: Sequence[Solver], in_call: InCall, device: torch.device, policy: TimingPolicy
+) -> tuple[dict[str, Timing], dict[str, str]]:
+    """Each candidate's public call, back to back as a user makes it, the candidates'
+    blocks interleaved in a fresh order each repetition, as the suite times its columns
+    (CUDA: ``policy.call_reps`` blocks rotating over the operand sets; the CPU:
+    ``policy.reps`` single calls after ``policy.warmup``). Timed one after another,
+    each in its own few milliseconds, two candidates of one solver's speed read up to
+    1.12x apart on an H100 host, and find took SAM's channels-first backward-data to
+    ``patch`` at 0.200 ms a call against ``patch_triton``'s 0.148 (f1867b6). Returns
+    the times, and per candidate whose call raised, why; a candidate whose call
+    cannot be made is in neither."""
+    failed: dict[str, str] = {}
+    with contextlib.ExitStack() as stack:
+        made: dict[str, PublicCalls] = {}
+        for solver in solvers:
+            try:
+                public = stack.enter_context(in_call(solver))
+            except Exception as e:  # a candidate's failure must not end the search
+                failed[solver.id] = _failure(e)
+                continue
+            if public is not None:
+                made[solver.id] = public
+        try:
+            return _interleaved(made, device, policy), failed
+        except Exception:  # one candidate failed among the others: each timed alone
+            times = {}
+            for solver_id, public in made.items():
+                try:
+                    times.update(_interleaved({solver_id: public}, device, policy))
+                except Exception as e:
+                    failed[solver_id] = _failure(e)
+            return times, failed
+
+
+def _interleaved(
+    made: dict[str, PublicCalls], device: torch.device, policy: TimingPolicy
+) -> dict[str, Timing]:
+    if not made:
+        return {}
+    calls = {solver_id: public.calls for solver_id, public in made.items()}
+    settings = {solver_id: public.resumed for solver_id, public in made.items()}
+    if device.type != "cuda":
+        return time_interleaved(calls, device, reps=policy.reps, warmup=policy.warmup,
+                                calls_per_rep=1, settings=settings)  # fmt: skip
+    return time_interleaved(calls, device, reps=policy.call_reps, warmup=1,
+                            block_ms=policy.block_ms, settings=settings)  # fmt: skip
+
+
+def _failure(error: Exception) -> str:
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        torch.cuda.empty_cache()
+        return f"out of memory: {error}"
+    return f"{type(error).__name__}: {error}"
 
 
 class _BackwardRunning(torch.autograd.Function):
@@ -420,13 +470,14 @@ def measure_solver(
     *,
     judge: Judge | None = None,
     peak_memory: bool = False,
-    in_call: InCall | None = None,
+    call_time: bool = True,
 ) -> Measurement:
     """Check ``solver`` on the first operand set (``run_checked``), then time it
-    (``time_solver``, in the public call with ``in_call``); with ``peak_memory``, also
-    its extra memory at peak. A candidate that raises, runs out of memory or fails the
-    check is returned with the reason in ``skipped``: it can never win, and it never
-    ends the search."""
+    (``time_solver``; without ``call_time``, its device time alone, the call left for
+    measure_solvers to time in the public call); with ``peak_memory``, also its extra
+    memory at peak. A candidate that raises, runs out of memory or fails the check is
+    returned with the reason in ``skipped``: it can never win, and it never ends the
+    search."""
     workspace = solver.workspace_bytes(problem)
     verdict = None
     try:
@@ -436,22 +487,13 @@ def measure_solver(
         extra = None
         if peak_memory:
             extra = peak_extra_bytes(lambda: solver.run(problem, operand_sets[0]), out.device)
-        public = None
-        if in_call is not None:
-            public = public_call_time(solver, in_call, out.device, policy)
-        if public is None:
+        if call_time:
             call, device = time_solver(problem, solver, operand_sets, policy)
         else:
-            call, device = public, bare_device_time(problem, solver, operand_sets[0], policy)
-    except torch.cuda.OutOfMemoryError as e:
-        torch.cuda.empty_cache()
-        return Measurement(solver.id, None, None, workspace, verdict, skipped=f"out of memory: {e}")
+            call, device = None, bare_device_time(problem, solver, operand_sets[0], policy)
     except Exception as e:  # a candidate's failure must not end the search
-        why = f"{type(e).__name__}: {e}"
-        return Measurement(solver.id, None, None, workspace, verdict, skipped=why)
-    return Measurement(
-        solver.id, call, device, workspace, verdict, extra, in_call=public is not None
-    )
+        return Measurement(solver.id, None, None, workspace, verdict, skipped=_failure(e))
+    return Measurement(solver.id, call, device, workspace, verdict, extra)
 
 
 def measure_solvers(
@@ -468,29 +510,51 @@ def measure_solvers(
     """Measure every solver of ``solvers`` (all must apply to ``problem``) on the same
     operands, in order. ``verify`` judges each result against float64 and the vendor;
     ``progress`` is an object with ``update(n)`` (a tqdm bar), advanced per candidate;
-    ``in_call`` times each in the public call (measure_solver)."""
+    ``in_call`` times the candidates that pass in the public call, interleaved
+    (public_call_times), and a candidate whose call cannot be made by its bare run."""
     device = problem_device(problem)
     policy = policy or default_policy(device.type)
     sets = operand_sets(problem, device, seed)
     out = result_like(problem, sets[0])
     judge = Judge(problem, sets[0]) if verify else None
     measured = []
+    call_time = in_call is None  # else timed in the public call, after every check
     for solver in solvers:
-        measured.append(
-            measure_solver(
-                problem,
-                solver,
-                sets,
-                out,
-                policy,
-                judge=judge,
-                peak_memory=peak_memory,
-                in_call=in_call,
-            )  # fmt: skip
-        )
+        m = measure_solver(problem, solver, sets, out, policy, judge=judge,
+                           peak_memory=peak_memory, call_time=call_time)  # fmt: skip
+        measured.append(m)
         if progress is not None:
             progress.update(1)
-    return measured
+    if in_call is None:
+        return measured
+    passed = [s for s, m in zip(solvers, measured) if m.ok]
+    public, failed = public_call_times(passed, in_call, device, policy)
+    return [_with_call_time(m, solver, problem, sets, policy, public, failed)
+            for solver, m in zip(solvers, measured)]  # fmt: skip
+
+
+def _with_call_time(
+    m: Measurement,
+    solver: Solver,
+    problem: ConvProblem,
+    sets: Sequence[ConvTensors],
+    policy: TimingPolicy,
+    public: dict[str, Timing],
+    failed: dict[str, str],
+) -> Measurement:
+    """``m`` (measured without its call time) with its public call's time, or where
+    that call could not be made its bare run's, or the reason its call failed."""
+    if not m.ok:
+        return m
+    if m.solver in failed:
+        return dataclasses.replace(m, device=None, skipped=failed[m.solver])
+    if m.solver in public:
+        return dataclasses.replace(m, call=public[m.solver], in_call=True)
+    try:
+        call, _ = time_solver(problem, solver, sets, policy)
+    except Exception as e:
+        return dataclasses.replace(m, device=None, skipped=_failure(e))
+    return dataclasses.replace(m, call=call)
 
 
 def fastest(measured: Sequence[Measurement], by: str = "call_ms") -> Measurement | None:
@@ -506,6 +570,7 @@ __all__ = [
     "InCall",
     "Judge",
     "Measurement",
+    "PublicCalls",
     "TimingPolicy",
     "default_policy",
     "fastest",
@@ -517,7 +582,7 @@ __all__ = [
     "peak_extra_bytes",
     "peak_rates",
     "problem_device",
-    "public_call_time",
+    "public_call_times",
     "result_like",
     "run_checked",
     "time_solver",

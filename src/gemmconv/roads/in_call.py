@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -33,8 +34,6 @@ from gemmconv.selection import dispatch
 from gemmconv.solvers import ConvTensors, Solver
 
 log = logging.getLogger("gemmconv.find")
-
-Calls = Sequence[Callable[[], object]]
 
 
 def road_open() -> bool:
@@ -69,7 +68,7 @@ def public_calls(problem: ConvProblem) -> measure.InCall | None:
         met = dataclasses.replace(problem, has_bias=False)
 
     @contextlib.contextmanager
-    def tried(solver: Solver) -> Iterator[Calls | None]:
+    def tried(solver: Solver) -> Iterator[measure.PublicCalls | None]:
         with dispatch.trial(met, solver.id) as number:
             calls = [public_call(problem, t) for t in sets]
             reached = all(c is not None for c in calls) and calls[0]() is not None
@@ -80,7 +79,8 @@ def public_calls(problem: ConvProblem) -> measure.InCall | None:
                     solver.id,
                 )
                 reached = False
-            yield calls if reached else None
+            resumed = functools.partial(dispatch.resume_trial, met, solver.id, number)
+            yield measure.PublicCalls(calls, resumed) if reached else None
 
     return tried
 

@@ -505,18 +505,44 @@ def trial(problem: ConvProblem, solver_id: str) -> Iterator[int]:
     """Inside the block, ``choose(problem)`` gives ``solver_id`` (source "trial", nothing
     cached, found or stored) and every other problem is decided as usual: find times a
     candidate in the public call this way. Yields the trial's number (``trial_hits``
-    says whether the call reached the problem). What the roads memoised inside is
+    says whether the call reached the problem; ``resume_trial`` makes the trial the
+    active one again inside a later trial's block). What the roads memoised inside is
     forgotten at the end (its keys hold the trial's number), so the trial leaves
     nothing behind but the choices of other problems it decided."""
-    global _trial_token
     number = next(_trial_numbers)
+    with _lock:
+        _trial_hits[number] = 0
+    try:
+        with _trying(problem, solver_id, number):
+            yield number
+    finally:
+        with _lock:
+            del _trial_hits[number]
+            for memo in _dependent_caches:
+                for key in [k for k in memo if _made_in_trial(k, number)]:
+                    del memo[key]
+
+
+@contextlib.contextmanager
+def resume_trial(problem: ConvProblem, solver_id: str, number: int) -> Iterator[None]:
+    """Trial ``number`` of ``solver_id`` on ``problem``, still open, made the active one
+    for the block, its memos kept: find times the candidates' public calls
+    interleaved, each block inside its own trial."""
+    if number not in _trial_hits:
+        raise ValueError(f"number={number}: expected an open trial")
+    with _trying(problem, solver_id, number):
+        yield
+
+
+@contextlib.contextmanager
+def _trying(problem: ConvProblem, solver_id: str, number: int) -> Iterator[None]:
+    global _trial_token
     with _lock:
         saved_solver, saved_token = _trials.get(problem), _trial_token
         _trials[problem] = solver_id
         _trial_token = number
-        _trial_hits[number] = 0
     try:
-        yield number
+        yield
     finally:
         with _lock:
             if saved_solver is None:
@@ -524,10 +550,6 @@ def trial(problem: ConvProblem, solver_id: str) -> Iterator[int]:
             else:
                 _trials[problem] = saved_solver
             _trial_token = saved_token
-            del _trial_hits[number]
-            for memo in _dependent_caches:
-                for key in [k for k in memo if _made_in_trial(k, number)]:
-                    del memo[key]
 
 
 def trial_hits(number: int) -> int:
@@ -912,6 +934,7 @@ __all__ = [
     "selection_key",
     "selection_state",
     "set_find_mode",
+    "resume_trial",
     "set_public_calls",
     "solver_for",
     "sync_choices",
