@@ -121,6 +121,7 @@ def test_values_strides_and_gradients_match_torch(
                                 stride=stride)  # fmt: skip
     assert y.shape == expected.shape and y.dtype == dtype
     assert y.stride() == expected.stride()
+    assert y._base is None  # a base tensor, as torch's output and the Python node's
     dy = torch.rand(y.shape, generator=generator).to(dtype) * 2 - 1
     y.backward(dy)
     ref_y, ref_dx, ref_dw, ref_db = _reference(dims, x, w, b, stride, dy)
@@ -149,10 +150,11 @@ def _step(dims, x, w, b, stride, dy):
     return y, [None if t is None else t.grad for t in leaves]
 
 
+@pytest.mark.parametrize("dy_contiguous", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("dims", "layout", "one_patch", "bias"), CASES)
 def test_the_node_gives_the_python_nodes_bits(
-    node_on, monkeypatch, dims, layout, one_patch, bias, dtype
+    node_on, monkeypatch, dims, layout, one_patch, bias, dtype, dy_contiguous
 ):
     # A process switches from the Python node to the C++ one when its build ends: a
     # seeded run must not change its numbers with that moment.
@@ -163,10 +165,10 @@ def test_the_node_gives_the_python_nodes_bits(
     for t in (x, w, b):
         if t is not None:
             t.requires_grad_()
-    # dY in y's layout, as a network's next layer gives it (another layout sums the
-    # bias's gradient in another order: last bits apart).
+    # dY in y's layout, as a network's next layer gives it, or contiguous.
     y_like = TORCH_CONV[dims](x.detach(), w.detach(), stride=kernel)
-    dy = torch.empty_like(y_like).copy_(torch.rand(y_like.shape, generator=generator) * 2 - 1)
+    values = torch.rand(y_like.shape, generator=generator) * 2 - 1
+    dy = values.to(dtype) if dy_contiguous else torch.empty_like(y_like).copy_(values)
     y_node, grads_node = _step(dims, x, w, b, kernel, dy)
     assert _served_by_node(y_node)
     monkeypatch.setattr(native_node, "rows_gemm", None)
@@ -189,6 +191,19 @@ def test_the_default_selection_reaches_the_node_on_a_qwen_shaped_embed(node_on, 
     monkeypatch.setenv(native_node.ENVIRONMENT, "auto")
     dispatch.clear_cache()
     assert _served_by_python_node(gemmconv.conv3d(x, w, stride=(2, 14, 14)))
+
+
+def test_explain_says_which_training_calls_run_the_node(node_on, monkeypatch):
+    monkeypatch.delenv("GEMMCONV_SOLVER")
+    dispatch.clear_cache()
+    x = torch.rand(512, 3, 2, 14, 14, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.rand(128, 3, 2, 14, 14, dtype=torch.bfloat16, requires_grad=True)
+    notes = gemmconv.explain(x, w, stride=(2, 14, 14)).notes
+    assert "eager calls that need dx and dW run gemmconv's C++ autograd node (loaded)" in notes
+    assert not any("C++" in n for n in gemmconv.explain(x.detach(), w.detach(),
+                                                         stride=(2, 14, 14)).notes)  # fmt: skip
+    monkeypatch.setenv(native_node.ENVIRONMENT, "0")
+    assert not any("C++" in n for n in gemmconv.explain(x, w, stride=(2, 14, 14)).notes)
 
 
 def test_calls_it_does_not_serve_take_the_python_node(node_on, monkeypatch):

@@ -242,18 +242,9 @@ def rows_form(plan: ops.Plan) -> tuple[bool, bool, bool, bool] | None:
     channels-last output, widened weight gradient) where ``plan`` is one GEMM over
     views of its operands, with the result's strides torch gives; else None."""
     p, solver = plan.problem, plan.solver
-    if solver.id not in _ROWS_SOLVERS or plan.copy_first or plan.copy_second:
-        return None
-    if p.device_type == "cuda" and p.dtype not in _NATIVE_CUDA_DTYPES:
-        return None
-    if solver.runs_invariant(p):
+    if plan.copy_first or plan.copy_second or not _one_gemm_over_views(p, solver.id):
         return None
     one_patch = solver.id == "point_output"
-    if one_patch and tuple(p.spatial) != tuple(p.kernel):
-        return None  # a cropped input: its rows are a copy
-    channels_last = p.layout is Layout.CHANNELS_LAST
-    if not (one_patch or channels_last):
-        return None  # a channels-first 1x1 is batched products, not rows
     n, k, *out = p.output_shape
     cl_strides = torch.empty((n, *out, k), device="meta").movedim(-1, 1).stride()
     cf_strides = torch.empty(p.output_shape, device="meta").stride()
@@ -263,8 +254,47 @@ def rows_form(plan: ops.Plan) -> tuple[bool, bool, bool, bool] | None:
         channels_last_output = False
     else:
         return None
+    channels_last = p.layout is Layout.CHANNELS_LAST
     widen = widens_reduction(p.dtype, p.device_type, p.gemm_m, p.k, p.gemm_k)
     return one_patch, channels_last, channels_last_output, widen
+
+
+def _one_gemm_over_views(p: ConvProblem, solver_id: str) -> bool:
+    """Whether ``solver_id`` computes ``p`` as the C++ node does: one GEMM over rows
+    that are views of x (a one-patch input, or a channels-last 1x1), in a dtype the
+    node computes, outside batch invariance's forms."""
+    if solver_id not in _ROWS_SOLVERS:
+        return False
+    if p.device_type == "cuda" and p.dtype not in _NATIVE_CUDA_DTYPES:
+        return False
+    if get_solver(solver_id).runs_invariant(p):
+        return False
+    if solver_id == "point_output":
+        return tuple(p.spatial) == tuple(p.kernel)  # else a cropped input: rows copied
+    return p.layout is Layout.CHANNELS_LAST  # a channels-first 1x1 is batched products
+
+
+def native_note(problem: ConvProblem, need_dx: bool, need_dw: bool) -> str | None:
+    """For explain(): where eager calls of ``problem`` that need these gradients run
+    gemmconv's C++ autograd node, a sentence saying so (by the layout rule of thumb:
+    a call whose output torch lays out otherwise keeps the Python node)."""
+    if not native_node.wanted_on(problem.device_type):
+        return None
+    if not _one_gemm_over_views(problem, dispatch.solver_for(problem).id):
+        return None
+    for direction, needed in ((Direction.BACKWARD_DATA, need_dx),
+                              (Direction.BACKWARD_WEIGHTS, need_dw)):  # fmt: skip
+        if needed and dispatch.solver_for(backward_problem(problem, direction)).id not in (
+            _ROWS_SOLVERS
+        ):
+            return None
+    road = training_road(problem, need_dx, need_dw)
+    if road.on_torch:
+        return None
+    return (
+        f"eager calls that need {road.needed} run gemmconv's C++ autograd node "
+        f"({native_node.status()})"
+    )
 
 
 def backward_problem(problem: ConvProblem, direction: Direction) -> ConvProblem:
@@ -328,12 +358,16 @@ def training_road(problem: ConvProblem, need_dx: bool, need_dw: bool) -> Trainin
 
 def training_notes(problem: ConvProblem, needs: list[tuple[bool, bool]]) -> list[str]:
     """For explain(): per (dx needed, dW needed) in ``needs``, a sentence where such
-    eager calls run torch's convolution though some direction chose a GEMM solver."""
+    eager calls run torch's convolution though some direction chose a GEMM solver, and
+    one where they run gemmconv's C++ autograd node (native_note)."""
     notes = []
     for need_dx, need_dw in needs:
         road = training_road(problem, need_dx, need_dw)
         if road.on_torch and road.gemm_solvers:
             notes.append(road.describe())
+        native = native_note(problem, need_dx, need_dw)
+        if native is not None:
+            notes.append(native)
     return notes
 
 

@@ -14,7 +14,6 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
-#include <numeric>
 #include <vector>
 
 namespace {
@@ -85,6 +84,37 @@ at::Tensor reduction_mm(const at::Tensor& a, const at::Tensor& b, bool widen) {
   return at::mm(a.to(at::kDouble), b.to(at::kDouble)).to(a.scalar_type());
 }
 
+// [N, K, O..] as rows [M, K] (channel last, then flattened): a view of a tensor dense
+// in the layout the GEMM wrote, else a copy.
+at::Tensor output_rows(const at::Tensor& t) {
+  return t.movedim(1, -1).reshape({-1, t.size(1)});
+}
+
+// The convolution's output [N, K, O..], uninitialised, laid out as torch's convolution
+// lays it out (the caller says which): channels-last, or contiguous (a one-patch
+// call's [N, K, 1..]).
+at::Tensor output_like(
+    const at::Tensor& input, int64_t channels, bool one_patch, bool channels_last_output) {
+  int64_t spatial = input.dim() - 2;
+  std::vector<int64_t> sizes{input.size(0), channels};
+  for (int64_t d = 0; d < spatial; ++d) {
+    sizes.push_back(one_patch ? 1 : input.size(2 + d));
+  }
+  auto options = input.options().memory_format(std::nullopt);
+  if (!channels_last_output) {
+    return at::empty(sizes, options);
+  }
+  std::vector<int64_t> strides(sizes.size());
+  int64_t stride = channels;
+  strides[1] = 1;
+  for (int64_t d = static_cast<int64_t>(sizes.size()) - 1; d >= 2; --d) {
+    strides[d] = stride;
+    stride *= sizes[d];
+  }
+  strides[0] = stride;
+  return at::empty_strided(sizes, strides, options);
+}
+
 class RowsGemm : public Function<RowsGemm> {
  public:
   static at::Tensor forward(
@@ -94,6 +124,7 @@ class RowsGemm : public Function<RowsGemm> {
       const std::optional<at::Tensor>& bias,
       bool one_patch,
       bool channels_last,
+      bool channels_last_output,
       bool widen_weight_gradient) {
     ctx->saved_data["one_patch"] = one_patch;
     ctx->saved_data["channels_last"] = channels_last;
@@ -109,8 +140,17 @@ class RowsGemm : public Function<RowsGemm> {
 
     at::Tensor x = as_rows(channels_moved(input, channels_last), one_patch);
     at::Tensor w = as_rows(channels_moved(weight, channels_last), true);
+    // y is a base tensor (it takes in-place ops as torch's output does), written
+    // through its rows view as the Python node's solvers write it: the same GEMM.
+    at::Tensor y = output_like(input, weight.size(0), one_patch, channels_last_output);
+    at::Tensor rows = output_rows(y);
     FullPrecisionReductions precision(x);
-    return bias.has_value() ? at::addmm(*bias, x, w.t()) : at::mm(x, w.t());
+    if (bias.has_value()) {
+      at::addmm_out(rows, *bias, x, w.t());
+    } else {
+      at::mm_out(rows, x, w.t());
+    }
+    return y;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -124,50 +164,43 @@ class RowsGemm : public Function<RowsGemm> {
     // A CPU backward runs on the caller's thread, under its autocast if any.
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     FullPrecisionReductions precision(dy);
+    at::Tensor dy_rows = output_rows(dy);
     if (ctx->needs_input_grad(0)) {
-      const at::Tensor& weight = saved[1];
-      at::Tensor w = as_rows(channels_moved(weight, channels_last), true);
-      auto sizes = ctx->saved_data["input_sizes"].toIntVector();
-      std::vector<int64_t> moved(sizes.begin(), sizes.end());
-      if (channels_last) {
-        moved.erase(moved.begin() + 1);
-        moved.push_back(sizes[1]);
-      }
-      at::Tensor rows = at::mm(dy, w);
-      dx = channels_last ? rows.view(moved).movedim(-1, 1) : rows.view(moved);
+      at::Tensor w = as_rows(channels_moved(saved[1], channels_last), true);
+      dx = unmoved(at::mm(dy_rows, w), ctx->saved_data["input_sizes"].toIntVector(),
+                   channels_last);
     }
     if (ctx->needs_input_grad(1)) {
-      const at::Tensor& input = saved[0];
-      at::Tensor x = as_rows(channels_moved(input, channels_last), one_patch);
-      auto sizes = ctx->saved_data["weight_sizes"].toIntVector();
-      std::vector<int64_t> moved(sizes.begin(), sizes.end());
-      if (channels_last) {
-        moved.erase(moved.begin() + 1);
-        moved.push_back(sizes[1]);
-      }
-      at::Tensor rows = reduction_mm(dy.t(), x, widen);
-      dw = channels_last ? rows.view(moved).movedim(-1, 1) : rows.view(moved);
+      at::Tensor x = as_rows(channels_moved(saved[0], channels_last), one_patch);
+      dw = unmoved(reduction_mm(dy_rows.t(), x, widen),
+                   ctx->saved_data["weight_sizes"].toIntVector(), channels_last);
     }
     if (has_bias && ctx->needs_input_grad(2)) {
-      // Summed over batch and space as [N, O.., K], as the Python node sums dY: the
-      // same reduction, so the same bits (a [M, K] sum over rows is not, for 1x1s).
-      auto sizes = ctx->saved_data["input_sizes"].toIntVector();
-      std::vector<int64_t> shape{sizes[0]};
-      for (size_t d = 2; d < sizes.size(); ++d) {
-        shape.push_back(one_patch ? 1 : sizes[d]);
+      // Summed over batch and space of dY as given, as the Python node sums it.
+      std::vector<int64_t> batch_and_space{0};
+      for (int64_t d = 2; d < dy.dim(); ++d) {
+        batch_and_space.push_back(d);
       }
-      shape.push_back(dy.size(1));
-      std::vector<int64_t> batch_and_space(shape.size() - 1);
-      std::iota(batch_and_space.begin(), batch_and_space.end(), 0);
-      db = dy.view(shape).sum(batch_and_space);
+      db = dy.sum(batch_and_space);
     }
-    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+
+ private:
+  // A gradient's rows [.., C] back in its operand's shape ``sizes``: channel last
+  // in memory where the operands are channels-last, as the rows were read.
+  static at::Tensor unmoved(
+      const at::Tensor& rows, const std::vector<int64_t>& sizes, bool channels_last) {
+    if (!channels_last) {
+      return rows.view(sizes);
+    }
+    std::vector<int64_t> moved(sizes.begin(), sizes.end());
+    moved.erase(moved.begin() + 1);
+    moved.push_back(sizes[1]);
+    return rows.view(moved).movedim(-1, 1);
   }
 };
 
-// The convolution's output [N, K, O..] over the GEMM's rows [M, K], in the layout
-// torch's convolution gives it (the caller says which): channels-last, or for a
-// one-patch call [N, K, 1..] channels-first.
 at::Tensor rows_gemm(
     const at::Tensor& input,
     const at::Tensor& weight,
@@ -178,25 +211,9 @@ at::Tensor rows_gemm(
     bool widen_weight_gradient) {
   // The operands arrive cast as autocast wants them; the GEMMs inside run as given.
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  at::Tensor rows = RowsGemm::apply(
-      input, weight, bias, one_patch, channels_last, widen_weight_gradient);
-  int64_t spatial = input.dim() - 2;
-  std::vector<int64_t> shape{input.size(0)};
-  if (one_patch) {
-    shape.insert(shape.end(), spatial, 1);
-  } else {
-    for (int64_t d = 0; d < spatial; ++d) {
-      shape.push_back(input.size(2 + d));
-    }
-  }
-  shape.push_back(weight.size(0));
-  if (channels_last_output) {
-    return rows.view(shape).movedim(-1, 1);
-  }
-  // A channels-first output is a one-patch call's: [N, K] is [N, K, 1..] already.
-  shape.pop_back();
-  shape.insert(shape.begin() + 1, weight.size(0));
-  return rows.view(shape);
+  return RowsGemm::apply(
+      input, weight, bias, one_patch, channels_last, channels_last_output,
+      widen_weight_gradient);
 }
 
 }  // namespace
