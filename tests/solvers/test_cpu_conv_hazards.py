@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import gemmconv
-from gemmconv.core.memory_format import Layout
+from gemmconv.core.memory_format import Layout, forward_output_layout
 from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.solvers import get_solver
 from gemmconv.solvers.base import ConvTensors
@@ -232,7 +232,12 @@ def test_small_padded_bf16_runs_are_rerouted_only_where_channels_last():
     volume = torch.randn(2, 4, 2, 2, 2).bfloat16()
     kernel = torch.randn(4, 2, 3, 3, 3).bfloat16()
     three = ((2, 4, 2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 2)
-    assert hazard_layout(_channels_last(volume), kernel, *three) is not None
+    # Rerouted where torch computes the volume channels-last: on a CPU whose oneDNN
+    # takes bf16 (AVX512 or AVX-NE-CONVERT); elsewhere its result is channels-first.
+    cl_volume = _channels_last(volume)
+    torch_layout = forward_output_layout(cl_volume, kernel, None, *three)
+    rerouted = hazard_layout(cl_volume, kernel, *three)
+    assert (rerouted is not None) == (torch_layout is Layout.CHANNELS_LAST)
     assert hazard_layout(volume, kernel, *three) is None
     assert hazard_layout(x, w, *args) is None  # channels-first: torch is right
     assert hazard_layout(x.float(), _channels_last(w.float()), *args) is None
