@@ -159,13 +159,8 @@ class _Call:
         needed = (need_dx, need_dw)
         verdict = self._native_serves.get(needed)
         if verdict is None:
-            problem = self.plan.problem
-            directions = [d for d, n in ((Direction.BACKWARD_DATA, need_dx),
-                                         (Direction.BACKWARD_WEIGHTS, need_dw)) if n]  # fmt: skip
-            verdict = self._native_serves[needed] = all(
-                dispatch.solver_for(backward_problem(problem, d)).id in _ROWS_SOLVERS
-                for d in directions
-            )
+            verdict = _backward_rows(self.plan.problem, need_dx, need_dw)
+            self._native_serves[needed] = verdict
         return verdict
 
     def columns_serve_weight_gradient(self) -> bool:
@@ -274,6 +269,17 @@ def _one_gemm_over_views(p: ConvProblem, solver_id: str) -> bool:
     return p.layout is Layout.CHANNELS_LAST  # a channels-first 1x1 is batched products
 
 
+def _backward_rows(problem: ConvProblem, need_dx: bool, need_dw: bool) -> bool:
+    """Whether the backward directions of the forward ``problem`` that are needed chose
+    a solver of the C++ node's GEMMs (decided, or found, as for any call)."""
+    needed = ((Direction.BACKWARD_DATA, need_dx), (Direction.BACKWARD_WEIGHTS, need_dw))
+    return all(
+        dispatch.solver_for(backward_problem(problem, direction)).id in _ROWS_SOLVERS
+        for direction, wanted in needed
+        if wanted
+    )
+
+
 def native_note(problem: ConvProblem, need_dx: bool, need_dw: bool) -> str | None:
     """For explain(): where eager calls of ``problem`` that need these gradients run
     gemmconv's C++ autograd node, a sentence saying so (by the layout rule of thumb:
@@ -282,12 +288,8 @@ def native_note(problem: ConvProblem, need_dx: bool, need_dw: bool) -> str | Non
         return None
     if not _one_gemm_over_views(problem, dispatch.solver_for(problem).id):
         return None
-    for direction, needed in ((Direction.BACKWARD_DATA, need_dx),
-                              (Direction.BACKWARD_WEIGHTS, need_dw)):  # fmt: skip
-        if needed and dispatch.solver_for(backward_problem(problem, direction)).id not in (
-            _ROWS_SOLVERS
-        ):
-            return None
+    if not _backward_rows(problem, need_dx, need_dw):
+        return None
     road = training_road(problem, need_dx, need_dw)
     if road.on_torch:
         return None
