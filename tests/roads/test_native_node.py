@@ -426,3 +426,9 @@ def test_on_cuda_the_default_selection_runs_the_node_with_the_precision_rule(
         assert got.dtype == dtype, name
         error = rms_range(got, want)
         assert error <= tolerance(dtype, "cuda"), (name, error)
+    # The Python node's bits, on the same operands.
+    monkeypatch.setattr(native_node, "rows_gemm", None)
+    y_python, grads = _step(3, x, w, b, (2, 14, 14), dy)
+    assert torch.equal(y_python, y)
+    for got, want in zip(grads, (x.grad, w.grad, b.grad)):
+        assert torch.equal(got, want)
