@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from gemmconv.core import device_rates
 from gemmconv.core.arguments import handed_to_torch, resolve_arguments
-from gemmconv.core.memory_format import Layout
+from gemmconv.core.memory_format import Layout, dense_strides
 from gemmconv.core.precision import widens_reduction
 from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.roads import native_node, ops
@@ -240,12 +240,10 @@ def rows_form(plan: ops.Plan) -> tuple[bool, bool, bool, bool] | None:
     if plan.copy_first or plan.copy_second or not _one_gemm_over_views(p, solver.id):
         return None
     one_patch = solver.id == "point_output"
-    n, k, *out = p.output_shape
-    cl_strides = torch.empty((n, *out, k), device="meta").movedim(-1, 1).stride()
-    cf_strides = torch.empty(p.output_shape, device="meta").stride()
-    if tuple(plan.result_strides) == cl_strides:
+    strides = tuple(plan.result_strides)
+    if strides == dense_strides(p.output_shape, Layout.CHANNELS_LAST):
         channels_last_output = True
-    elif one_patch and tuple(plan.result_strides) == cf_strides:
+    elif one_patch and strides == dense_strides(p.output_shape, Layout.CHANNELS_FIRST):
         channels_last_output = False
     else:
         return None

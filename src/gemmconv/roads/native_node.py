@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from gemmconv.selection import dispatch
+from gemmconv.selection import dispatch, finddb
 
 SOURCE = Path(__file__).with_name("native_node.cpp")
 ENVIRONMENT = "GEMMCONV_NATIVE_NODE"
@@ -118,9 +118,8 @@ def library_name() -> str:
 
 
 def cache_directory() -> Path:
-    """Where built libraries are kept: the platform cache directory's gemmconv/native."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "gemmconv" / "native"
+    """Where built libraries are kept: gemmconv's cache folder's native/."""
+    return finddb.cache_directory() / "native"
 
 
 def _cached() -> Path:

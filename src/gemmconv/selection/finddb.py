@@ -297,8 +297,14 @@ def default_path() -> Path:
     explicit = os.environ.get("GEMMCONV_DB")
     if explicit:
         return Path(explicit).expanduser()
+    return cache_directory() / "find.sqlite"
+
+
+def cache_directory() -> Path:
+    """gemmconv's folder in the platform cache directory (``$XDG_CACHE_HOME``, else
+    ``~/.cache``): the find database and the C++ node's builds."""
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "gemmconv" / "find.sqlite"
+    return Path(cache) / "gemmconv"
 
 
 # ---- sqlite errors and files ----------------------------------------------------------
@@ -903,6 +909,7 @@ __all__ = [
     "Identity",
     "Record",
     "Row",
+    "cache_directory",
     "default_path",
     "get_db",
     "identity_for",
