@@ -322,12 +322,12 @@ def test_a_long_fp32_weight_gradient_is_reduced_in_fp64_as_the_python_node_does(
     assert error < 1e-6  # fp32 rounding once; a long fp32 sum measured about 1e-5
 
 
-def test_the_node_is_off_unless_the_setting_asks_for_it(monkeypatch):
+def test_the_node_serves_cuda_calls_unless_the_setting_says_otherwise(monkeypatch):
     monkeypatch.delenv(native_node.ENVIRONMENT, raising=False)
-    assert native_node.setting() == "off"
-    assert not native_node.wanted_on("cuda") and not native_node.wanted_on("cpu")
-    monkeypatch.setenv(native_node.ENVIRONMENT, "auto")
+    assert native_node.setting() == "auto"
     assert native_node.wanted_on("cuda") and not native_node.wanted_on("cpu")
+    monkeypatch.setenv(native_node.ENVIRONMENT, "0")
+    assert not native_node.wanted_on("cuda") and not native_node.wanted_on("cpu")
     monkeypatch.setenv(native_node.ENVIRONMENT, "1")
     assert native_node.wanted_on("cuda") and native_node.wanted_on("cpu")
 

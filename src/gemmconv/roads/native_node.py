@@ -19,10 +19,10 @@ compiler, no ninja, a failed build; said once in the dispatch log and by
 directory and reaches the cache by an atomic rename, so a process killed mid-build
 leaves no lock a later one would wait on.
 
-``$GEMMCONV_NATIVE_NODE`` says where it is used: ``0`` (the default) nowhere, ``auto``
-for CUDA calls, ``1`` on every device. Off by default until its CUDA path (the switch
-of cuBLAS's reduced-precision flags) has run on a GPU: it is built, and checked against
-float64 and the Python node's bits, on the CPU alone so far.
+``$GEMMCONV_NATIVE_NODE`` says where it is used: ``auto`` (the default) for CUDA calls,
+``1`` on every device, ``0`` nowhere. On an H100 (torch 2.11, at d858366) it took a
+synchronous Qwen2-VL embed step with the weight's gradient from 266 to 248 us (the
+rewrite's 243) and gave the Python node's bits in bf16, fp16 and fp64 there.
 """
 
 from __future__ import annotations
@@ -56,13 +56,13 @@ _builder: threading.Thread | None = None
 
 
 def setting() -> str:
-    """``$GEMMCONV_NATIVE_NODE`` read: 'off' (unset), 'auto' or 'on'."""
-    raw = os.environ.get(ENVIRONMENT, "0").strip().lower()
+    """``$GEMMCONV_NATIVE_NODE`` read: 'auto' (unset), 'on' or 'off'."""
+    raw = os.environ.get(ENVIRONMENT, "auto").strip().lower()
     value = _SETTINGS.get(raw)
     if value is None:
         raise ValueError(
-            f"{ENVIRONMENT}={os.environ[ENVIRONMENT]!r}: expected '0' (never, the default), "
-            "'auto' (the node for CUDA calls) or '1' (every device)"
+            f"{ENVIRONMENT}={os.environ[ENVIRONMENT]!r}: expected 'auto' (the node for CUDA "
+            "calls, the default), '1' (every device) or '0' (never)"
         )
     return value
 
