@@ -600,3 +600,49 @@ def test_the_tf32_flag_is_part_of_the_selection_state(monkeypatch):
     assert [s.allow_tf32 for s in states] == [True, False, True]
     assert keys == [f"{fp32.key()}-tf32", f"{fp32.key()}-ieee", f"{fp32.key()}-tf32"]
     assert len(decided) == 2  # one choice per flag value, the third call a cache hit
+
+
+def _estimated(problem: ConvProblem, rates) -> str:
+    return dispatch.decide(problem, list(SOLVERS), rates=rates).solver
+
+
+def test_the_vendors_few_sample_patch_forward_is_priced_by_its_reduction():
+    # cuDNN's forward kernel walked ViT-B/16's 768-element reduction in 80 us at batch
+    # 1 and Qwen2-VL's 1176 in 117 for one patch (H100, small_batch_h100.txt): the
+    # floor-based price alone said a few us and sent both to cuDNN.
+    vendor = get_solver("vendor")
+    vit_b1 = ConvProblem.from_sizes(1, 3, 768, (224, 224), 16, stride=16,
+                                    dtype=torch.bfloat16, device_type="cuda")  # fmt: skip
+    qwen_b1 = ConvProblem.from_sizes(1, 3, 1280, (2, 14, 14), (2, 14, 14), stride=(2, 14, 14),
+                                     dtype=torch.bfloat16, device_type="cuda")  # fmt: skip
+    floor_priced = dataclasses.replace(H200, vendor_patch_forward_us_per_reduction=0.0)
+    for problem, kernel_us in ((vit_b1, 80), (qwen_b1, 117)):
+        assert vendor.estimate_ms(problem, H200) * 1000 == pytest.approx(kernel_us, rel=0.1)
+        assert vendor.estimate_ms(problem, floor_priced) * 1000 < 30
+        assert _estimated(problem, H200) != "vendor"
+        # Only the forward has the least time; the backward directions keep their factors.
+        for direction in (Direction.BACKWARD_DATA, Direction.BACKWARD_WEIGHTS):
+            backward = problem.with_direction(direction)
+            assert vendor.estimate_ms(backward, H200) == vendor.estimate_ms(backward, floor_priced)
+    # A full batch is priced by its factor, far above the least time.
+    vit_b256 = dataclasses.replace(vit_b1, n=256)
+    assert vendor.estimate_ms(vit_b256, H200) == vendor.estimate_ms(vit_b256, floor_priced)
+    # The CPU table has no least time: oneDNN's is priced as before.
+    assert CPU.vendor_patch_forward_us_per_reduction == 0.0
+
+
+def test_im2col_pays_its_copies_and_views_on_the_host():
+    # ViT-B/16's channels-first forward at batch 32: im2col issued 100 us of host work
+    # (two copies, its GEMM, a dozen views) where it was priced at one op, and was
+    # chosen over patch_implicit, whose call ran 44 us against its 117 on an H100.
+    vit_b32 = ConvProblem.from_sizes(32, 3, 768, (224, 224), 16, stride=16,
+                                     dtype=torch.bfloat16, device_type="cuda")  # fmt: skip
+    im2col = get_solver("im2col")
+    assert im2col.host_ms(vit_b32, H200) * 1000 >= 85
+    assert _estimated(vit_b32, H200) == "patch_implicit"
+    # Each direction counts its own: the bias's addition, backward-data's zero fill and
+    # per-tap accumulations.
+    with_bias = dataclasses.replace(vit_b32, has_bias=True)
+    assert im2col.host_launches(with_bias) == im2col.host_launches(vit_b32) + 1
+    data = vit_b32.with_direction(Direction.BACKWARD_DATA)
+    assert im2col.host_launches(data) == im2col.host_launches(vit_b32) + 256 + 1

@@ -79,6 +79,9 @@ class DeviceRates:
     # solvers that save more than this; and every backward direction's call pays it
     # (Solver.call_ms), each running inside that node.
     autograd_node_us: float = 60.0
+    # The least time per reduction element of the vendor's forward of a large patch
+    # embedding (vendor.vendor_class), however few patches (0: no such least time).
+    vendor_patch_forward_us_per_reduction: float = 0.0
     factors: Mapping[str, float] = dataclasses.field(default_factory=dict)
     # By dtype name, a multiplier on every vendor factor for problems of that dtype,
     # where the factors were fitted in another and the vendor stands otherwise to the
@@ -149,6 +152,12 @@ H200 = DeviceRates(
     # engine's hand-off to its worker thread and gemmconv's Python node. A backward
     # direction's call pays it on top of its own host time (Solver.call_ms).
     autograd_node_us=60.0,
+    # cuDNN's forward kernel for a patch embedding of a few samples walks the reduction
+    # at about this many us per element: on an H100 (torch 2.11, cuDNN 9.19) ViT-B/16 at
+    # batch 1 (768 elements, 196 patches) ran it in 80 us and Qwen2-VL's one patch
+    # (1176) in 117, where the floor-based price said 8 and sent both forwards to cuDNN
+    # at 2-20x a GEMM's time (bench/probes/results/small_batch_h100.txt).
+    vendor_patch_forward_us_per_reduction=0.1,
     # The vendor's fraction of the floor: each card's floor over cuDNN's device time,
     # the median over a factor's rows of the H100 runs at f0db2a3 (tests/data/
     # h100_suite.json, a copy of bench/results/h100.json at c3062b9) and 3dd28ca

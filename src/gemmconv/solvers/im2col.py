@@ -90,6 +90,23 @@ class Im2colSolver(Solver):
     def gemm_launches(self, p: ConvProblem) -> int:
         return 1 + (math.prod(p.kernel) if p.direction is Direction.BACKWARD_DATA else 0)
 
+    def host_launches(self, p: ConvProblem) -> int:
+        # Besides its GEMMs, each direction issues two copies (the columns or dY in, the
+        # result out), a zero fill for backward-data, the bias's addition and padding
+        # where there are some, and a dozen views that cost the host about one more op
+        # together: ViT-B/16's forward at batch 32 took 100 us of host issue on an H100
+        # (torch 2.11) where it had been priced at 25 and chosen over patch_implicit's
+        # 28 (44 us a call against im2col's 117).
+        ops = self.gemm_launches(p) + 3
+        if p.direction is Direction.BACKWARD_DATA:
+            ops += 1
+        if p.direction is Direction.FORWARD and p.has_bias:
+            ops += 1
+        return ops + (1 if any(p.padding) else 0) + 1
+
+    def allocations(self, p: ConvProblem) -> int:
+        return 1
+
     # ---- shared operand shapes ---------------------------------------------
 
     def _columns(self, x: torch.Tensor, p: ConvProblem) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from gemmconv.core.device_rates import FACTORS, DeviceRates
 from gemmconv.core.memory_format import Layout
-from gemmconv.core.problem import ConvProblem, dtype_name
+from gemmconv.core.problem import ConvProblem, Direction, dtype_name
 from gemmconv.solvers.base import ConvTensors, Solver
 from gemmconv.solvers.cpu_conv_hazards import (
     hazard_layout,
@@ -80,7 +80,8 @@ class VendorSolver(Solver):
         ]
 
     def work_ms(self, problem: ConvProblem, rates: DeviceRates) -> float:
-        return super().work_ms(problem, rates) / vendor_efficiency(problem, rates)
+        work = super().work_ms(problem, rates) / vendor_efficiency(problem, rates)
+        return max(work, _serial_reduction_ms(problem, rates))
 
     def gemm_is_aligned(self, problem: ConvProblem) -> bool:
         return True
@@ -125,6 +126,15 @@ class VendorSolver(Solver):
             t.grad_output, t.input, p.weight_shape, p.stride, p.padding, p.dilation, p.groups
         )
         return _deliver(dw, out)
+
+
+def _serial_reduction_ms(p: ConvProblem, rates: DeviceRates) -> float:
+    """The least time the vendor's forward of a large patch embedding takes, set by the
+    reduction its kernel walks serially (DeviceRates.vendor_patch_forward_us_per_reduction)."""
+    large = vendor_class(p) in ("vendor_large_patch", "vendor_point_output")
+    if p.direction is not Direction.FORWARD or not large:
+        return 0.0
+    return p.gemm_k * rates.vendor_patch_forward_us_per_reduction / 1000.0
 
 
 def transposed_input_gradient(
