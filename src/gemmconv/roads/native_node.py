@@ -163,7 +163,9 @@ def _build() -> None:
         lines = str(error).strip().splitlines()
         _reason = f"{type(error).__name__}: {lines[-1] if lines else ''}"
         _state = "unavailable"
-        dispatch.log.warning("gemmconv's C++ autograd node is %s", status())
+        # Info, not a warning: the node is on by default and the Python node computes the
+        # same bits, so a machine without a compiler loses a few us a call, nothing more.
+        dispatch.log.info("gemmconv's C++ autograd node is %s", status())
 
 
 def _compile_and_load(cached: Path) -> None:
