@@ -91,12 +91,12 @@ class Im2colSolver(Solver):
         return 1 + (math.prod(p.kernel) if p.direction is Direction.BACKWARD_DATA else 0)
 
     def host_launches(self, p: ConvProblem) -> int:
-        # Besides its GEMMs, each direction issues two copies (the columns or dY in, the
-        # result out), a zero fill for backward-data, the bias's addition and padding
-        # where there are some, and a dozen views that cost the host about one more op
-        # together: ViT-B/16's forward at batch 32 took 100 us of host issue on an H100
-        # (torch 2.11) where it had been priced at 25 and chosen over patch_implicit's
-        # 28 (44 us a call against im2col's 117).
+        # Besides its GEMMs and the result's allocation, each direction issues two copies
+        # (the columns or dY in, the result out), a zero fill for backward-data, the
+        # bias's addition and the padding where there are some, and a dozen views that
+        # cost the host about one more op together. ViT-B/16's forward at batch 32 took
+        # 100 us of host issue on an H100 (torch 2.11): priced at one op (25 us), im2col
+        # won its estimate by 2 us over patch_implicit, whose call ran 44 us to its 117.
         ops = self.gemm_launches(p) + 3
         if p.direction is Direction.BACKWARD_DATA:
             ops += 1
