@@ -278,18 +278,18 @@ def _backward_rows(problem: ConvProblem, need_dx: bool, need_dw: bool) -> bool:
     )
 
 
-def native_note(problem: ConvProblem, need_dx: bool, need_dw: bool) -> str | None:
-    """For explain(): where eager calls of ``problem`` that need these gradients run
-    gemmconv's C++ autograd node, a sentence saying so (by the layout rule of thumb:
-    a call whose output torch lays out otherwise keeps the Python node)."""
-    if not native_node.wanted_on(problem.device_type):
+def native_note(
+    problem: ConvProblem, need_dx: bool, need_dw: bool, road: TrainingRoad
+) -> str | None:
+    """For explain(): where eager calls of ``problem`` that need these gradients (their
+    ``road``, training_road's) run gemmconv's C++ autograd node, a sentence saying so
+    (by the layout rule of thumb: a call whose output torch lays out otherwise keeps
+    the Python node)."""
+    if road.on_torch or not native_node.wanted_on(problem.device_type):
         return None
     if not _one_gemm_over_views(problem, dispatch.solver_for(problem).id):
         return None
     if not _backward_rows(problem, need_dx, need_dw):
-        return None
-    road = training_road(problem, need_dx, need_dw)
-    if road.on_torch:
         return None
     return (
         f"eager calls that need {road.needed} run gemmconv's C++ autograd node "
@@ -365,7 +365,7 @@ def training_notes(problem: ConvProblem, needs: list[tuple[bool, bool]]) -> list
         road = training_road(problem, need_dx, need_dw)
         if road.on_torch and road.gemm_solvers:
             notes.append(road.describe())
-        native = native_note(problem, need_dx, need_dw)
+        native = native_note(problem, need_dx, need_dw, road)
         if native is not None:
             notes.append(native)
     return notes
