@@ -150,11 +150,11 @@ def _step(dims, x, w, b, stride, dy):
     return y, [None if t is None else t.grad for t in leaves]
 
 
-@pytest.mark.parametrize("dy_contiguous", [False, True])
+@pytest.mark.parametrize("dy_layout", ["y's", "contiguous", "expanded"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("dims", "layout", "one_patch", "bias"), CASES)
 def test_the_node_gives_the_python_nodes_bits(
-    node_on, monkeypatch, dims, layout, one_patch, bias, dtype, dy_contiguous
+    node_on, monkeypatch, dims, layout, one_patch, bias, dtype, dy_layout
 ):
     # A process switches from the Python node to the C++ one when its build ends: a
     # seeded run must not change its numbers with that moment.
@@ -165,10 +165,16 @@ def test_the_node_gives_the_python_nodes_bits(
     for t in (x, w, b):
         if t is not None:
             t.requires_grad_()
-    # dY in y's layout, as a network's next layer gives it, or contiguous.
+    # dY in y's layout, as a network's next layer gives it, contiguous, or one value
+    # expanded (a sum's backward): the node reads the first as rows in place and moves
+    # the others' channels first.
     y_like = TORCH_CONV[dims](x.detach(), w.detach(), stride=kernel)
     values = torch.rand(y_like.shape, generator=generator) * 2 - 1
-    dy = values.to(dtype) if dy_contiguous else torch.empty_like(y_like).copy_(values)
+    dy = {
+        "y's": torch.empty_like(y_like).copy_(values),
+        "contiguous": values.to(dtype),
+        "expanded": values[(0,) * values.dim()].to(dtype).expand(values.shape),
+    }[dy_layout]
     y_node, grads_node = _step(dims, x, w, b, kernel, dy)
     assert _served_by_node(y_node)
     monkeypatch.setattr(native_node, "rows_gemm", None)
@@ -178,7 +184,7 @@ def test_the_node_gives_the_python_nodes_bits(
     for got, want in zip(grads_node, grads_python):
         assert (got is None) == (want is None)
         if got is not None:
-            assert torch.equal(got, want)
+            assert torch.equal(got, want) and got.stride() == want.stride()
 
 
 def test_the_default_selection_reaches_the_node_on_a_qwen_shaped_embed(node_on, monkeypatch):

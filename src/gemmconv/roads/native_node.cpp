@@ -63,16 +63,63 @@ class FullPrecisionReductions {
   bool fp16_ = false;
 };
 
-// Operands with the channel dimension moved last where the call is channels-last: the
-// GEMM's reduction runs in the order the memory holds.
-at::Tensor channels_moved(const at::Tensor& t, bool channels_last) {
-  return channels_last ? t.movedim(1, -1) : t;
+// The strides of a dense tensor of ``sizes`` [A, C, S..] whose channels are innermost
+// (channels-last, in any rank).
+std::vector<int64_t> channels_last_strides(at::IntArrayRef sizes) {
+  std::vector<int64_t> strides(sizes.size());
+  int64_t stride = sizes[1];
+  strides[1] = 1;
+  for (int64_t d = static_cast<int64_t>(sizes.size()) - 1; d >= 2; --d) {
+    strides[d] = stride;
+    stride *= sizes[d];
+  }
+  strides[0] = stride;
+  return strides;
 }
 
-// [N, S.., C] (or [N, C, S..]) as GEMM rows: one row a sample for a one-patch input,
-// one a pixel for a 1x1 convolution.
-at::Tensor as_rows(const at::Tensor& moved, bool one_patch) {
-  return one_patch ? moved.reshape({moved.size(0), -1}) : moved.reshape({-1, moved.size(-1)});
+// Whether ``t`` lies in memory as a dense tensor with ``strides`` does (a dimension of
+// size 1 may have any stride).
+bool laid_out_as(const at::Tensor& t, const std::vector<int64_t>& strides) {
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) != 1 && t.stride(d) != strides[d]) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// ``t`` [A, C, S..] as GEMM rows in the order the call reads its memory (channels last
+// where ``channels_last``): one row a sample (``per_sample``: a one-patch input, a
+// weight) or a pixel (a 1x1 convolution's operands, dY). Where ``t`` is dense in that
+// layout and autograd records nothing (the forward, a backward without create_graph),
+// that is one as_strided; else the channels are moved and the result reshaped, a
+// permute and a view or copy: movedim alone took 6.7 of the backward's 66 us on the
+// CPU machine (a one-row call, torch 2.14).
+at::Tensor rows_of(const at::Tensor& t, bool channels_last, bool per_sample) {
+  int64_t count = per_sample ? t.size(0) : t.numel() / std::max<int64_t>(t.size(1), 1);
+  if (t.numel() > 0 && !at::GradMode::is_enabled() &&
+      (channels_last ? laid_out_as(t, channels_last_strides(t.sizes()))
+                     : per_sample && t.is_contiguous())) {
+    int64_t width = t.numel() / count;
+    return t.as_strided({count, width}, {width, 1});
+  }
+  at::Tensor moved = channels_last ? t.movedim(1, -1) : t;
+  return per_sample ? moved.reshape({moved.size(0), -1}) : moved.reshape({-1, moved.size(-1)});
+}
+
+// GEMM rows back in an operand's shape ``sizes``, laid out as the rows were read
+// (channels last where ``channels_last``): one view or as_strided, as rows_of.
+at::Tensor rows_as(const at::Tensor& rows, const std::vector<int64_t>& sizes, bool channels_last) {
+  if (!channels_last) {
+    return rows.view(sizes);
+  }
+  if (!at::GradMode::is_enabled()) {
+    return rows.as_strided(sizes, channels_last_strides(sizes));
+  }
+  std::vector<int64_t> moved(sizes.begin(), sizes.end());
+  moved.erase(moved.begin() + 1);
+  moved.push_back(sizes[1]);
+  return rows.view(moved).movedim(-1, 1);
 }
 
 // The weight gradient's GEMM, in fp64 where gemmconv's CPU rule for long or skinny
@@ -82,12 +129,6 @@ at::Tensor reduction_mm(const at::Tensor& a, const at::Tensor& b, bool widen) {
     return at::mm(a, b);
   }
   return at::mm(a.to(at::kDouble), b.to(at::kDouble)).to(a.scalar_type());
-}
-
-// [N, K, O..] as rows [M, K] (channel last, then flattened): a view of a tensor dense
-// in the layout the GEMM wrote, else a copy.
-at::Tensor output_rows(const at::Tensor& t) {
-  return t.movedim(1, -1).reshape({-1, t.size(1)});
 }
 
 // The convolution's output [N, K, O..], uninitialised, laid out as torch's convolution
@@ -104,16 +145,41 @@ at::Tensor output_like(
   if (!channels_last_output) {
     return at::empty(sizes, options);
   }
-  std::vector<int64_t> strides(sizes.size());
-  int64_t stride = channels;
-  strides[1] = 1;
-  for (int64_t d = static_cast<int64_t>(sizes.size()) - 1; d >= 2; --d) {
-    strides[d] = stride;
-    stride *= sizes[d];
-  }
-  strides[0] = stride;
-  return at::empty_strided(sizes, strides, options);
+  return at::empty_strided(sizes, channels_last_strides(sizes), options);
 }
+
+// What the backward reads besides the saved tensors, kept as one list in the context
+// (flags, then the input's and the weight's sizes): each entry of saved_data is a
+// string-keyed insertion and lookup. With this list and rows_of's as_strided views the
+// node's forward of a one-row call took 11.0 us in place of 14.3 and its backward 59 in
+// place of 64 (the CPU machine, torch 2.14; the rewrite's: 4.1 and 51).
+struct Meta {
+  static constexpr int64_t kOnePatch = 1, kChannelsLast = 2, kWiden = 4, kHasBias = 8;
+
+  static std::vector<int64_t> pack(
+      int64_t flags, at::IntArrayRef input_sizes, at::IntArrayRef weight_sizes) {
+    std::vector<int64_t> packed;
+    packed.reserve(2 + input_sizes.size() + weight_sizes.size());
+    packed.push_back(flags);
+    packed.push_back(static_cast<int64_t>(input_sizes.size()));
+    packed.insert(packed.end(), input_sizes.begin(), input_sizes.end());
+    packed.insert(packed.end(), weight_sizes.begin(), weight_sizes.end());
+    return packed;
+  }
+
+  explicit Meta(const std::vector<int64_t>& packed)
+      : flags(packed[0]),
+        input_sizes(packed.begin() + 2, packed.begin() + 2 + packed[1]),
+        weight_sizes(packed.begin() + 2 + packed[1], packed.end()) {}
+
+  bool has(int64_t flag) const {
+    return (flags & flag) != 0;
+  }
+
+  int64_t flags;
+  std::vector<int64_t> input_sizes;
+  std::vector<int64_t> weight_sizes;
+};
 
 class RowsGemm : public Function<RowsGemm> {
  public:
@@ -126,24 +192,22 @@ class RowsGemm : public Function<RowsGemm> {
       bool channels_last,
       bool channels_last_output,
       bool widen_weight_gradient) {
-    ctx->saved_data["one_patch"] = one_patch;
-    ctx->saved_data["channels_last"] = channels_last;
-    ctx->saved_data["widen"] = widen_weight_gradient;
-    ctx->saved_data["has_bias"] = bias.has_value();
     // Keep only what the backward reads: the input for dW, the weight for dx.
     bool need_dx = input.requires_grad();
     bool need_dw = weight.requires_grad();
     ctx->save_for_backward(
         {need_dw ? input : at::Tensor(), need_dx ? weight : at::Tensor()});
-    ctx->saved_data["input_sizes"] = input.sizes();
-    ctx->saved_data["weight_sizes"] = weight.sizes();
+    int64_t flags = (one_patch ? Meta::kOnePatch : 0) |
+        (channels_last ? Meta::kChannelsLast : 0) |
+        (widen_weight_gradient ? Meta::kWiden : 0) | (bias.has_value() ? Meta::kHasBias : 0);
+    ctx->saved_data["meta"] = Meta::pack(flags, input.sizes(), weight.sizes());
 
-    at::Tensor x = as_rows(channels_moved(input, channels_last), one_patch);
-    at::Tensor w = as_rows(channels_moved(weight, channels_last), true);
+    at::Tensor x = rows_of(input, channels_last, one_patch);
+    at::Tensor w = rows_of(weight, channels_last, true);
     // y is a base tensor (it takes in-place ops as torch's output does), written
     // through its rows view as the Python node's solvers write it: the same GEMM.
     at::Tensor y = output_like(input, weight.size(0), one_patch, channels_last_output);
-    at::Tensor rows = output_rows(y);
+    at::Tensor rows = rows_of(y, true, false);
     FullPrecisionReductions precision(x);
     if (bias.has_value()) {
       at::addmm_out(rows, *bias, x, w.t());
@@ -154,28 +218,26 @@ class RowsGemm : public Function<RowsGemm> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    bool one_patch = ctx->saved_data["one_patch"].toBool();
-    bool channels_last = ctx->saved_data["channels_last"].toBool();
-    bool widen = ctx->saved_data["widen"].toBool();
-    bool has_bias = ctx->saved_data["has_bias"].toBool();
+    Meta meta(ctx->saved_data["meta"].toIntVector());
+    bool one_patch = meta.has(Meta::kOnePatch);
+    bool channels_last = meta.has(Meta::kChannelsLast);
     auto saved = ctx->get_saved_variables();
     const at::Tensor& dy = grad_outputs[0];
     at::Tensor dx, dw, db;
     // A CPU backward runs on the caller's thread, under its autocast if any.
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     FullPrecisionReductions precision(dy);
-    at::Tensor dy_rows = output_rows(dy);
+    at::Tensor dy_rows = rows_of(dy, true, false);
     if (ctx->needs_input_grad(0)) {
-      at::Tensor w = as_rows(channels_moved(saved[1], channels_last), true);
-      dx = unmoved(at::mm(dy_rows, w), ctx->saved_data["input_sizes"].toIntVector(),
-                   channels_last);
+      at::Tensor w = rows_of(saved[1], channels_last, true);
+      dx = rows_as(at::mm(dy_rows, w), meta.input_sizes, channels_last);
     }
     if (ctx->needs_input_grad(1)) {
-      at::Tensor x = as_rows(channels_moved(saved[0], channels_last), one_patch);
-      dw = unmoved(reduction_mm(dy_rows.t(), x, widen),
-                   ctx->saved_data["weight_sizes"].toIntVector(), channels_last);
+      at::Tensor x = rows_of(saved[0], channels_last, one_patch);
+      at::Tensor rows = reduction_mm(dy_rows.t(), x, meta.has(Meta::kWiden));
+      dw = rows_as(rows, meta.weight_sizes, channels_last);
     }
-    if (has_bias && ctx->needs_input_grad(2)) {
+    if (meta.has(Meta::kHasBias) && ctx->needs_input_grad(2)) {
       // Summed over batch and space of dY as given, as the Python node sums it.
       std::vector<int64_t> batch_and_space{0};
       for (int64_t d = 2; d < dy.dim(); ++d) {
@@ -184,20 +246,6 @@ class RowsGemm : public Function<RowsGemm> {
       db = dy.sum(batch_and_space);
     }
     return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-
- private:
-  // A gradient's rows [.., C] back in its operand's shape ``sizes``: channel last
-  // in memory where the operands are channels-last, as the rows were read.
-  static at::Tensor unmoved(
-      const at::Tensor& rows, const std::vector<int64_t>& sizes, bool channels_last) {
-    if (!channels_last) {
-      return rows.view(sizes);
-    }
-    std::vector<int64_t> moved(sizes.begin(), sizes.end());
-    moved.erase(moved.begin() + 1);
-    moved.push_back(sizes[1]);
-    return rows.view(moved).movedim(-1, 1);
   }
 };
 
