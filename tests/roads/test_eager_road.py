@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import gemmconv
+from gemmconv.core.problem import ConvProblem
 from gemmconv.measuring.verify import tolerance
 from gemmconv.roads import eager
+from gemmconv.selection import dispatch
 
 from conftest import GemmconvOpLog
 
@@ -476,3 +478,69 @@ def test_operands_left_by_a_finished_torch_func_transform_convolve_as_torchs(mon
     torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(dx, dx_ref, rtol=1e-12, atol=1e-12)
     assert dw is None and dw_ref is None  # autograd sees no path to a dead wrapper
+
+
+def _forward_and_weight_gradient(x, w, dy, stride):
+    """y, dW and what y's node saved, from one gemmconv call that needs dW alone."""
+    w = w.detach().requires_grad_()
+    y = gemmconv.conv2d(x, w, stride=stride)
+    saved = y.grad_fn.saved_tensors
+    (dw,) = torch.autograd.grad(y, w, dy)
+    return y, dw, saved
+
+
+@pytest.mark.parametrize(
+    ("forward_solver", "kept", "switched"),
+    [("im2col", True, True), ("vendor", False, False), ("patch", True, False)],
+)
+def test_a_forward_needing_dw_gathers_the_columns_its_weight_gradient_multiplies(
+    monkeypatch, forward_solver, kept, switched
+):
+    # dW is a column GEMM (patch); the forward was decided otherwise. Where it gathers no
+    # columns and is not the vendor's, a call that needs dW runs patch's forward, which
+    # keeps its columns for dW: one gather for both GEMMs, as the rewrite makes.
+    monkeypatch.setenv("GEMMCONV_SOLVER", "patch")
+    dispatch.clear_cache()
+    generator = torch.Generator().manual_seed(5)
+    x = torch.rand(3, 4, 12, 8, generator=generator) * 2 - 1
+    w = torch.rand(6, 4, 4, 4, generator=generator) * 2 - 1
+    dy = torch.rand(3, 6, 3, 2, generator=generator) * 2 - 1
+    forward = ConvProblem.from_tensors(x, w, None, (4, 4), (0, 0), (1, 1), 1)
+    with dispatch.trial(forward, forward_solver):
+        y, dw, saved = _forward_and_weight_gradient(x, w, dy, 4)
+        notes = gemmconv.explain(x, w.requires_grad_(), stride=4).notes
+        w.requires_grad_(False)
+    assert (saved[2] is not None) == kept
+    said = [n for n in notes if "run the forward with patch" in n]
+    assert len(said) == switched, notes
+    x64, w64 = x.double(), w.double().requires_grad_()
+    y64 = F.conv2d(x64, w64, stride=4)
+    (dw64,) = torch.autograd.grad(y64, w64, dy.double())
+    assert torch.allclose(y.double(), y64, atol=1e-5)
+    assert torch.allclose(dw.double(), dw64, atol=1e-5)
+
+
+def test_under_batch_invariance_the_forward_needing_dw_keeps_its_own_solver(monkeypatch):
+    monkeypatch.setenv("GEMMCONV_SOLVER", "patch")
+    dispatch.clear_cache()
+    x, w, dy = torch.rand(2, 4, 8, 8), torch.rand(6, 4, 4, 4), torch.rand(2, 6, 2, 2)
+    forward = ConvProblem.from_tensors(x, w, None, (4, 4), (0, 0), (1, 1), 1)
+    with gemmconv.batch_invariant(), dispatch.trial(forward, "im2col"):
+        _, _, saved = _forward_and_weight_gradient(x, w, dy, 4)
+    assert saved[2] is None
+
+
+def test_a_weight_gradient_reading_x_as_its_columns_leaves_the_forward_alone(monkeypatch):
+    # point_output on one patch a sample multiplies x's own memory: no gather to share.
+    monkeypatch.setenv("GEMMCONV_SOLVER", "point_output")
+    dispatch.clear_cache()
+    x, w, dy = torch.rand(5, 4, 4, 4), torch.rand(6, 4, 4, 4), torch.rand(5, 6, 1, 1)
+    forward = ConvProblem.from_tensors(x, w, None, (4, 4), (0, 0), (1, 1), 1)
+    with dispatch.trial(forward, "im2col"):
+        _, dw, saved = _forward_and_weight_gradient(x, w, dy, 4)
+        notes = gemmconv.explain(x, w.requires_grad_(), stride=4).notes
+        w.requires_grad_(False)
+    assert saved[2] is None
+    assert not any("run the forward with" in n for n in notes), notes
+    dw64 = torch.einsum("nk,nr->kr", dy.double().flatten(1), x.double().flatten(1))
+    assert torch.allclose(dw.double().flatten(1), dw64, atol=1e-5)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import gemmconv
 from gemmconv.core.memory_format import Layout, empty_in
+from gemmconv.core.problem import ConvProblem
 from gemmconv.measuring.verify import rms_range, tolerance
 from gemmconv.roads import native_node
 from gemmconv.selection import dispatch
@@ -451,3 +452,23 @@ def test_on_cuda_the_default_selection_runs_the_node_with_the_precision_rule(
     assert torch.equal(y_python, y)
     for got, want in zip(grads, (x.grad, w.grad, b.grad)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("forward_solver", "served"), [("patch", True), ("vendor", False)])
+def test_a_forward_of_another_gemm_still_trains_through_the_node(node_on, forward_solver, served):
+    # The backward directions chose point_output (the fixture forces it) and the forward
+    # another solver (a find pick): a training call still runs the node's one GEMM over
+    # views, except after a vendor forward.
+    generator = torch.Generator().manual_seed(11)
+    x = torch.rand(6, 3, 2, 4, generator=generator) * 2 - 1
+    w = (torch.rand(5, 3, 2, 4, generator=generator) * 2 - 1).requires_grad_()
+    forward = ConvProblem.from_tensors(x, w, None, (2, 4), (0, 0), (1, 1), 1)
+    with dispatch.trial(forward, forward_solver):
+        y = gemmconv.conv2d(x, w, stride=(2, 4))
+        assert _served_by_node(y) == served, _graph_names(y)
+        notes = gemmconv.explain(x, w, stride=(2, 4)).notes
+    assert any("C++ autograd node" in n for n in notes) == served, notes
+    dy = torch.rand(y.shape, generator=generator) * 2 - 1
+    (dw,) = torch.autograd.grad(y, w, dy)
+    _, _, ref_dw, _ = _reference(2, x, w, None, (2, 4), dy)
+    assert rms_range(dw, ref_dw) <= tolerance(torch.float32, "cpu")

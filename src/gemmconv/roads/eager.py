@@ -31,13 +31,14 @@ import torch.nn.functional as F
 
 from gemmconv.core import device_rates
 from gemmconv.core.arguments import handed_to_torch, resolve_arguments
+from gemmconv.core.invariance import batch_invariant_enabled
 from gemmconv.core.memory_format import Layout, dense_strides
 from gemmconv.core.precision import widens_reduction
 from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.roads import native_node, ops
 from gemmconv.roads.autograd import under_vmap, vmap_safe_gradients
 from gemmconv.selection import dispatch
-from gemmconv.solvers import get_solver
+from gemmconv.solvers import Solver, get_solver
 from gemmconv.solvers.cpu_conv_hazards import (
     hazard_layout,
     run_at_unit_stride,
@@ -81,8 +82,8 @@ class _Call:
 
     __slots__ = ("plan", "unbatched", "accepted", "conv_args", "vendor_function",
                  "vendor_arguments", "input_size", "weight_size", "channels_last",
-                 "vendor_forward", "bias_dims", "keeps_columns", "_vendor_serves",
-                 "_backward_plans", "rows_form", "_native_serves")  # fmt: skip
+                 "vendor_forward", "bias_dims", "keeps_columns", "column_plan",
+                 "_vendor_serves", "_backward_plans", "rows_form", "_native_serves")  # fmt: skip
 
     def __init__(self, dims: int, plan: ops.Plan, unbatched: bool, arguments: tuple,
                  conv_args: tuple, input: torch.Tensor, weight: torch.Tensor) -> None:  # fmt: skip
@@ -117,8 +118,10 @@ class _Call:
         self._vendor_serves: dict[tuple[bool, bool], bool] = {}
         # Backward plans of backward-data, then of backward-weights.
         self._backward_plans: tuple[dict[tuple, ops.Plan], ...] = ({}, {})
-        # columns_serve_weight_gradient's verdict, None until a forward needing dW asks.
+        # columns_serve_weight_gradient's verdict, None until a forward needing dW asks,
+        # and the forward plan such a forward runs (column_forward_solver).
         self.keeps_columns: bool | None = None
+        self.column_plan: ops.Plan = plan
         # The C++ node's arguments after the operands where the call is one GEMM over
         # views of them (rows_form), and per (dx needed, dW needed) whether it serves.
         device_type = plan.problem.device_type
@@ -167,12 +170,21 @@ class _Call:
         """Whether dW multiplies the forward's columns: where the weight gradient's
         solver, decided (found, logged) as for any call, is a column GEMM. Decided once,
         in the first forward that needs dW: the entry's key holds the selection state,
-        and the weight gradient's problem is the forward's in another direction."""
+        and the weight gradient's problem is the forward's in another direction. Such
+        forwards run ``column_plan``: the forward's plan, or the weight gradient's
+        solver's (column_forward_solver)."""
         verdict = self.keeps_columns
         if verdict is None:
             weights = backward_problem(self.plan.problem, Direction.BACKWARD_WEIGHTS)
             solver = dispatch.solver_for(weights)
-            verdict = self.keeps_columns = solver.weight_gradient_multiplies_columns
+            verdict = solver.weight_gradient_multiplies_columns
+            if verdict and column_forward_solver(self.plan.problem, self.plan.solver, solver):
+                plan = self.plan
+                self.column_plan = ops.Plan(
+                    plan.problem, solver, plan.copy_first, plan.copy_second,
+                    plan.result_layout, plan.result_strides,
+                )  # fmt: skip
+            self.keeps_columns = verdict
         return verdict
 
     def gradients(
@@ -189,7 +201,7 @@ class _Call:
         plan."""
         dw = None
         if need_dw and columns is not None:
-            dw = ops.weight_gradient_from_columns(self.plan, grad_output, columns)
+            dw = ops.weight_gradient_from_columns(self.column_plan, grad_output, columns)
             need_dw = False
         if not (need_dx or need_dw):
             return None, dw
@@ -223,6 +235,27 @@ class _Call:
         return plan
 
 
+def column_forward_solver(problem: ConvProblem, forward: Solver, weights: Solver) -> bool:
+    """Whether a forward of ``problem`` that needs dW runs the weight gradient's solver
+    ``weights`` in place of its own, ``forward``: where dW multiplies a copy of x's
+    patches that ``forward`` does not keep (an implicit GEMM, im2col) and ``weights``
+    computes the forward too, gathering them once for both GEMMs, as the rewrite does.
+    Not where the columns are x's own memory (nothing to gather again), where the
+    forward went to the vendor (its kernel may beat gather and GEMM), nor under batch
+    invariance (the forward's invariant form is the one chosen). find picked
+    patch_implicit for ViT-B/16's channels-first forward and patch_triton for its weight
+    gradient, which then gathered again: the weight-gradient call ran 0.474 ms against
+    immediate's 0.281 (H100 at dea76e9)."""
+    if not weights.weight_gradient_multiplies_columns or forward.weight_gradient_multiplies_columns:
+        return False
+    return (
+        forward.id != "vendor"
+        and not batch_invariant_enabled()
+        and weights.gathers_columns(backward_problem(problem, Direction.BACKWARD_WEIGHTS))
+        and weights.is_applicable(problem)
+    )
+
+
 # The solvers whose GEMM in every direction is the C++ node's, over views of the
 # operands as rows: one row a sample (point_output on a one-patch input) or a pixel
 # (pointwise on channels-last operands).
@@ -234,12 +267,19 @@ _NATIVE_CUDA_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float64})
 
 def rows_form(plan: ops.Plan) -> tuple[bool, bool, bool, bool] | None:
     """The C++ node's arguments after the operands (one patch, channels-last rows,
-    channels-last output, widened weight gradient) where ``plan`` is one GEMM over
-    views of its operands, with the result's strides torch gives; else None."""
-    p, solver = plan.problem, plan.solver
-    if plan.copy_first or plan.copy_second or not _one_gemm_over_views(p, solver.id):
+    channels-last output, widened weight gradient) where ``plan``'s problem runs as one
+    GEMM over views of its operands (rows_solver), with the result's strides torch
+    gives; else None."""
+    p = plan.problem
+    solver_id = rows_solver(p, plan.solver)
+    if (
+        solver_id is None
+        or plan.copy_first
+        or plan.copy_second
+        or not _one_gemm_over_views(p, solver_id)
+    ):
         return None
-    one_patch = solver.id == "point_output"
+    one_patch = solver_id == "point_output"
     strides = tuple(plan.result_strides)
     if strides == dense_strides(p.output_shape, Layout.CHANNELS_LAST):
         channels_last_output = True
@@ -250,6 +290,23 @@ def rows_form(plan: ops.Plan) -> tuple[bool, bool, bool, bool] | None:
     channels_last = p.layout is Layout.CHANNELS_LAST
     widen = widens_reduction(p.dtype, p.device_type, p.gemm_m, p.k, p.gemm_k)
     return one_patch, channels_last, channels_last_output, widen
+
+
+def rows_solver(p: ConvProblem, forward: Solver) -> str | None:
+    """The rows solver whose GEMM the C++ node runs for training calls of ``p``: the
+    forward's own where it chose one; where it chose another GEMM solver, the one of its
+    geometry (point_output for one patch a sample, pointwise for a 1x1) where that
+    applies, and the node then serves where the backward directions chose it
+    (native_serves). None after a vendor forward, whose kernel may beat the GEMM. find
+    picked `patch` for Qwen3-VL's channels-last forward and point_output for both
+    backward directions: the backward-data call took the Python node, 0.171 ms against
+    immediate's 0.116 (H100 at dea76e9)."""
+    if forward.id in _ROWS_SOLVERS:
+        return forward.id
+    if forward.id == "vendor":
+        return None
+    geometry = "point_output" if tuple(p.spatial) == tuple(p.kernel) else "pointwise"
+    return geometry if get_solver(geometry).is_applicable(p) else None
 
 
 def _one_gemm_over_views(p: ConvProblem, solver_id: str) -> bool:
@@ -287,7 +344,8 @@ def native_note(
     the Python node)."""
     if road.on_torch or not native_node.wanted_on(problem.device_type):
         return None
-    if not _one_gemm_over_views(problem, dispatch.solver_for(problem).id):
+    solver_id = rows_solver(problem, dispatch.solver_for(problem))
+    if solver_id is None or not _one_gemm_over_views(problem, solver_id):
         return None
     if not _backward_rows(problem, need_dx, need_dw):
         return None
@@ -358,8 +416,9 @@ def training_road(problem: ConvProblem, need_dx: bool, need_dw: bool) -> Trainin
 
 def training_notes(problem: ConvProblem, needs: list[tuple[bool, bool]]) -> list[str]:
     """For explain(): per (dx needed, dW needed) in ``needs``, a sentence where such
-    eager calls run torch's convolution though some direction chose a GEMM solver, and
-    one where they run gemmconv's C++ autograd node (native_note)."""
+    eager calls run torch's convolution though some direction chose a GEMM solver, one
+    where they run gemmconv's C++ autograd node (native_note), and one where their
+    forward runs the weight gradient's solver (column_forward_solver)."""
     notes = []
     for need_dx, need_dw in needs:
         road = training_road(problem, need_dx, need_dw)
@@ -368,6 +427,15 @@ def training_notes(problem: ConvProblem, needs: list[tuple[bool, bool]]) -> list
         native = native_note(problem, need_dx, need_dw, road)
         if native is not None:
             notes.append(native)
+        elif need_dw and not road.on_torch:
+            forward = dispatch.solver_for(problem)
+            weights = dispatch.solver_for(backward_problem(problem, Direction.BACKWARD_WEIGHTS))
+            if column_forward_solver(problem, forward, weights):
+                notes.append(
+                    f"eager calls that need {road.needed} run the forward with {weights.id} "
+                    f"in place of {forward.id}: it gathers the columns {weights.id}'s weight "
+                    "gradient multiplies, once for both GEMMs"
+                )
     return notes
 
 
@@ -583,7 +651,7 @@ class _EagerConvolution(torch.autograd.Function):
         if need_dw and (call.keeps_columns or call.columns_serve_weight_gradient()):
             # A forward that gathers columns keeps them for dW, as the reshape + linear
             # rewrite does: a column-GEMM weight gradient then runs its GEMM alone.
-            y, columns = ops.run_forward_keeping_columns(call.plan, input, weight, bias)
+            y, columns = ops.run_forward_keeping_columns(call.column_plan, input, weight, bias)
         else:
             y = ops.run_forward(call.plan, input, weight, bias)
         # Keep only what the backward reads: the input (and columns) for dW, the weight
@@ -609,9 +677,9 @@ class _EagerConvolution(torch.autograd.Function):
             # shortest way, past call.gradients' and ops' frames where no autocast
             # would recast the GEMM's operands (ops.weight_gradient_from_columns).
             if _any_autocast_enabled():
-                dw = ops.weight_gradient_from_columns(call.plan, grad_output, columns)
+                dw = ops.weight_gradient_from_columns(call.column_plan, grad_output, columns)
             else:
-                dw = call.plan.runner.weight_gradient(grad_output, columns)
+                dw = call.column_plan.runner.weight_gradient(grad_output, columns)
             dx = None
         else:
             dx, dw = call.gradients(grad_output, input, weight, columns, need_dx, need_dw)

@@ -67,6 +67,11 @@ class ColumnGemmSolver(PatchFamilySolver):
         """Columns of the column matrix and the weight rows the GEMM reads (ld)."""
         return padded_reduction(p) if self.pads_reduction else p.gemm_k
 
+    def gathers_columns(self, p: ConvProblem) -> bool:
+        """Whether its column matrix for ``p`` is a copy of x's patches, not x's own memory
+        seen as that matrix."""
+        return self.columns.buffer_bytes(p, self.reduction_width(p)) > 0
+
     def cuda_invariance_reasons(self, p: ConvProblem) -> list[str]:
         # On CUDA a 1x1 kernel's invariant form is the pointwise solvers' (per sample,
         # for a channels-first y): the column solvers, which also take a 1x1 stride-1
