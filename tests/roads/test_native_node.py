@@ -454,11 +454,14 @@ def test_on_cuda_the_default_selection_runs_the_node_with_the_precision_rule(
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize(("forward_solver", "served"), [("patch", True), ("vendor", False)])
+@pytest.mark.parametrize(
+    ("forward_solver", "served"), [("patch", True), ("vendor", False), ("im2col", False)]
+)
 def test_a_forward_of_another_gemm_still_trains_through_the_node(node_on, forward_solver, served):
     # The backward directions chose point_output (the fixture forces it) and the forward
     # another solver (a find pick): a training call still runs the node's one GEMM over
-    # views, except after a vendor forward.
+    # views where the forward's was that GEMM (patch reads x as its columns), not after
+    # the vendor's or another kind of forward.
     generator = torch.Generator().manual_seed(11)
     x = torch.rand(6, 3, 2, 4, generator=generator) * 2 - 1
     w = (torch.rand(5, 3, 2, 4, generator=generator) * 2 - 1).requires_grad_()

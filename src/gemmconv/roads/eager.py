@@ -294,16 +294,18 @@ def rows_form(plan: ops.Plan) -> tuple[bool, bool, bool, bool] | None:
 
 def rows_solver(p: ConvProblem, forward: Solver) -> str | None:
     """The rows solver whose GEMM the C++ node runs for training calls of ``p``: the
-    forward's own where it chose one; where it chose another GEMM solver, the one of its
-    geometry (point_output for one patch a sample, pointwise for a 1x1) where that
-    applies, and the node then serves where the backward directions chose it
-    (native_serves). None after a vendor forward, whose kernel may beat the GEMM. find
-    picked `patch` for Qwen3-VL's channels-last forward and point_output for both
-    backward directions: the backward-data call took the Python node, 0.171 ms against
-    immediate's 0.116 (H100 at dea76e9)."""
+    forward's own where it chose one; where it chose another column GEMM that reads x's
+    own memory as its columns (`patch` on one patch a sample), the rows solver of its
+    geometry (point_output, or pointwise for a 1x1), the same GEMM, where that applies;
+    the node then serves where the backward directions chose it (native_serves). None
+    after any other forward: the vendor's kernel, or an implicit GEMM chosen where the
+    rows are unaligned for cuBLAS, may beat the node's GEMM. find picked `patch` for
+    Qwen3-VL's channels-last forward and point_output for both backward directions: the
+    backward-data call took the Python node, 0.171 ms against immediate's 0.116 (H100
+    at dea76e9)."""
     if forward.id in _ROWS_SOLVERS:
         return forward.id
-    if forward.id == "vendor":
+    if not forward.weight_gradient_multiplies_columns or forward.gathers_columns(p):
         return None
     geometry = "point_output" if tuple(p.spatial) == tuple(p.kernel) else "pointwise"
     return geometry if get_solver(geometry).is_applicable(p) else None
