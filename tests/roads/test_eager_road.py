@@ -498,13 +498,14 @@ def test_a_forward_needing_dw_gathers_the_columns_its_weight_gradient_multiplies
 ):
     # dW is a column GEMM (patch); the forward was decided otherwise. Where it gathers no
     # columns and is not the vendor's, a call that needs dW runs patch's forward, which
-    # keeps its columns for dW: one gather for both GEMMs, as the rewrite makes.
+    # keeps its columns for dW: one gather for both GEMMs, as the rewrite makes. (16
+    # pixels a sample and 64-element rows: patch's GEMMs read aligned rows.)
     monkeypatch.setenv("GEMMCONV_SOLVER", "patch")
     dispatch.clear_cache()
     generator = torch.Generator().manual_seed(5)
-    x = torch.rand(3, 4, 12, 8, generator=generator) * 2 - 1
+    x = torch.rand(3, 4, 16, 16, generator=generator) * 2 - 1
     w = torch.rand(6, 4, 4, 4, generator=generator) * 2 - 1
-    dy = torch.rand(3, 6, 3, 2, generator=generator) * 2 - 1
+    dy = torch.rand(3, 6, 4, 4, generator=generator) * 2 - 1
     forward = ConvProblem.from_tensors(x, w, None, (4, 4), (0, 0), (1, 1), 1)
     with dispatch.trial(forward, forward_solver):
         y, dw, saved = _forward_and_weight_gradient(x, w, dy, 4)
@@ -523,7 +524,7 @@ def test_a_forward_needing_dw_gathers_the_columns_its_weight_gradient_multiplies
 def test_under_batch_invariance_the_forward_needing_dw_keeps_its_own_solver(monkeypatch):
     monkeypatch.setenv("GEMMCONV_SOLVER", "patch")
     dispatch.clear_cache()
-    x, w, dy = torch.rand(2, 4, 8, 8), torch.rand(6, 4, 4, 4), torch.rand(2, 6, 2, 2)
+    x, w, dy = torch.rand(2, 4, 16, 16), torch.rand(6, 4, 4, 4), torch.rand(2, 6, 4, 4)
     forward = ConvProblem.from_tensors(x, w, None, (4, 4), (0, 0), (1, 1), 1)
     with gemmconv.batch_invariant(), dispatch.trial(forward, "im2col"):
         _, _, saved = _forward_and_weight_gradient(x, w, dy, 4)
@@ -544,3 +545,19 @@ def test_a_weight_gradient_reading_x_as_its_columns_leaves_the_forward_alone(mon
     assert not any("run the forward with" in n for n in notes), notes
     dw64 = torch.einsum("nk,nr->kr", dy.double().flatten(1), x.double().flatten(1))
     assert torch.allclose(dw.double().flatten(1), dw64, atol=1e-5)
+
+
+def test_a_weight_gradient_whose_forward_gemm_reads_unaligned_rows_leaves_the_forward_alone(
+    monkeypatch,
+):
+    # patch on 3 x 14 x 14 patches of one output pixel in 2 (its rows 588 bf16 elements,
+    # not whole 16-byte vectors): cuBLAS runs such rows slowly, an implicit GEMM not.
+    monkeypatch.setenv("GEMMCONV_SOLVER", "patch")
+    dispatch.clear_cache()
+    x = torch.rand(2, 3, 28, 14, dtype=torch.bfloat16)
+    w = torch.rand(8, 3, 14, 14, dtype=torch.bfloat16)
+    dy = torch.rand(2, 8, 2, 1, dtype=torch.bfloat16)
+    forward = ConvProblem.from_tensors(x, w, None, (14, 14), (0, 0), (1, 1), 1)
+    with dispatch.trial(forward, "im2col"):
+        _, _, saved = _forward_and_weight_gradient(x, w, dy, 14)
+    assert saved[2] is None

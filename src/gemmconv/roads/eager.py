@@ -241,7 +241,9 @@ def column_forward_solver(problem: ConvProblem, forward: Solver, weights: Solver
     patches that ``forward`` does not keep (an implicit GEMM, im2col) and ``weights``
     computes the forward too, gathering them once for both GEMMs, as the rewrite does.
     Not where the columns are x's own memory (nothing to gather again), where the
-    forward went to the vendor (its kernel may beat gather and GEMM), nor under batch
+    forward went to the vendor (its kernel may beat gather and GEMM), where ``weights``'
+    forward GEMM reads unaligned rows (an implicit GEMM beats cuBLAS there: 0.048 ms
+    against 0.089 of device time on point 2D's 588-element rows, H100), nor under batch
     invariance (the forward's invariant form is the one chosen). find picked
     patch_implicit for ViT-B/16's channels-first forward and patch_triton for its weight
     gradient, which then gathered again: the weight-gradient call ran 0.474 ms against
@@ -253,6 +255,7 @@ def column_forward_solver(problem: ConvProblem, forward: Solver, weights: Solver
         and not batch_invariant_enabled()
         and weights.gathers_columns(backward_problem(problem, Direction.BACKWARD_WEIGHTS))
         and weights.is_applicable(problem)
+        and weights.gemm_is_aligned(problem)
     )
 
 
