@@ -349,7 +349,8 @@ def native_note(
     the Python node)."""
     if road.on_torch or not native_node.wanted_on(problem.device_type):
         return None
-    solver_id = rows_solver(problem, dispatch.solver_for(problem))
+    forward = road.gemm_solvers.get(Direction.FORWARD)  # None: the vendor's, no rows
+    solver_id = None if forward is None else rows_solver(problem, get_solver(forward))
     if solver_id is None or not _one_gemm_over_views(problem, solver_id):
         return None
     if not _backward_rows(problem, need_dx, need_dw):
@@ -432,16 +433,29 @@ def training_notes(problem: ConvProblem, needs: list[tuple[bool, bool]]) -> list
         native = native_note(problem, need_dx, need_dw, road)
         if native is not None:
             notes.append(native)
-        elif need_dw and not road.on_torch:
-            forward = dispatch.solver_for(problem)
-            weights = dispatch.solver_for(backward_problem(problem, Direction.BACKWARD_WEIGHTS))
-            if column_forward_solver(problem, forward, weights):
-                notes.append(
-                    f"eager calls that need {road.needed} run the forward with {weights.id} "
-                    f"in place of {forward.id}: it gathers the columns {weights.id}'s weight "
-                    "gradient multiplies, once for both GEMMs"
-                )
+        else:
+            column = _column_note(problem, road)
+            if column is not None:
+                notes.append(column)
     return notes
+
+
+def _column_note(problem: ConvProblem, road: TrainingRoad) -> str | None:
+    """For explain(): where eager calls on ``road`` (training_road's) run their forward
+    with the weight gradient's solver (column_forward_solver), a sentence saying so. The
+    road holds the GEMM solvers its directions chose; a vendor's direction has none, and
+    no switch either way."""
+    forward = road.gemm_solvers.get(Direction.FORWARD)
+    weights = road.gemm_solvers.get(Direction.BACKWARD_WEIGHTS)
+    if road.on_torch or forward is None or weights is None:
+        return None
+    if not column_forward_solver(problem, get_solver(forward), get_solver(weights)):
+        return None
+    return (
+        f"eager calls that need {road.needed} run the forward with {weights} in place of "
+        f"{forward}: it gathers the columns {weights}'s weight gradient multiplies, once "
+        "for both GEMMs"
+    )
 
 
 def _saving_over_vendor(
