@@ -93,13 +93,46 @@ def test_special_values_anywhere_get_the_recipes_bytes(device, dtype, special, w
     _assert_same_bits(amax_scale(t, 448.0, AMAX_EPS), _recipe(t, 448.0), device)
 
 
-def test_each_call_starts_from_a_clean_maximum():
-    # The merged maximum lives in a buffer made per call: a large tensor's amax must not
-    # leak into the next, smaller one's scale.
-    big = torch.full((100,), 300.0)
-    small = torch.full((100,), 0.5)
+@pytest.mark.parametrize("numel", [100, 3 * CHUNK + 5])
+def test_each_call_starts_from_a_clean_maximum(numel):
+    # The merged maximum and the count of programs done live in a buffer kept across
+    # calls, which the last program zeroes: a large tensor's amax must not leak into the
+    # next, smaller one's scale, and the count must start again from zero.
+    big = torch.full((numel,), 300.0)
+    small = torch.full((numel,), 0.5)
     amax_scale(big, 448.0, AMAX_EPS)
-    _assert_same_bits(amax_scale(small, 448.0, AMAX_EPS), _recipe(small, 448.0), "cpu")
+    state = kernel._state_for(big.device)
+    assert state.tolist() == [0] * kernel._STATE_WORDS
+    for _ in range(2):
+        _assert_same_bits(amax_scale(small, 448.0, AMAX_EPS), _recipe(small, 448.0), "cpu")
+    assert kernel._state_for(big.device) is state and state.tolist() == [0, 0]
+
+
+def test_each_calls_scale_is_its_own_tensor():
+    # The backward keeps the forward's scales: a later call must not overwrite them.
+    first = amax_scale(torch.full((10,), 2.0), 448.0, AMAX_EPS)
+    kept = [t.clone() for t in first]
+    amax_scale(torch.full((10,), 9.0), 448.0, AMAX_EPS)
+    assert all(torch.equal(a, b) for a, b in zip(first, kept))
+
+
+@pytest.mark.gpu
+def test_streams_keep_their_own_state():
+    # Launches on two streams may overlap, so each stream merges into its own words.
+    device = torch.device("cuda")
+    streams = [torch.cuda.Stream(device) for _ in range(2)]
+    tensors = [torch.full((3 * CHUNK + 5,), v, device=device) for v in (300.0, 0.5)]
+    results = []
+    for stream, t in zip(streams, tensors):
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            results.append(amax_scale(t, 448.0, AMAX_EPS))
+    torch.cuda.synchronize(device)
+    for got, t in zip(results, tensors):
+        _assert_same_bits(got, _recipe(t, 448.0), "cuda")
+    kept = kernel._states
+    states = {kept[(t.device, s.cuda_stream)].data_ptr() for s, t in zip(streams, tensors)}
+    assert len(states) == 2
 
 
 def test_dense_tensors_flatten_in_any_dimension_order():

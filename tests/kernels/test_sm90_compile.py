@@ -186,9 +186,10 @@ def test_the_fp8_scale_kernel_compiles_for_sm90_with_exact_division(dtype, by_re
     # reciprocal; the last program reads the others' maxima only through
     # acquire-release atomics; x is read in 16-byte vectors.
     flat = torch.empty(8192 * 1176, dtype=dtype)
-    state = torch.zeros(amax_scale._WORDS, dtype=torch.int32)
+    state = torch.zeros(amax_scale._STATE_WORDS, dtype=torch.int32)
+    result = torch.empty(amax_scale._WORDS, dtype=torch.float32)
     launch = amax_scale._prepare(flat, 448.0, 1e-12, by_reciprocal)
-    ptx = sm90_ptx(launch, (flat, state, state.view(torch.float32)))
+    ptx = sm90_ptx(launch, (flat, state, result))
     divisions = 1 if by_reciprocal else 2
     assert ptx.count("div.rn.f32") == divisions and "div.full" not in ptx
     assert "div.approx" not in ptx

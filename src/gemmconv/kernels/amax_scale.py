@@ -6,7 +6,14 @@ and, on an H200's host under cProfile, 220 of the 1434 us that Qwen2-VL's fp8 tr
 step spent issuing work (bench/probes/results/fp8_host_h200.jsonl). Here every program
 reduces a chunk of the tensor to its largest |value|, merges it into one word with an
 atomic maximum and counts itself done; the program that finishes last turns the word
-into the scale and its inverse.
+into the scale and its inverse, and zeroes the two words for the next launch.
+
+Those two words live in a buffer kept per device and stream, zeroed once: launches on
+one stream run one after another, so each finds them zero. A buffer zeroed per call
+cost a `torch.zeros` launch an operand, 55 us of host time in Qwen2-VL's fp8 training
+step on an H100 under cProfile (bench/probes/results/fp8_host_h100.jsonl); the result
+is now an allocation alone. A CUDA graph capture still zeroes a buffer of its own,
+which each replay re-zeroes on the device.
 
 |value| is compared as the bits of an fp32 number: a non-negative float orders as its
 bits do, and a NaN (positive once its sign is cleared) lies above +inf, so a NaN wins as
@@ -29,10 +36,11 @@ _BLOCK = 1024
 # Blocks a program reduces: 16K elements, about 600 programs for Qwen2-VL's x at 8192
 # patches and 2400 for ViT-B/16's at batch 256, each merged by two atomics.
 _BLOCKS_PER_PROGRAM = 16
-# The per-call buffer's 32-bit words: the scale (word 0) and the inverse each start a
-# 16-byte line (a GEMM's scale pointer is read as any tensor's), the merged maximum
-# and the count of programs done follow.
-_INVERSE, _AMAX, _DONE, _WORDS = 4, 6, 7, 8
+# The result's 32-bit words: the scale (word 0) and the inverse each start a 16-byte
+# line (a GEMM's scale pointer is read as any tensor's).
+_INVERSE, _WORDS = 4, 8
+# The kept state's words: the merged maximum and the count of programs done.
+_AMAX, _DONE, _STATE_WORDS = 0, 1, 2
 
 
 @triton.jit
@@ -60,8 +68,8 @@ def _amax_scale_kernel(
     """result[0], result[INVERSE] (fp32) <- fp8_max / max(amax, EPS) and its inverse,
     amax the largest |src[i]| for i < NUMEL, the inverse a product with
     FP8_MAX_RECIPROCAL where BY_RECIPROCAL, else a division by FP8_MAX. ``state_ptr``
-    is ``result_ptr``'s zeroed buffer seen as int32: the merged maximum's bits at AMAX,
-    the programs done at DONE."""
+    is an int32 buffer that is zero at the launch (the merged maximum's bits at AMAX,
+    the programs done at DONE) and zero again after it."""
     start = tl.program_id(0).to(tl.int64) * (BLOCK * BLOCKS)
     lanes = tl.arange(0, BLOCK)
     largest = tl.full((BLOCK,), 0, dtype=tl.int32)
@@ -83,6 +91,9 @@ def _amax_scale_kernel(
             inverse = tl.math.div_rn(clamped, FP8_MAX)
         tl.store(result_ptr, tl.math.div_rn(1.0, inverse))
         tl.store(result_ptr + INVERSE, inverse)
+        # Every other program has counted itself done, so none touches the words again.
+        tl.store(state_ptr + AMAX, 0)
+        tl.store(state_ptr + DONE, 0)
 
 
 def dense_flat(t: torch.Tensor) -> torch.Tensor | None:
@@ -101,6 +112,25 @@ def dense_flat(t: torch.Tensor) -> torch.Tensor | None:
 
 
 _launches = LaunchCache()
+# The kept state buffers, by device and stream.
+_states: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _state_for(device: torch.device) -> torch.Tensor:
+    """The zeroed state words for a launch on ``device``'s current stream: the kept
+    buffer (its kernel leaves it zeroed), or inside a CUDA graph capture a fresh one,
+    whose zeroing the graph records."""
+    if device.type != "cuda":
+        stream = 0
+    elif torch.cuda.is_current_stream_capturing():
+        return torch.zeros(_STATE_WORDS, dtype=torch.int32, device=device)
+    else:
+        stream = torch.cuda.current_stream(device).cuda_stream
+    key = (device, stream)
+    state = _states.get(key)
+    if state is None:
+        state = _states[key] = torch.zeros(_STATE_WORDS, dtype=torch.int32, device=device)
+    return state
 
 
 def amax_scale(
@@ -118,8 +148,8 @@ def amax_scale(
         )
     if by_reciprocal is None:
         by_reciprocal = flat.device.type == "cuda"
-    state = torch.zeros(_WORDS, dtype=torch.int32, device=flat.device)
-    result = state.view(torch.float32)
+    result = torch.empty(_WORDS, dtype=torch.float32, device=flat.device)
+    state = _state_for(flat.device)
     key = (flat.numel(), flat.dtype, flat.device, fp8_max, eps, by_reciprocal)
     _launches.launch(key, lambda: _prepare(flat, fp8_max, eps, by_reciprocal), flat, state, result)
     scale, _, inverse, _ = result.split((1, _INVERSE - 1, 1, _WORDS - _INVERSE - 1))
