@@ -1,0 +1,132 @@
+"""The channels-first patch forward with TMA boxes (gemmconv.kernels.boxed_patch_gemm)
+against the library's implicit GEMM and cuBLAS on pre-gathered columns (a diagnostic).
+
+Issue 44's reference for a gather inside the GEMM is cuBLAS on the same GEMM with the
+column matrix gathered beforehand; its target is 0.85x that speed. For every bf16
+channels-first suite row whose patches TMA can box (ViT-B/16, SAM ViT-H, VideoMAE;
+ViT-B/16 at batch 32 too), this times, by device time (triton.testing.do_bench, L2
+flushed between calls):
+
+- ``boxed``: the TMA kernel with each tile configuration below;
+- ``implicit``: patch_gemm's forward with the library's tiles (what patch_implicit runs);
+- ``cublas``: torch.mm of the gathered columns [M, Kred] and W^T, into [M, K] rows;
+- ``gather+cublas``: the Triton gather into those columns, then that mm (patch_triton's
+  work before its output's transpose).
+
+Each boxed configuration's output is compared with the implicit GEMM's first (relative
+rms error, printed). One line per row and variant, printed as measured and, with
+``--out FILE``, appended to FILE as a JSON line.
+
+    PYTHONPATH=src python3 bench/probes/boxed_patch_forward.py [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+
+import torch
+from triton.testing import do_bench
+
+from gemmconv.bench.suite import suite_cases
+from gemmconv.kernels import patch_gemm
+from gemmconv.kernels.boxed_patch_gemm import applies, boxed_patch_forward
+from gemmconv.kernels.patch_gemm import TileConfig
+from gemmconv.kernels.patch_permute import gather_patches
+
+CONFIGS = (
+    TileConfig(128, 128, 64, 8, 3),  # FORWARD_TILES at the time of writing
+    TileConfig(128, 128, 64, 4, 4),
+    TileConfig(128, 256, 64, 8, 3),
+    TileConfig(256, 128, 64, 8, 3),
+    TileConfig(128, 128, 128, 8, 3),
+    TileConfig(128, 128, 32, 4, 4),
+    TileConfig(64, 128, 64, 4, 4),
+    TileConfig(128, 64, 64, 4, 4),
+)
+CASES = ("vit_b16", "sam_vit_h", "videomae")
+SMALL_BATCH = 32  # ViT-B/16's batch for the host-bound end
+
+
+def _rows():
+    for case in suite_cases(list(CASES)):
+        yield case.name, case.full
+        if case.name == "vit_b16":
+            yield f"vit_b16_b{SMALL_BATCH}", dataclasses.replace(case.full, n=SMALL_BATCH)
+
+
+def _us(fn) -> float:
+    return do_bench(fn, rep=40) * 1000
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda")
+    out = open(args.out, "a") if args.out else None  # noqa: SIM115 (appended line by line)
+    print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
+
+    def emit(record: dict) -> None:
+        print(" ".join(f"{k}={v}" for k, v in record.items()), flush=True)
+        if out is not None:
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+
+    try:
+        for name, shape in _rows():
+            _row(name, shape, device, emit)
+    finally:
+        if out is not None:
+            out.close()
+    return 0
+
+
+def _row(name: str, shape, device: torch.device, emit) -> None:
+    dtype = torch.bfloat16
+    x = torch.randn(shape.n, shape.c, *shape.spatial, device=device, dtype=dtype)
+    kernel = tuple(shape.kernel)
+    reduction = shape.c * math.prod(kernel)
+    w = torch.randn(shape.k, reduction, device=device, dtype=dtype) / math.sqrt(reduction)
+    outs = tuple(s // r for s, r in zip(shape.spatial, kernel))
+    reasons = applies(x, kernel, w)
+    if reasons:
+        emit({"case": name, "skipped": "; ".join(reasons)})
+        return
+    y = torch.empty(shape.n, shape.k, *outs, device=device, dtype=dtype)
+    m = shape.n * math.prod(outs)
+    base = {"case": name, "m": m, "n": shape.k, "k": reduction}
+
+    implicit = _us(lambda: patch_gemm.patch_gemm_forward(x, w, None, kernel, False, out=y))
+    reference = y.float().clone()
+    cols = torch.empty(m, reduction, device=device, dtype=dtype)
+    cublas = _us(lambda: torch.mm(cols, w.t()))
+
+    def gathered():
+        gather_patches(x, outs, kernel, False, cols)
+        return torch.mm(cols, w.t())
+
+    gather_mm = _us(gathered)
+    emit({**base, "variant": "implicit", "us": round(implicit, 1)})
+    emit({**base, "variant": "cublas", "us": round(cublas, 1)})
+    emit({**base, "variant": "gather+cublas", "us": round(gather_mm, 1)})
+    for cfg in CONFIGS:
+        tile = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+        try:
+            y.fill_(float("nan"))
+            boxed_patch_forward(x, w, None, kernel, y, cfg)
+            error = ((y.float() - reference).norm() / reference.norm()).item()
+            us = _us(lambda c=cfg: boxed_patch_forward(x, w, None, kernel, y, c))
+        except Exception as exc:  # out of shared memory and the like
+            emit({**base, "variant": "boxed", "tile": tile, "error": type(exc).__name__})
+            continue
+        emit({**base, "variant": "boxed", "tile": tile, "us": round(us, 1),
+              "cublas_over_boxed": round(cublas / us, 3),
+              "implicit_over_boxed": round(implicit / us, 3),
+              "rel_rms_vs_implicit": f"{error:.2e}"})  # fmt: skip
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,198 @@
+"""The forward GEMM of channels-first patch embeddings with the patches loaded by the
+tensor memory accelerator (TMA): no column buffer, no gather in the loads' addresses.
+
+With stride equal to the kernel and no padding, x [N, C, F, H, W] (2-D: F = 1) seen as
+
+    [N * C * F, HP, PH, WP, PW]    strides [H * W, PH * W, W, PW, 1]
+
+is a 5-D tensor TMA can box, where HP, WP are the patches along H and W: a box
+[1, BHP, BKH, BWP, PW] at (frame, hp0, kh0, wp0, 0) holds, for BHP x BWP patches,
+BKH rows of each patch's pixels of one channel and frame. Permuted to
+[BHP, BWP, BKH, PW] in registers it is a [BLOCK_M, BLOCK_K] tile of the column matrix
+whose reduction order (c, dt, kh, kw) is the weight's, so the weight's rows load as
+plain 2-D boxes. Patch rows past HP or WP read as zeros (TMA's bounds), and their
+outputs are not stored. TMA needs the innermost extent and every other stride to be
+16-byte multiples: PW and W a multiple of 8 half-precision elements (ViT-B/16, SAM,
+VideoMAE), not CLIP-L/14's 14-pixel patches.
+
+A program owns BHP x BWP patches of one sample and frame-patch and BLOCK_N output
+channels, and stores its tile into channels-first y [N, K, TP, HP, WP] through y's
+strides with the bias added. Patch grids that are not a multiple of the box (ViT's
+14 x 14 in 16-wide boxes) leave part of each tile idle: 196 of 256 rows.
+
+No solver runs it yet: it is timed against the implicit GEMM of patch_gemm and cuBLAS
+on pre-gathered columns by bench/probes/boxed_patch_forward.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from gemmconv.kernels import compiled
+from gemmconv.kernels.patch_gemm import TileConfig
+
+# TMA's rule for a box's global memory: the base and every stride but the innermost
+# 16-byte aligned, and the innermost box extent a multiple of 16 bytes.
+TMA_ALIGNMENT = 16
+
+
+def _forward_kernel(
+    x_desc, w_desc, b_ptr, y_ptr,
+    C, F, TP, HP, WP, KOUT,
+    YSN, YSC, YST, YSH, YSW, BS,
+    KT: tl.constexpr,
+    PH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BHP: tl.constexpr,
+    BWP: tl.constexpr,
+    BKH: tl.constexpr,
+    PW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """y[n, k, tp, hp, wp] = sum over (c, dt, kh, kw) of
+    x[n, c, tp*KT + dt, hp*PH + kh, wp*PW + kw] * w[k, (c, dt, kh, kw)] (+ b[k])."""
+    BLOCK_M: tl.constexpr = BHP * BWP
+    BLOCK_K: tl.constexpr = BKH * PW
+    STEPS_PER_FRAME: tl.constexpr = PH // BKH
+    hp_tiles = (HP + BHP - 1) // BHP  # not tl.cdiv: a jit helper the interpreter lacks
+    wp_tiles = (WP + BWP - 1) // BWP
+    pid = tl.program_id(0)
+    patch_tile = pid % (hp_tiles * wp_tiles)
+    sample_frame = pid // (hp_tiles * wp_tiles)  # n * TP + tp
+    n = sample_frame // TP
+    tp = sample_frame % TP
+    hp0 = (patch_tile // wp_tiles) * BHP
+    wp0 = (patch_tile % wp_tiles) * BWP
+    k0 = tl.program_id(1) * BLOCK_N
+
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    for step in range(C * KT * STEPS_PER_FRAME):
+        channel_frame = step // STEPS_PER_FRAME  # c * KT + dt
+        c = channel_frame // KT
+        frame = (n * C + c) * F + tp * KT + channel_frame % KT
+        kh0 = (step % STEPS_PER_FRAME) * BKH
+        box = x_desc.load([frame, hp0, kh0, wp0, 0]).reshape(BHP, BKH, BWP, PW)
+        a = tl.permute(box, (0, 2, 1, 3)).reshape(BLOCK_M, BLOCK_K)
+        b = w_desc.load([k0, step * BLOCK_K])
+        acc = tl.dot(a, b.T, acc)
+
+    m = tl.arange(0, BLOCK_M)
+    hp = hp0 + m // BWP
+    wp = wp0 + m % BWP
+    kout = k0 + tl.arange(0, BLOCK_N)
+    k_ok = kout < KOUT
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + kout * BS, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    y_row = n.to(tl.int64) * YSN + tp.to(tl.int64) * YST + hp * YSH + wp * YSW
+    m_ok = (hp < HP) & (wp < WP)
+    tl.store(y_ptr + y_row[:, None] + kout[None, :].to(tl.int64) * YSC,
+             acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & k_ok[None, :])  # fmt: skip
+
+
+# Tiles for half precision: 128 patches (two 8 x 16 boxes of ViT-B/16's 14 x 14 grid
+# would waste the same rows; the box is as wide as the grid's rows allow, up to the
+# tile), 64 reduction elements a step (four pixel rows of a 16-pixel patch) and 128
+# output channels. Shared memory per stage: 16 KiB of x and 16 KiB of W.
+FORWARD_TILES = TileConfig(128, 128, 64, 8, 3)
+
+
+def _as_boxes(x: torch.Tensor, kernel: tuple[int, ...]) -> tuple[int, ...]:
+    """(N, C, F, H, W, KT, TP) of channels-first x [N, C, (F,) H, W] under ``kernel``."""
+    if x.dim() == 4:
+        n, c, h, w = x.shape
+        return n, c, 1, h, w, 1, 1
+    n, c, f, h, w = x.shape
+    return n, c, f, h, w, kernel[0], f // kernel[0]
+
+
+def applies(x: torch.Tensor, kernel: tuple[int, ...], weight_rows: torch.Tensor) -> list[str]:
+    """Why TMA cannot box this forward's patches (empty: it can): channels-first dense
+    x of 2 or 3 spatial dimensions, a patch width that is a power of two and, like x's
+    rows, a 16-byte multiple, 16-byte aligned bases, and dense weight rows."""
+    if x.dim() not in (4, 5) or len(kernel) != x.dim() - 2:
+        return [f"x of {x.dim()} dimensions with kernel {kernel}: expected 2-D or 3-D"]
+    reasons = []
+    if not x.is_contiguous():
+        reasons.append("x is not contiguous channels-first")
+    size, width = x.element_size(), kernel[-1]
+    if width & (width - 1) or (width * size) % TMA_ALIGNMENT:
+        reasons.append(f"patch width {width} of {size}-byte elements is not a power of two "
+                       f"of at least {TMA_ALIGNMENT} bytes")  # fmt: skip
+    if (x.shape[-1] * size) % TMA_ALIGNMENT:
+        reasons.append(f"rows of {x.shape[-1]} {size}-byte elements are not a multiple of "
+                       f"{TMA_ALIGNMENT} bytes")  # fmt: skip
+    if x.data_ptr() % TMA_ALIGNMENT or weight_rows.data_ptr() % TMA_ALIGNMENT:
+        reasons.append("x or the weight does not start 16-byte aligned")
+    if not weight_rows.is_contiguous():
+        reasons.append("the weight's rows are not dense")
+    return reasons
+
+
+def box_shape(patch_rows: int, patch_height: int, patch_width: int, cfg: TileConfig):
+    """(BHP, BKH, BWP): patch rows and pixel rows a box holds and patches along a row.
+    BWP is the grid's row rounded up to a power of two, at most the tile's patches;
+    BKH the most pixel rows within the tile's reduction depth that divide the patch."""
+    width = min(triton.next_power_of_2(patch_rows), cfg.block_m)
+    depth = 1 << max(0, (cfg.block_k // patch_width).bit_length() - 1)
+    while patch_height % depth:
+        depth //= 2
+    return cfg.block_m // width, depth, width
+
+
+def boxed_patch_forward(
+    x: torch.Tensor,
+    weight_rows: torch.Tensor,
+    bias: torch.Tensor | None,
+    kernel: tuple[int, ...],
+    out: torch.Tensor,
+    cfg: TileConfig | None = None,
+) -> torch.Tensor:
+    """out [N, K, O..] (any strides) = conv(x, W, bias) with stride = ``kernel`` and no
+    padding, for x TMA can box (``applies``); ``weight_rows`` [K, C * prod(kernel)] in
+    the weight's own order. ``cfg`` overrides the tiles (the probe's sweep; block_m
+    and block_k powers of two)."""
+    reasons = applies(x, kernel, weight_rows)
+    if reasons:
+        raise ValueError(f"x {tuple(x.shape)}, kernel {kernel}: " + "; ".join(reasons))
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    n, c, f, h, w, kt, tp = _as_boxes(x, kernel)
+    ph, pw = kernel[-2], kernel[-1]
+    hp, wp = h // ph, w // pw
+    kout, reduction = weight_rows.shape
+    if reduction != c * math.prod(kernel):
+        raise ValueError(
+            f"weight_rows {tuple(weight_rows.shape)}: expected [K, {c * math.prod(kernel)}]"
+        )
+    expected = (n, kout, *((tp,) if x.dim() == 5 else ()), hp, wp)
+    if tuple(out.shape) != expected:
+        raise ValueError(f"out {tuple(out.shape)}: expected {list(expected)}")
+    if bias is not None and bias.shape != (kout,):
+        raise ValueError(f"bias {tuple(bias.shape)}: expected [{kout}]")
+    cfg = cfg or FORWARD_TILES
+    rows, depth, width = box_shape(wp, ph, pw, cfg)
+    x_desc = TensorDescriptor(
+        x, [n * c * f, hp, ph, wp, pw], [h * w, ph * w, w, pw, 1], [1, rows, depth, width, pw]
+    )
+    w_desc = TensorDescriptor(
+        weight_rows, [kout, reduction], [reduction, 1], [cfg.block_n, depth * pw]
+    )
+    ysn, ysc, *spatial = out.stride()
+    yst, ysh, ysw = spatial if x.dim() == 5 else (0, *spatial)
+    tiles = triton.cdiv(hp, rows) * triton.cdiv(wp, width)
+    grid = (n * tp * tiles, triton.cdiv(kout, cfg.block_n))
+    launch = compiled(_forward_kernel, x.device)
+    launch[grid](
+        x_desc, w_desc, weight_rows if bias is None else bias, out,
+        c, f, tp, hp, wp, kout, ysn, ysc, yst, ysh, ysw, 1 if bias is None else bias.stride(0),
+        KT=kt, PH=ph, HAS_BIAS=bias is not None, BHP=rows, BWP=width, BKH=depth, PW=pw,
+        BLOCK_N=cfg.block_n, **cfg.launch_options(),
+    )  # fmt: skip
+    return out
+
+
+__all__ = ["FORWARD_TILES", "applies", "box_shape", "boxed_patch_forward"]

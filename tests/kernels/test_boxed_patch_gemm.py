@@ -1,0 +1,150 @@
+"""The boxed patch forward (gemmconv.kernels.boxed_patch_gemm): channels-first patches
+loaded by TMA boxes of a 5-D view of x, permuted into the column tile in registers.
+
+Checked against float64 on fresh random operands with the result pre-filled with NaN,
+interpreted on the CPU in fp32 and fp16 (the interpreter's bf16 dot is wrong) and
+compiled on CUDA (marker gpu) in bf16 and fp16: 2-D and 3-D, patch grids that fill
+their boxes and grids that leave rows and columns of a box idle (ViT's 14 x 14 in
+16-wide boxes), inputs whose size leaves pixels no patch reads, output channels past
+a tile's end, with and without bias, into channels-first and channels-last outputs.
+It also compiles for sm_90 with TMA loads and wgmma (no GPU needed)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gemmconv.kernels.boxed_patch_gemm import FORWARD_TILES, applies, box_shape, boxed_patch_forward
+from gemmconv.kernels.patch_gemm import TileConfig
+
+# Small tiles for the interpreter; the GPU runs the table's.
+_SMALL = TileConfig(32, 16, 32, 4, 2)
+
+# (x shape, kernel, output channels): grids that fill a box, that leave part of it
+# idle, a remainder of pixels no patch reads, 3-D patches with a temporal kernel.
+CASES = [
+    ((2, 3, 32, 32), (8, 8), 24),
+    ((3, 2, 40, 48), (8, 8), 20),
+    ((1, 3, 70, 64), (16, 16), 17),
+    ((2, 2, 5, 24, 32), (2, 8, 8), 12),
+]
+
+
+def _check(shape, kernel, k, bias, dtype, device, cfg, channels_last=False):
+    gen = torch.Generator().manual_seed(sum(shape) + k)
+    x = torch.randn(shape, generator=gen).to(dtype).to(device)
+    w = torch.randn(k, shape[1], *kernel, generator=gen).to(dtype).to(device)
+    b = torch.randn(k, generator=gen).to(dtype).to(device) if bias else None
+    conv = F.conv2d if len(kernel) == 2 else F.conv3d
+    ref = conv(x.double(), w.double(), None if b is None else b.double(), stride=kernel)
+    out = torch.full(ref.shape, float("nan"), dtype=dtype, device=device)
+    if channels_last:
+        memory = torch.channels_last if len(kernel) == 2 else torch.channels_last_3d
+        out = out.to(memory_format=memory)
+    boxed_patch_forward(x, w.reshape(k, -1), b, kernel, out, cfg)
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).abs().max().item()
+    # The result's own rounding (half an ulp of the largest value) and the fp32 sum's.
+    scale = ref.abs().max().item()
+    assert err <= torch.finfo(dtype).eps * scale + 1e-4 * scale, (shape, kernel, err)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("shape", "kernel", "k"), CASES)
+def test_matches_float64_interpreted(shape, kernel, k, dtype, bias):
+    _check(shape, kernel, k, bias, dtype, "cpu", _SMALL)
+
+
+def test_a_channels_last_output_is_written_through_its_strides():
+    _check((2, 3, 32, 32), (8, 8), 24, True, torch.float32, "cpu", _SMALL, channels_last=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("shape", "kernel", "k"),
+    [*CASES, ((4, 3, 224, 224), (16, 16), 768), ((2, 3, 4, 224, 224), (2, 16, 16), 768)],
+)
+def test_matches_float64_on_cuda(shape, kernel, k, dtype):
+    _check(shape, kernel, k, True, dtype, "cuda", FORWARD_TILES)
+
+
+def test_box_shapes_fit_the_grid_and_the_patch():
+    # ViT-B/16: 14 patches a row in 16-wide boxes, 8 rows of them; 4 pixel rows a step.
+    assert box_shape(14, 16, 16, FORWARD_TILES) == (8, 4, 16)
+    # SAM: 64 patches a row fill a box of 64, two rows of them.
+    assert box_shape(64, 16, 16, FORWARD_TILES) == (2, 4, 64)
+    # A patch 12 rows high takes boxes of 4 rows (the power of two that divides it).
+    assert box_shape(14, 12, 16, FORWARD_TILES) == (8, 4, 16)
+    assert box_shape(14, 6, 16, FORWARD_TILES) == (8, 2, 16)
+
+
+@pytest.mark.parametrize(
+    ("shape", "kernel", "dtype", "reason"),
+    [
+        ((2, 3, 336, 336), (14, 14), torch.bfloat16, "patch width 14"),
+        ((2, 3, 36, 36), (12, 12), torch.bfloat16, "patch width 12"),
+        ((2, 3, 36, 36), (4, 4), torch.bfloat16, "patch width 4"),
+        ((2, 3, 36, 38), (4, 4), torch.float32, "rows of 38"),
+        ((2, 3, 20, 20), (4, 5), torch.float32, "patch width 5"),
+    ],
+)
+def test_patches_tma_cannot_box_are_refused_by_name(shape, kernel, dtype, reason):
+    x = torch.zeros(shape, dtype=dtype)
+    w = torch.zeros(4, shape[1] * kernel[0] * kernel[1], dtype=dtype)
+    assert any(reason in r for r in applies(x, kernel, w))
+    out = torch.empty(2, 4, shape[2] // kernel[0], shape[3] // kernel[1], dtype=dtype)
+    with pytest.raises(ValueError, match=reason):
+        boxed_patch_forward(x, w, None, kernel, out)
+
+
+def test_channels_last_inputs_are_refused():
+    x = torch.zeros(2, 3, 32, 32).to(memory_format=torch.channels_last)
+    w = torch.zeros(4, 3 * 64)
+    assert "x is not contiguous channels-first" in applies(x, (8, 8), w)
+
+
+def test_wrong_result_shapes_are_refused():
+    x, w = torch.zeros(2, 3, 32, 32), torch.zeros(4, 3 * 64)
+    with pytest.raises(ValueError, match=r"out \(2, 4, 3, 4\): expected \[2, 4, 4, 4\]"):
+        boxed_patch_forward(x, w, None, (8, 8), torch.empty(2, 4, 3, 4))
+    with pytest.raises(ValueError, match=r"weight_rows \(4, 100\): expected \[K, 192\]"):
+        boxed_patch_forward(x, torch.zeros(4, 100), None, (8, 8), torch.empty(2, 4, 4, 4))
+
+
+def test_compiles_for_sm90_with_tma_loads_and_wgmma():
+    # ViT-B/16's forward in bf16: both operands arrive by TMA (x's 5-D box and W's 2-D
+    # box, pipelined), the permuted x tile feeds warpgroup MMAs from registers.
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from gemmconv.kernels import boxed_patch_gemm
+
+    rows, depth, width = box_shape(14, 16, 16, FORWARD_TILES)
+    signature = {
+        "x_desc": f"tensordesc<bf16[1, {rows}, {depth}, {width}, 16]>",
+        "w_desc": f"tensordesc<bf16[{FORWARD_TILES.block_n}, {depth * 16}]>",
+        "b_ptr": "*bf16", "y_ptr": "*bf16",
+        **{name: "i32" for name in ("C", "F", "TP", "HP", "WP", "KOUT", "YSN", "YSC", "YST",
+                                    "YSH", "YSW", "BS")},
+    }  # fmt: skip
+    constants = {"KT": 1, "PH": 16, "HAS_BIAS": True, "BHP": rows, "BWP": width,
+                 "BKH": depth, "PW": 16, "BLOCK_N": FORWARD_TILES.block_n}  # fmt: skip
+    names = [*signature, *constants]
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    source = ASTSource(
+        boxed_patch_gemm.triton.jit(boxed_patch_gemm._forward_kernel),
+        signature,
+        {(names.index(k),): v for k, v in constants.items()},
+        {(2,): [["tt.divisibility", 16]], (3,): [["tt.divisibility", 16]]},
+    )
+    options = {"num_warps": FORWARD_TILES.num_warps, "num_stages": FORWARD_TILES.num_stages}
+    ptx = boxed_patch_gemm.triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                          options=options).asm["ptx"]  # fmt: skip
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.5d", ptx)) > 0
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) > 0
+    assert "wgmma.mma_async" in ptx
