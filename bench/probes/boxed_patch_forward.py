@@ -1,5 +1,5 @@
-"""The channels-first patch forward with TMA boxes (gemmconv.kernels.boxed_patch_gemm)
-against the library's implicit GEMM and cuBLAS on pre-gathered columns (a diagnostic).
+"""The forward GEMMs with TMA boxes (gemmconv.kernels.boxed_patch_gemm) against the
+library's implicit GEMM and cuBLAS on the same columns (a diagnostic).
 
 Issue 44's reference for a gather inside the GEMM is cuBLAS on the same GEMM with the
 column matrix gathered beforehand; its target is 0.85x that speed. For every bf16
@@ -12,6 +12,11 @@ flushed between calls):
 - ``cublas``: torch.mm of the gathered columns [M, Kred] and W^T, into [M, K] rows;
 - ``gather+cublas``: the Triton gather into those columns, then that mm (patch_triton's
   work before its output's transpose).
+
+For the one-patch rows whose samples TMA can box as rows (point 3D, Qwen2-VL,
+Qwen3-VL: ``boxed_rows_forward``, which batch invariance could run in place of the
+implicit GEMM), the same with ``cublas`` as torch.mm on x's own rows, what
+point_output runs.
 
 Each boxed configuration's output is compared with the implicit GEMM's first (relative
 rms error, printed). One line per row and variant, printed as measured and, with
@@ -32,7 +37,7 @@ from triton.testing import do_bench
 
 from gemmconv.bench.suite import suite_cases
 from gemmconv.kernels import patch_gemm
-from gemmconv.kernels.boxed_patch_gemm import applies, boxed_patch_forward
+from gemmconv.kernels.boxed_patch_gemm import applies, boxed_patch_forward, boxed_rows_forward
 from gemmconv.kernels.patch_gemm import TileConfig
 from gemmconv.kernels.patch_permute import gather_patches
 
@@ -47,6 +52,7 @@ CONFIGS = (
     TileConfig(128, 64, 64, 4, 4),
 )
 CASES = ("vit_b16", "sam_vit_h", "videomae")
+ROW_CASES = ("point3d", "qwen2vl", "qwen3vl")
 SMALL_BATCH = 32  # ViT-B/16's batch for the host-bound end
 
 
@@ -78,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name, shape in _rows():
             _row(name, shape, device, emit)
+        for case in suite_cases(list(ROW_CASES)):
+            _point_row(case.name, case.full, device, emit)
     finally:
         if out is not None:
             out.close()
@@ -123,6 +131,37 @@ def _row(name: str, shape, device: torch.device, emit) -> None:
             emit({**base, "variant": "boxed", "tile": tile, "error": type(exc).__name__})
             continue
         emit({**base, "variant": "boxed", "tile": tile, "us": round(us, 1),
+              "cublas_over_boxed": round(cublas / us, 3),
+              "implicit_over_boxed": round(implicit / us, 3),
+              "rel_rms_vs_implicit": f"{error:.2e}"})  # fmt: skip
+
+
+def _point_row(name: str, shape, device: torch.device, emit) -> None:
+    """One patch a sample: x's own rows [N, Kred] are the columns."""
+    dtype = torch.bfloat16
+    x = torch.randn(shape.n, shape.c, *shape.spatial, device=device, dtype=dtype)
+    kernel = tuple(shape.kernel)
+    reduction = shape.c * math.prod(kernel)
+    w = torch.randn(shape.k, reduction, device=device, dtype=dtype) / math.sqrt(reduction)
+    y = torch.empty(shape.n, shape.k, *(1,) * len(kernel), device=device, dtype=dtype)
+    rows, y_rows = x.view(shape.n, reduction), y.view(shape.n, shape.k)
+    base = {"case": name, "m": shape.n, "n": shape.k, "k": reduction}
+    implicit = _us(lambda: patch_gemm.patch_gemm_forward(x, w, None, kernel, False, out=y))
+    reference = y_rows.float().clone()
+    cublas = _us(lambda: torch.mm(rows, w.t()))
+    emit({**base, "variant": "implicit", "us": round(implicit, 1)})
+    emit({**base, "variant": "cublas", "us": round(cublas, 1)})
+    for cfg in CONFIGS:
+        tile = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+        try:
+            y_rows.fill_(float("nan"))
+            boxed_rows_forward(rows, w, None, y_rows, cfg)
+            error = ((y_rows.float() - reference).norm() / reference.norm()).item()
+            us = _us(lambda c=cfg: boxed_rows_forward(rows, w, None, y_rows, c))
+        except Exception as exc:  # out of shared memory and the like
+            emit({**base, "variant": "boxed_rows", "tile": tile, "error": type(exc).__name__})
+            continue
+        emit({**base, "variant": "boxed_rows", "tile": tile, "us": round(us, 1),
               "cublas_over_boxed": round(cublas / us, 3),
               "implicit_over_boxed": round(implicit / us, 3),
               "rel_rms_vs_implicit": f"{error:.2e}"})  # fmt: skip

@@ -1,5 +1,6 @@
-"""The boxed patch forward (gemmconv.kernels.boxed_patch_gemm): channels-first patches
-loaded by TMA boxes of a 5-D view of x, permuted into the column tile in registers.
+"""The boxed forward GEMMs (gemmconv.kernels.boxed_patch_gemm): channels-first patches
+loaded by TMA boxes of a 5-D view of x, permuted into the column tile in registers,
+and whole-sample rows loaded by 2-D boxes.
 
 Checked against float64 on fresh random operands with the result pre-filled with NaN,
 interpreted on the CPU in fp32 and fp16 (the interpreter's bf16 dot is wrong) and
@@ -17,7 +18,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gemmconv.kernels.boxed_patch_gemm import FORWARD_TILES, applies, box_shape, boxed_patch_forward
+from gemmconv.kernels.boxed_patch_gemm import (
+    FORWARD_TILES,
+    applies,
+    box_shape,
+    boxed_patch_forward,
+    boxed_rows_forward,
+    rows_apply,
+)
 from gemmconv.kernels.patch_gemm import TileConfig
 
 # Small tiles for the interpreter; the GPU runs the table's.
@@ -116,35 +124,113 @@ def test_wrong_result_shapes_are_refused():
         boxed_patch_forward(x, torch.zeros(4, 100), None, (8, 8), torch.empty(2, 4, 4, 4))
 
 
-def test_compiles_for_sm90_with_tma_loads_and_wgmma():
-    # ViT-B/16's forward in bf16: both operands arrive by TMA (x's 5-D box and W's 2-D
-    # box, pipelined), the permuted x tile feeds warpgroup MMAs from registers.
+def _sm90_ptx(fn, signature: dict[str, str], constants: dict[str, object]) -> str:
+    """``fn`` compiled for sm_90 here with FORWARD_TILES' warps and stages; pointer
+    arguments 16-byte aligned."""
+    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    names = [*signature, *constants]
+    pointers = {(names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items()
+                if v.startswith("*")}  # fmt: skip
+    source = ASTSource(
+        triton.jit(fn),
+        {**signature, **dict.fromkeys(constants, "constexpr")},
+        {(names.index(k),): v for k, v in constants.items()},
+        pointers,
+    )
+    options = {"num_warps": FORWARD_TILES.num_warps, "num_stages": FORWARD_TILES.num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def test_the_patch_kernel_compiles_for_sm90_with_tma_loads_and_wgmma():
+    # ViT-B/16's forward in bf16: both operands arrive by TMA (x's 5-D box and W's 2-D
+    # box), and the permuted x tile feeds warpgroup MMAs.
     from gemmconv.kernels import boxed_patch_gemm
 
     rows, depth, width = box_shape(14, 16, 16, FORWARD_TILES)
+    integers = ("C", "F", "TP", "HP", "WP", "KOUT", "YSN", "YSC", "YST", "YSH", "YSW", "BS")
     signature = {
         "x_desc": f"tensordesc<bf16[1, {rows}, {depth}, {width}, 16]>",
         "w_desc": f"tensordesc<bf16[{FORWARD_TILES.block_n}, {depth * 16}]>",
-        "b_ptr": "*bf16", "y_ptr": "*bf16",
-        **{name: "i32" for name in ("C", "F", "TP", "HP", "WP", "KOUT", "YSN", "YSC", "YST",
-                                    "YSH", "YSW", "BS")},
+        "b_ptr": "*bf16", "y_ptr": "*bf16", **dict.fromkeys(integers, "i32"),
     }  # fmt: skip
     constants = {"KT": 1, "PH": 16, "HAS_BIAS": True, "BHP": rows, "BWP": width,
                  "BKH": depth, "PW": 16, "BLOCK_N": FORWARD_TILES.block_n}  # fmt: skip
-    names = [*signature, *constants]
-    signature.update(dict.fromkeys(constants, "constexpr"))
-    source = ASTSource(
-        boxed_patch_gemm.triton.jit(boxed_patch_gemm._forward_kernel),
-        signature,
-        {(names.index(k),): v for k, v in constants.items()},
-        {(2,): [["tt.divisibility", 16]], (3,): [["tt.divisibility", 16]]},
-    )
-    options = {"num_warps": FORWARD_TILES.num_warps, "num_stages": FORWARD_TILES.num_stages}
-    ptx = boxed_patch_gemm.triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                          options=options).asm["ptx"]  # fmt: skip
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.5d", ptx)) > 0
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) > 0
+    ptx = _sm90_ptx(boxed_patch_gemm._forward_kernel, signature, constants)
+    assert re.search(r"cp\.async\.bulk\.tensor\.5d", ptx)
+    assert re.search(r"cp\.async\.bulk\.tensor\.2d", ptx)
     assert "wgmma.mma_async" in ptx
+
+
+def test_the_rows_kernel_compiles_for_sm90_with_tma_loads_and_wgmma():
+    from gemmconv.kernels import boxed_patch_gemm
+
+    cfg = FORWARD_TILES
+    signature = {
+        "x_desc": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
+        "w_desc": f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>",
+        "b_ptr": "*bf16", "y_ptr": "*bf16",
+        **dict.fromkeys(("M", "KOUT", "KRED", "YSM", "YSC", "BS"), "i32"),
+    }  # fmt: skip
+    constants = {"HAS_BIAS": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                 "BLOCK_K": cfg.block_k, "GROUP_M": 8}  # fmt: skip
+    ptx = _sm90_ptx(boxed_patch_gemm._rows_kernel, signature, constants)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) >= 2
+    assert "wgmma.mma_async" in ptx
+
+
+def _check_rows(m, k, n, bias, dtype, device, cfg, transposed_out=False):
+    gen = torch.Generator().manual_seed(m + k + n)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(device)
+    w = torch.randn(n, k, generator=gen).to(dtype).to(device)
+    b = torch.randn(n, generator=gen).to(dtype).to(device) if bias else None
+    ref = x.double() @ w.double().t() + (0 if b is None else b.double())
+    out = torch.full((n, m) if transposed_out else (m, n), float("nan"), dtype=dtype,
+                     device=device)  # fmt: skip
+    out = out.t() if transposed_out else out
+    boxed_rows_forward(x, w, b, out, cfg)
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert err <= torch.finfo(dtype).eps * scale + 1e-4 * scale, (m, k, n, err)
+
+
+# (rows, reduction, output channels): tiles that fit, and tails in every dimension.
+ROWS = [(64, 64, 32), (70, 40, 20), (33, 104, 17)]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("m", "k", "n"), ROWS)
+def test_rows_match_float64_interpreted(m, k, n, dtype, bias):
+    _check_rows(m, k, n, bias, dtype, "cpu", _SMALL)
+
+
+def test_rows_are_written_through_the_outputs_strides():
+    _check_rows(70, 40, 20, True, torch.float32, "cpu", _SMALL, transposed_out=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("m", "k", "n"), [*ROWS, (8192, 1176, 1280), (1000, 1536, 1152)])
+def test_rows_match_float64_on_cuda(m, k, n, dtype):
+    _check_rows(m, k, n, True, dtype, "cuda", FORWARD_TILES)
+
+
+def test_rows_tma_cannot_box_are_refused_by_name():
+    w = torch.zeros(4, 588, dtype=torch.bfloat16)
+    # Point 2D's rows: 588 bf16 elements, 1176 bytes (kernels/paired_rows_gemm.py's).
+    assert rows_apply(torch.zeros(10, 588, dtype=torch.bfloat16), w) == [
+        "x_rows's rows of stride 588 are not 16-byte aligned",
+        "weight_rows's rows of stride 588 are not 16-byte aligned",
+    ]
+    x = torch.zeros(10, 592, dtype=torch.bfloat16)[:, ::2]
+    assert "expected rows with unit column stride" in rows_apply(x, w)[0]
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        boxed_rows_forward(torch.zeros(10, 588, dtype=torch.bfloat16), w, None,
+                           torch.empty(10, 4, dtype=torch.bfloat16))  # fmt: skip
+    x, w = torch.zeros(10, 64), torch.zeros(4, 32)
+    with pytest.raises(ValueError, match=r"weight_rows \(4, 32\): expected \[4, 64\]"):
+        boxed_rows_forward(x, w, None, torch.empty(10, 4))

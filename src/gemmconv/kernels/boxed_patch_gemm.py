@@ -1,5 +1,5 @@
-"""The forward GEMM of channels-first patch embeddings with the patches loaded by the
-tensor memory accelerator (TMA): no column buffer, no gather in the loads' addresses.
+"""Forward GEMMs of patch embeddings whose columns the tensor memory accelerator (TMA)
+loads in boxes: no column buffer, no gather in the loads' addresses.
 
 With stride equal to the kernel and no padding, x [N, C, F, H, W] (2-D: F = 1) seen as
 
@@ -20,8 +20,16 @@ channels, and stores its tile into channels-first y [N, K, TP, HP, WP] through y
 strides with the bias added. Patch grids that are not a multiple of the box (ViT's
 14 x 14 in 16-wide boxes) leave part of each tile idle: 196 of 256 rows.
 
-No solver runs it yet: it is timed against the implicit GEMM of patch_gemm and cuBLAS
-on pre-gathered columns by bench/probes/boxed_patch_forward.py.
+Where each sample is one patch whose memory is dense in the reduction's order and its
+rows are 16-byte multiples (Qwen2-VL's and Qwen3-VL's [2, 14, 14] and [2, 16, 16]
+video patches, point 3D), the column matrix is x itself as [M, Kred] rows, and
+``boxed_rows_forward`` loads it by plain 2-D boxes: a GEMM whose tiles and reduction
+order do not depend on M (no split-K), like the implicit GEMM's whole-row form, which
+loads the same rows through pointers at about half cuBLAS's speed on an H100 (point
+3D's forward: 100 us against 51; bench/probes/results/whole_row_h100.txt).
+
+No solver runs either yet: bench/probes/boxed_patch_forward.py times them against the
+implicit GEMM of patch_gemm and cuBLAS on the same columns.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import triton.language as tl
 
 from gemmconv.kernels import compiled
 from gemmconv.kernels.patch_gemm import TileConfig
+from gemmconv.kernels.program_order import grouped_tile
 
 # TMA's rule for a box's global memory: the base and every stride but the innermost
 # 16-byte aligned, and the innermost box extent a multiple of 16 bytes.
@@ -91,6 +100,33 @@ def _forward_kernel(
     m_ok = (hp < HP) & (wp < WP)
     tl.store(y_ptr + y_row[:, None] + kout[None, :].to(tl.int64) * YSC,
              acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & k_ok[None, :])  # fmt: skip
+
+
+def _rows_kernel(
+    x_desc, w_desc, b_ptr, y_ptr,
+    M, KOUT, KRED, YSM, YSC, BS,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """y[m, k] = sum over r of x[m, r] * w[k, r] (+ b[k]); rows past M and reduction
+    columns past KRED read as zeros (TMA's bounds)."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, KOUT, BLOCK_M, BLOCK_N, GROUP_M)
+    m0 = pid_m * BLOCK_M
+    k0 = pid_n * BLOCK_N
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    for r0 in range(0, KRED, BLOCK_K):
+        acc = tl.dot(x_desc.load([m0, r0]), w_desc.load([k0, r0]).T, acc)
+    m = m0 + tl.arange(0, BLOCK_M)
+    kout = k0 + tl.arange(0, BLOCK_N)
+    k_ok = kout < KOUT
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + kout * BS, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    offsets = m[:, None].to(tl.int64) * YSM + kout[None, :].to(tl.int64) * YSC
+    tl.store(y_ptr + offsets, acc.to(y_ptr.dtype.element_ty),
+             mask=(m < M)[:, None] & k_ok[None, :])  # fmt: skip
 
 
 # Tiles for half precision: 128 patches (two 8 x 16 boxes of ViT-B/16's 14 x 14 grid
@@ -195,4 +231,63 @@ def boxed_patch_forward(
     return out
 
 
-__all__ = ["FORWARD_TILES", "applies", "box_shape", "boxed_patch_forward"]
+def rows_apply(x_rows: torch.Tensor, weight_rows: torch.Tensor) -> list[str]:
+    """Why TMA cannot box these [M, Kred] rows and [K, Kred] weight rows (empty: it
+    can): unit column strides, row strides that are 16-byte multiples, 16-byte aligned
+    bases."""
+    reasons = []
+    for name, t in (("x_rows", x_rows), ("weight_rows", weight_rows)):
+        if t.dim() != 2 or t.stride(1) != 1:
+            reasons.append(f"{name} {tuple(t.shape)} with strides {t.stride()}: expected rows "
+                           "with unit column stride")  # fmt: skip
+        elif (t.stride(0) * t.element_size()) % TMA_ALIGNMENT or t.data_ptr() % TMA_ALIGNMENT:
+            reasons.append(f"{name}'s rows of stride {t.stride(0)} are not 16-byte aligned")
+    return reasons
+
+
+def boxed_rows_forward(
+    x_rows: torch.Tensor,
+    weight_rows: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    cfg: TileConfig | None = None,
+) -> torch.Tensor:
+    """out[M, K] (any strides) = x_rows @ weight_rows^T (+ bias), both read by TMA boxes
+    (``rows_apply``); ``cfg`` overrides the tiles (the probe's sweep)."""
+    reasons = rows_apply(x_rows, weight_rows)
+    if reasons:
+        raise ValueError("; ".join(reasons))
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, reduction = x_rows.shape
+    kout = weight_rows.shape[0]
+    if weight_rows.shape[1] != reduction:
+        raise ValueError(f"weight_rows {tuple(weight_rows.shape)}: expected [{kout}, {reduction}]")
+    if tuple(out.shape) != (m, kout):
+        raise ValueError(f"out {tuple(out.shape)}: expected [{m}, {kout}]")
+    if bias is not None and bias.shape != (kout,):
+        raise ValueError(f"bias {tuple(bias.shape)}: expected [{kout}]")
+    cfg = cfg or FORWARD_TILES
+    x_desc = TensorDescriptor(x_rows, [m, reduction], [x_rows.stride(0), 1],
+                              [cfg.block_m, cfg.block_k])  # fmt: skip
+    w_desc = TensorDescriptor(weight_rows, [kout, reduction], [weight_rows.stride(0), 1],
+                              [cfg.block_n, cfg.block_k])  # fmt: skip
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(kout, cfg.block_n),)
+    launch = compiled(_rows_kernel, x_rows.device)
+    launch[grid](
+        x_desc, w_desc, weight_rows if bias is None else bias, out,
+        m, kout, reduction, out.stride(0), out.stride(1), 1 if bias is None else bias.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=8, **cfg.launch_options(),
+    )  # fmt: skip
+    return out
+
+
+__all__ = [
+    "FORWARD_TILES",
+    "applies",
+    "box_shape",
+    "boxed_patch_forward",
+    "boxed_rows_forward",
+    "rows_apply",
+]
