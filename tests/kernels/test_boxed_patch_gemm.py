@@ -12,6 +12,7 @@ It also compiles for sm_90 with TMA loads and wgmma (no GPU needed)."""
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
@@ -23,6 +24,7 @@ from gemmconv.kernels.boxed_patch_gemm import (
     applies,
     box_shape,
     boxed_patch_forward,
+    boxed_patch_weight_grad,
     boxed_rows_forward,
     rows_apply,
 )
@@ -124,44 +126,73 @@ def test_wrong_result_shapes_are_refused():
         boxed_patch_forward(x, torch.zeros(4, 100), None, (8, 8), torch.empty(2, 4, 4, 4))
 
 
-def _sm90_ptx(fn, signature: dict[str, str], constants: dict[str, object]) -> str:
-    """``fn`` compiled for sm_90 here with FORWARD_TILES' warps and stages; pointer
-    arguments 16-byte aligned."""
+def _sm90_ptx(fn, signature: dict[str, object], constants: dict[str, object]) -> str:
+    """``fn`` compiled for sm_90 here with FORWARD_TILES' warps and stages: ``signature``
+    maps each runtime argument to its type, or to an int Triton's launcher would
+    specialise it to (a stride of 1); pointer arguments 16-byte aligned."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    names = [*signature, *constants]
+    given = {**signature, **constants}
+    names = list(inspect.signature(fn).parameters)  # the kernel's own order
+    values = {k: v for k, v in given.items() if not isinstance(v, str)}
     pointers = {(names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items()
-                if v.startswith("*")}  # fmt: skip
+                if isinstance(v, str) and v.startswith("*")}  # fmt: skip
     source = ASTSource(
         triton.jit(fn),
-        {**signature, **dict.fromkeys(constants, "constexpr")},
-        {(names.index(k),): v for k, v in constants.items()},
+        {k: "constexpr" if k in values else given[k] for k in names},
+        {(names.index(k),): v for k, v in values.items()},
         pointers,
     )
     options = {"num_warps": FORWARD_TILES.num_warps, "num_stages": FORWARD_TILES.num_stages}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
+def _vit_boxes() -> dict[str, object]:
+    rows, depth, width = box_shape(14, 16, 16, FORWARD_TILES)
+    return {"KT": 1, "PH": 16, "PIXEL_ALIGN": 2, "BHP": rows, "BWP": width, "BKH": depth,
+            "PW": 16, "BLOCK_N": FORWARD_TILES.block_n}  # fmt: skip
+
+
+def _x_box() -> str:
+    rows, depth, width = box_shape(14, 16, 16, FORWARD_TILES)
+    return f"tensordesc<bf16[1, {rows}, {depth}, {width}, 16]>"
+
+
 def test_the_patch_kernel_compiles_for_sm90_with_tma_loads_and_wgmma():
     # ViT-B/16's forward in bf16: both operands arrive by TMA (x's 5-D box and W's 2-D
-    # box), and the permuted x tile feeds warpgroup MMAs.
+    # box), the permuted x tile feeds warpgroup MMAs, and y's 14-patch rows are stored
+    # in 4-byte pairs (PIXEL_ALIGN 2), not 2-byte pieces.
     from gemmconv.kernels import boxed_patch_gemm
 
-    rows, depth, width = box_shape(14, 16, 16, FORWARD_TILES)
-    integers = ("C", "F", "TP", "HP", "WP", "KOUT", "YSN", "YSC", "YST", "YSH", "YSW", "BS")
+    integers = ("C", "F", "TP", "HP", "WP", "KOUT", "YSN", "YSC", "YST", "YSH")
+    depth = _vit_boxes()["BKH"]
     signature = {
-        "x_desc": f"tensordesc<bf16[1, {rows}, {depth}, {width}, 16]>",
-        "w_desc": f"tensordesc<bf16[{FORWARD_TILES.block_n}, {depth * 16}]>",
-        "b_ptr": "*bf16", "y_ptr": "*bf16", **dict.fromkeys(integers, "i32"),
+        "x_desc": _x_box(), "w_desc": f"tensordesc<bf16[{FORWARD_TILES.block_n}, {depth * 16}]>",
+        "b_ptr": "*bf16", "y_ptr": "*bf16", **dict.fromkeys(integers, "i32"), "YSW": 1, "BS": 1,
     }  # fmt: skip
-    constants = {"KT": 1, "PH": 16, "HAS_BIAS": True, "BHP": rows, "BWP": width,
-                 "BKH": depth, "PW": 16, "BLOCK_N": FORWARD_TILES.block_n}  # fmt: skip
-    ptx = _sm90_ptx(boxed_patch_gemm._forward_kernel, signature, constants)
+    ptx = _sm90_ptx(boxed_patch_gemm._forward_kernel, signature, {**_vit_boxes(), "HAS_BIAS": True})
     assert re.search(r"cp\.async\.bulk\.tensor\.5d", ptx)
     assert re.search(r"cp\.async\.bulk\.tensor\.2d", ptx)
     assert "wgmma.mma_async" in ptx
+    assert re.search(r"st\.global\.b32", ptx) and not re.search(r"st\.global\.b16", ptx)
+
+
+def test_the_weight_gradient_compiles_for_sm90_with_pipelined_loads():
+    # ViT-B/16's: x by TMA boxes, dY's 14-patch rows by 4-byte cp.async copies
+    # (pipelined, where without the 3-D tile and the hint they were 2-byte plain loads).
+    from gemmconv.kernels import boxed_patch_gemm
+    from gemmconv.kernels.offline import load_widths
+
+    integers = ("C", "F", "TP", "HP", "WP", "KOUT", "KRED", "TILES", "PER_SPLIT", "YSN", "YSC",
+                "YST", "YSH")  # fmt: skip
+    signature = {"dy_ptr": "*bf16", "x_desc": _x_box(), "part_ptr": "*fp32",
+                 **dict.fromkeys(integers, "i32"), "YSW": 1}  # fmt: skip
+    ptx = _sm90_ptx(boxed_patch_gemm._wgrad_kernel, signature, _vit_boxes())
+    widths = load_widths(ptx)
+    assert re.search(r"cp\.async\.bulk\.tensor\.5d", ptx) and widths["wgmma"]
+    assert widths["cp4"] > 0 and widths["ld"] == 0, widths
 
 
 def test_the_rows_kernel_compiles_for_sm90_with_tma_loads_and_wgmma():
@@ -234,3 +265,54 @@ def test_rows_tma_cannot_box_are_refused_by_name():
     x, w = torch.zeros(10, 64), torch.zeros(4, 32)
     with pytest.raises(ValueError, match=r"weight_rows \(4, 32\): expected \[4, 64\]"):
         boxed_rows_forward(x, w, None, torch.empty(10, 4))
+
+
+def _check_weight_grad(shape, kernel, k, dtype, device, cfg, programs, dy_layout="cf"):
+    gen = torch.Generator().manual_seed(sum(shape) * k)
+    x = torch.randn(shape, generator=gen).to(dtype).to(device)
+    conv = F.conv2d if len(kernel) == 2 else F.conv3d
+    outs = [s // r for s, r in zip(shape[2:], kernel)]
+    dy = torch.randn(shape[0], k, *outs, generator=gen).to(dtype).to(device)
+    if dy_layout == "cl":
+        dy = dy.to(
+            memory_format=torch.channels_last if len(kernel) == 2 else torch.channels_last_3d
+        )
+    w = torch.zeros(k, shape[1], *kernel, dtype=torch.float64, requires_grad=True)
+    conv(x.double().cpu(), w, stride=kernel).backward(dy.double().cpu())
+    ref = w.grad.reshape(k, -1).to(device)
+    got = boxed_patch_weight_grad(dy, x, kernel, programs, cfg)
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    assert torch.isfinite(got).all()
+    err = (got.double() - ref).abs().max().item()
+    # Products of half-precision operands are exact in fp32; the fp32 sums' rounding.
+    assert err <= 1e-4 * ref.abs().max().item(), (shape, kernel, err)
+
+
+@pytest.mark.parametrize("programs", [1, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("shape", "kernel", "k"), CASES)
+def test_weight_grad_matches_float64_interpreted(shape, kernel, k, dtype, programs):
+    _check_weight_grad(shape, kernel, k, dtype, "cpu", _SMALL, programs)
+
+
+def test_weight_grad_reads_a_channels_last_dy_through_its_strides():
+    _check_weight_grad((2, 3, 32, 32), (8, 8), 24, torch.float32, "cpu", _SMALL, 8, "cl")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("shape", "kernel", "k"),
+    [*CASES, ((4, 3, 224, 224), (16, 16), 768), ((2, 3, 4, 224, 224), (2, 16, 16), 768)],
+)
+def test_weight_grad_matches_float64_on_cuda(shape, kernel, k, dtype):
+    from gemmconv.kernels import split_programs
+
+    device = torch.device("cuda")
+    _check_weight_grad(shape, kernel, k, dtype, device, None, split_programs(device))
+
+
+def test_weight_grad_refuses_a_dy_of_the_wrong_shape():
+    x = torch.zeros(2, 3, 32, 32)
+    with pytest.raises(ValueError, match=r"grad_output \(2, 24, 4, 3\): expected \[2, 24, 4, 4\]"):
+        boxed_patch_weight_grad(torch.zeros(2, 24, 4, 3), x, (8, 8), 8)

@@ -1,5 +1,5 @@
-"""Forward GEMMs of patch embeddings whose columns the tensor memory accelerator (TMA)
-loads in boxes: no column buffer, no gather in the loads' addresses.
+"""GEMMs of patch embeddings whose columns the tensor memory accelerator (TMA) loads
+in boxes: no column buffer, no gather in the loads' addresses.
 
 With stride equal to the kernel and no padding, x [N, C, F, H, W] (2-D: F = 1) seen as
 
@@ -20,6 +20,12 @@ channels, and stores its tile into channels-first y [N, K, TP, HP, WP] through y
 strides with the bias added. Patch grids that are not a multiple of the box (ViT's
 14 x 14 in 16-wide boxes) leave part of each tile idle: 196 of 256 rows.
 
+``boxed_patch_weight_grad`` reads x by the same boxes as the B operand of
+dW = dY^T @ cols, dY through its strides as [BLOCK_N, BHP, BWP] tiles (ViT's 14-patch
+rows are 28 bytes, which TMA cannot box; the host proves their 4-byte alignment and
+they load in pipelined 4-byte copies), each program summing its share of the patch
+tiles in a fixed order into an fp32 partial.
+
 Where each sample is one patch whose memory is dense in the reduction's order and its
 rows are 16-byte multiples (Qwen2-VL's and Qwen3-VL's [2, 14, 14] and [2, 16, 16]
 video patches, point 3D), the column matrix is x itself as [M, Kred] rows, and
@@ -28,8 +34,8 @@ order do not depend on M (no split-K), like the implicit GEMM's whole-row form, 
 loads the same rows through pointers at about half cuBLAS's speed on an H100 (point
 3D's forward: 100 us against 51; bench/probes/results/whole_row_h100.txt).
 
-No solver runs either yet: bench/probes/boxed_patch_forward.py times them against the
-implicit GEMM of patch_gemm and cuBLAS on the same columns.
+No solver runs any of them yet: bench/probes/boxed_patch_gemm.py times them against
+the implicit GEMMs of patch_gemm and cuBLAS on the same columns.
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ import triton
 import triton.language as tl
 
 from gemmconv.kernels import compiled
-from gemmconv.kernels.patch_gemm import TileConfig
+from gemmconv.kernels.patch_gemm import TileConfig, vector_elements
+from gemmconv.kernels.patch_index import below
 from gemmconv.kernels.program_order import grouped_tile
 
 # TMA's rule for a box's global memory: the base and every stride but the innermost
@@ -56,6 +63,7 @@ def _forward_kernel(
     KT: tl.constexpr,
     PH: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PIXEL_ALIGN: tl.constexpr,
     BHP: tl.constexpr,
     BWP: tl.constexpr,
     BKH: tl.constexpr,
@@ -89,17 +97,93 @@ def _forward_kernel(
         b = w_desc.load([k0, step * BLOCK_K])
         acc = tl.dot(a, b.T, acc)
 
-    m = tl.arange(0, BLOCK_M)
-    hp = hp0 + m // BWP
-    wp = wp0 + m % BWP
     kout = k0 + tl.arange(0, BLOCK_N)
     k_ok = kout < KOUT
     if HAS_BIAS:
         acc += tl.load(b_ptr + kout * BS, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    y_row = n.to(tl.int64) * YSN + tp.to(tl.int64) * YST + hp * YSH + wp * YSW
-    m_ok = (hp < HP) & (wp < WP)
-    tl.store(y_ptr + y_row[:, None] + kout[None, :].to(tl.int64) * YSC,
-             acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & k_ok[None, :])  # fmt: skip
+    # y's tile as [BHP, BWP, BLOCK_N], patches along a row in the middle, so that
+    # Triton sees the runs along a row (and the host's PIXEL_ALIGN claim on them) and
+    # stores them in vectors.
+    hp = hp0 + tl.arange(0, BHP)
+    wp = wp0 + tl.arange(0, BWP)
+    row = n.to(tl.int64) * YSN + tp.to(tl.int64) * YST + hp * YSH
+    offsets = (
+        row[:, None, None] + (wp * YSW)[None, :, None] + (kout.to(tl.int64) * YSC)[None, None, :]
+    )
+    if PIXEL_ALIGN > 1:
+        offsets = tl.multiple_of(offsets, [1, PIXEL_ALIGN, 1])
+        offsets = tl.max_contiguous(offsets, [1, PIXEL_ALIGN, 1])
+    mask = (hp < HP)[:, None, None] & below(wp, WP, PIXEL_ALIGN)[None, :, None]
+    tl.store(y_ptr + offsets, acc.reshape(BHP, BWP, BLOCK_N).to(y_ptr.dtype.element_ty),
+             mask=mask & k_ok[None, None, :])  # fmt: skip
+
+
+def _wgrad_kernel(
+    dy_ptr, x_desc, part_ptr,
+    C, F, TP, HP, WP, KOUT, KRED, TILES, PER_SPLIT,
+    YSN, YSC, YST, YSH, YSW,
+    KT: tl.constexpr,
+    PH: tl.constexpr,
+    PIXEL_ALIGN: tl.constexpr,
+    BHP: tl.constexpr,
+    BWP: tl.constexpr,
+    BKH: tl.constexpr,
+    PW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """part[split, k, r] = sum over the split's patch tiles of dY[n, k, tp, hp, wp] *
+    x's column (n, tp, hp, wp; r), r in the weight's order (c, dt, kh, kw). A program
+    owns BLOCK_N output channels by one box's reduction columns (one channel and frame,
+    BKH pixel rows) and walks PER_SPLIT patch tiles in order, so the sum's order is
+    fixed by the shapes."""
+    BLOCK_M: tl.constexpr = BHP * BWP
+    BLOCK_K: tl.constexpr = BKH * PW
+    STEPS_PER_FRAME: tl.constexpr = PH // BKH
+    hp_tiles = (HP + BHP - 1) // BHP
+    wp_tiles = (WP + BWP - 1) // BWP
+    steps = KRED // BLOCK_K
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    step = pid % steps
+    k0 = (pid // steps) * BLOCK_N
+    channel_frame = step // STEPS_PER_FRAME  # c * KT + dt
+    c = channel_frame // KT
+    dt = channel_frame % KT
+    kh0 = (step % STEPS_PER_FRAME) * BKH
+    kout = k0 + tl.arange(0, BLOCK_N)
+    k_ok = kout < KOUT
+    dy_channel = kout.to(tl.int64) * YSC
+
+    acc = tl.full((BLOCK_N, BLOCK_K), 0.0, dtype=tl.float32)
+    first = split * PER_SPLIT
+    last = tl.where(first + PER_SPLIT < TILES, first + PER_SPLIT, TILES)
+    for tile in range(first, last):
+        patch_tile = tile % (hp_tiles * wp_tiles)
+        sample_frame = tile // (hp_tiles * wp_tiles)
+        n = sample_frame // TP
+        tp = sample_frame % TP
+        hp0 = (patch_tile // wp_tiles) * BHP
+        wp0 = (patch_tile % wp_tiles) * BWP
+        # dY's tile as [BLOCK_N, BHP, BWP], patches along a row innermost, so that
+        # Triton sees the runs along a row (and the host's PIXEL_ALIGN claim on them).
+        hp = hp0 + tl.arange(0, BHP)
+        wp = wp0 + tl.arange(0, BWP)
+        row = n.to(tl.int64) * YSN + tp.to(tl.int64) * YST + hp * YSH
+        offsets = dy_channel[:, None, None] + row[None, :, None] + (wp * YSW)[None, None, :]
+        if PIXEL_ALIGN > 1:
+            offsets = tl.multiple_of(offsets, [1, 1, PIXEL_ALIGN])
+            offsets = tl.max_contiguous(offsets, [1, 1, PIXEL_ALIGN])
+        mask = k_ok[:, None, None] & (hp < HP)[None, :, None]
+        mask = mask & below(wp, WP, PIXEL_ALIGN)[None, None, :]
+        a = tl.load(dy_ptr + offsets, mask=mask, other=0.0).reshape(BLOCK_N, BLOCK_M)
+        frame = (n * C + c) * F + tp * KT + dt
+        box = x_desc.load([frame, hp0, kh0, wp0, 0]).reshape(BHP, BKH, BWP, PW)
+        b = tl.permute(box, (0, 2, 1, 3)).reshape(BLOCK_M, BLOCK_K)
+        acc = tl.dot(a, b, acc)
+
+    r = step * BLOCK_K + tl.arange(0, BLOCK_K)
+    offsets = (split * KOUT + kout[:, None]).to(tl.int64) * KRED + r[None, :]
+    tl.store(part_ptr + offsets, acc, mask=k_ok[:, None])
 
 
 def _rows_kernel(
@@ -145,10 +229,13 @@ def _as_boxes(x: torch.Tensor, kernel: tuple[int, ...]) -> tuple[int, ...]:
     return n, c, f, h, w, kernel[0], f // kernel[0]
 
 
-def applies(x: torch.Tensor, kernel: tuple[int, ...], weight_rows: torch.Tensor) -> list[str]:
-    """Why TMA cannot box this forward's patches (empty: it can): channels-first dense
-    x of 2 or 3 spatial dimensions, a patch width that is a power of two and, like x's
-    rows, a 16-byte multiple, 16-byte aligned bases, and dense weight rows."""
+def applies(
+    x: torch.Tensor, kernel: tuple[int, ...], weight_rows: torch.Tensor | None = None
+) -> list[str]:
+    """Why TMA cannot box x's patches (empty: it can): channels-first dense x of 2 or 3
+    spatial dimensions, a patch width that is a power of two and, like x's rows, a
+    16-byte multiple, a 16-byte aligned base; and the forward's weight rows dense and
+    16-byte aligned."""
     if x.dim() not in (4, 5) or len(kernel) != x.dim() - 2:
         return [f"x of {x.dim()} dimensions with kernel {kernel}: expected 2-D or 3-D"]
     reasons = []
@@ -161,11 +248,25 @@ def applies(x: torch.Tensor, kernel: tuple[int, ...], weight_rows: torch.Tensor)
     if (x.shape[-1] * size) % TMA_ALIGNMENT:
         reasons.append(f"rows of {x.shape[-1]} {size}-byte elements are not a multiple of "
                        f"{TMA_ALIGNMENT} bytes")  # fmt: skip
-    if x.data_ptr() % TMA_ALIGNMENT or weight_rows.data_ptr() % TMA_ALIGNMENT:
-        reasons.append("x or the weight does not start 16-byte aligned")
-    if not weight_rows.is_contiguous():
-        reasons.append("the weight's rows are not dense")
+    if x.data_ptr() % TMA_ALIGNMENT:
+        reasons.append("x does not start 16-byte aligned")
+    if weight_rows is not None:
+        if not weight_rows.is_contiguous():
+            reasons.append("the weight's rows are not dense")
+        elif weight_rows.data_ptr() % TMA_ALIGNMENT:
+            reasons.append("the weight does not start 16-byte aligned")
     return reasons
+
+
+def pixel_alignment(t: torch.Tensor, box_width: int) -> int:
+    """PIXEL_ALIGN for y or dY ``t`` [N, K, (TP,) HP, WP]: the largest power of two, up
+    to 16 bytes' worth, such that each aligned group of that many patches along a row
+    is consecutive memory from a multiple of it (it divides WP, the box's width and
+    every other stride); 1 where the patches along a row are not adjacent (a
+    channels-last t)."""
+    if t.stride(-1) != 1:
+        return 1
+    return vector_elements(t.element_size(), t.shape[-1], box_width, *t.stride()[:-1])
 
 
 def box_shape(patch_rows: int, patch_height: int, patch_width: int, cfg: TileConfig):
@@ -225,10 +326,64 @@ def boxed_patch_forward(
     launch[grid](
         x_desc, w_desc, weight_rows if bias is None else bias, out,
         c, f, tp, hp, wp, kout, ysn, ysc, yst, ysh, ysw, 1 if bias is None else bias.stride(0),
-        KT=kt, PH=ph, HAS_BIAS=bias is not None, BHP=rows, BWP=width, BKH=depth, PW=pw,
-        BLOCK_N=cfg.block_n, **cfg.launch_options(),
+        KT=kt, PH=ph, HAS_BIAS=bias is not None, PIXEL_ALIGN=pixel_alignment(out, width),
+        BHP=rows, BWP=width, BKH=depth, PW=pw, BLOCK_N=cfg.block_n, **cfg.launch_options(),
     )  # fmt: skip
     return out
+
+
+# Weight-gradient tiles for half precision: 128 output channels by 64 reduction columns
+# (four pixel rows of a 16-pixel patch), 128 patches reduced a step. dY is read
+# through its strides (ViT's 14-patch rows are 28 bytes, which TMA cannot box).
+WGRAD_TILES = TileConfig(128, 128, 64, 8, 3)
+
+
+def boxed_patch_weight_grad(
+    grad_output: torch.Tensor,
+    x: torch.Tensor,
+    kernel: tuple[int, ...],
+    programs: int,
+    cfg: TileConfig | None = None,
+) -> torch.Tensor:
+    """dW as fp32 rows [K, C * prod(kernel)] in the weight's order, from dY [N, K, O..]
+    (any strides) and x TMA can box (``applies``), stride = ``kernel``, no padding; the
+    reduction over patch tiles cut into enough fp32 partials to run about ``programs``
+    programs (gemmconv.kernels.split_programs), summed in a fixed order."""
+    reasons = applies(x, kernel)
+    if reasons:
+        raise ValueError(f"x {tuple(x.shape)}, kernel {kernel}: " + "; ".join(reasons))
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    n, c, f, h, w, kt, tp = _as_boxes(x, kernel)
+    ph, pw = kernel[-2], kernel[-1]
+    hp, wp = h // ph, w // pw
+    kout = grad_output.shape[1]
+    expected = (n, kout, *((tp,) if x.dim() == 5 else ()), hp, wp)
+    if tuple(grad_output.shape) != expected:
+        raise ValueError(f"grad_output {tuple(grad_output.shape)}: expected {list(expected)}")
+    cfg = cfg or WGRAD_TILES
+    rows, depth, width = box_shape(wp, ph, pw, cfg)
+    reduction = c * math.prod(kernel)
+    patch_tiles = n * tp * triton.cdiv(hp, rows) * triton.cdiv(wp, width)
+    out_tiles = triton.cdiv(kout, cfg.block_n) * (reduction // (depth * pw))
+    # Never a split of fewer than four tiles: each writes a whole partial.
+    splits = max(1, min(triton.cdiv(programs, out_tiles), triton.cdiv(patch_tiles, 4)))
+    per_split = triton.cdiv(patch_tiles, splits)
+    splits = triton.cdiv(patch_tiles, per_split)  # every split owns at least one tile
+    partials = torch.empty(splits, kout, reduction, dtype=torch.float32, device=x.device)
+    x_desc = TensorDescriptor(
+        x, [n * c * f, hp, ph, wp, pw], [h * w, ph * w, w, pw, 1], [1, rows, depth, width, pw]
+    )
+    ysn, ysc, *spatial = grad_output.stride()
+    yst, ysh, ysw = spatial if x.dim() == 5 else (0, *spatial)
+    launch = compiled(_wgrad_kernel, x.device)
+    launch[(out_tiles, splits)](
+        grad_output, x_desc, partials,
+        c, f, tp, hp, wp, kout, reduction, patch_tiles, per_split, ysn, ysc, yst, ysh, ysw,
+        KT=kt, PH=ph, PIXEL_ALIGN=pixel_alignment(grad_output, width), BHP=rows, BWP=width,
+        BKH=depth, PW=pw, BLOCK_N=cfg.block_n, **cfg.launch_options(),
+    )  # fmt: skip
+    return partials[0] if splits == 1 else partials.sum(0)
 
 
 def rows_apply(x_rows: torch.Tensor, weight_rows: torch.Tensor) -> list[str]:
@@ -285,9 +440,11 @@ def boxed_rows_forward(
 
 __all__ = [
     "FORWARD_TILES",
+    "WGRAD_TILES",
     "applies",
     "box_shape",
     "boxed_patch_forward",
+    "boxed_patch_weight_grad",
     "boxed_rows_forward",
     "rows_apply",
 ]

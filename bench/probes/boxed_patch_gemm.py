@@ -18,11 +18,18 @@ Qwen3-VL: ``boxed_rows_forward``, which batch invariance could run in place of t
 implicit GEMM), the same with ``cublas`` as torch.mm on x's own rows, what
 point_output runs.
 
+The weight gradients of the same patch rows (``direction=wgrad``): ``boxed_wgrad``
+per configuration (``boxed_patch_weight_grad``, x by TMA boxes, dY through its
+strides), ``implicit`` (patch_gemm's, the library's tiles and splits), ``cublas`` (dY's
+rows [M, K] transposed against the gathered columns, both made beforehand) and
+``transpose+gather+cublas`` (dY's rows copied, the columns gathered, then that mm:
+what patch_triton's weight gradient runs).
+
 Each boxed configuration's output is compared with the implicit GEMM's first (relative
 rms error, printed). One line per row and variant, printed as measured and, with
 ``--out FILE``, appended to FILE as a JSON line.
 
-    PYTHONPATH=src python3 bench/probes/boxed_patch_forward.py [--out FILE]
+    PYTHONPATH=src python3 bench/probes/boxed_patch_gemm.py [--out FILE]
 """
 
 from __future__ import annotations
@@ -36,8 +43,13 @@ import torch
 from triton.testing import do_bench
 
 from gemmconv.bench.suite import suite_cases
-from gemmconv.kernels import patch_gemm
-from gemmconv.kernels.boxed_patch_gemm import applies, boxed_patch_forward, boxed_rows_forward
+from gemmconv.kernels import patch_gemm, split_programs
+from gemmconv.kernels.boxed_patch_gemm import (
+    applies,
+    boxed_patch_forward,
+    boxed_patch_weight_grad,
+    boxed_rows_forward,
+)
 from gemmconv.kernels.patch_gemm import TileConfig
 from gemmconv.kernels.patch_permute import gather_patches
 
@@ -131,6 +143,42 @@ def _row(name: str, shape, device: torch.device, emit) -> None:
             emit({**base, "variant": "boxed", "tile": tile, "error": type(exc).__name__})
             continue
         emit({**base, "variant": "boxed", "tile": tile, "us": round(us, 1),
+              "cublas_over_boxed": round(cublas / us, 3),
+              "implicit_over_boxed": round(implicit / us, 3),
+              "rel_rms_vs_implicit": f"{error:.2e}"})  # fmt: skip
+    _wgrad(base, x, kernel, outs, y, cols, device, emit)
+
+
+def _wgrad(base: dict, x, kernel, outs, y, cols, device: torch.device, emit) -> None:
+    base = {**base, "direction": "wgrad"}
+    dy = torch.randn_like(y)
+    m, kout = cols.shape[0], y.shape[1]
+    programs = split_programs(device)
+    splits = patch_gemm.wgrad_splits(m, kout, cols.shape[1], x.dtype, programs)
+    implicit = _us(lambda: patch_gemm.patch_gemm_weight_grad(dy, x, kernel, False, splits))
+    reference = patch_gemm.patch_gemm_weight_grad(dy, x, kernel, False, splits)
+    dy_rows = dy.flatten(2).transpose(1, 2).reshape(m, kout)
+    cublas = _us(lambda: torch.mm(dy_rows.t(), cols))
+
+    def transposed_gathered():
+        rows = dy.flatten(2).transpose(1, 2).reshape(m, kout)
+        gather_patches(x, outs, kernel, False, cols)
+        return torch.mm(rows.t(), cols)
+
+    both = _us(transposed_gathered)
+    emit({**base, "variant": "implicit", "us": round(implicit, 1)})
+    emit({**base, "variant": "cublas", "us": round(cublas, 1)})
+    emit({**base, "variant": "transpose+gather+cublas", "us": round(both, 1)})
+    for cfg in CONFIGS:
+        tile = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+        try:
+            got = boxed_patch_weight_grad(dy, x, kernel, programs, cfg)
+            error = ((got - reference).norm() / reference.norm()).item()
+            us = _us(lambda c=cfg: boxed_patch_weight_grad(dy, x, kernel, programs, c))
+        except Exception as exc:  # out of shared memory and the like
+            emit({**base, "variant": "boxed_wgrad", "tile": tile, "error": type(exc).__name__})
+            continue
+        emit({**base, "variant": "boxed_wgrad", "tile": tile, "us": round(us, 1),
               "cublas_over_boxed": round(cublas / us, 3),
               "implicit_over_boxed": round(implicit / us, 3),
               "rel_rms_vs_implicit": f"{error:.2e}"})  # fmt: skip
