@@ -18,6 +18,12 @@ Qwen3-VL: ``boxed_rows_forward``, which batch invariance could run in place of t
 implicit GEMM), the same with ``cublas`` as torch.mm on x's own rows, what
 point_output runs.
 
+Their backward-data (``direction=dgrad``): ``boxed_dgrad`` per configuration
+(``boxed_patch_backward_data``, dY through its strides, dx's boxes stored by TMA),
+``implicit`` (patch_gemm's), ``cublas`` (dY's rows made beforehand, @ W into the
+columns) and ``transpose+cublas+scatter`` (dY's rows copied, that mm, the columns
+scattered into dx: what patch_triton's backward-data runs).
+
 The weight gradients of the same patch rows (``direction=wgrad``): ``boxed_wgrad``
 per configuration (``boxed_patch_weight_grad``, x by TMA boxes, dY through its
 strides), ``implicit`` (patch_gemm's, the library's tiles and splits), ``cublas`` (dY's
@@ -46,12 +52,13 @@ from gemmconv.bench.suite import suite_cases
 from gemmconv.kernels import patch_gemm, split_programs
 from gemmconv.kernels.boxed_patch_gemm import (
     applies,
+    boxed_patch_backward_data,
     boxed_patch_forward,
     boxed_patch_weight_grad,
     boxed_rows_forward,
 )
 from gemmconv.kernels.patch_gemm import TileConfig
-from gemmconv.kernels.patch_permute import gather_patches
+from gemmconv.kernels.patch_permute import gather_patches, scatter_patches
 
 CONFIGS = (
     TileConfig(128, 128, 64, 8, 3),  # FORWARD_TILES at the time of writing
@@ -146,7 +153,43 @@ def _row(name: str, shape, device: torch.device, emit) -> None:
               "cublas_over_boxed": round(cublas / us, 3),
               "implicit_over_boxed": round(implicit / us, 3),
               "rel_rms_vs_implicit": f"{error:.2e}"})  # fmt: skip
+    _dgrad(base, x, w, kernel, outs, y, cols, emit)
     _wgrad(base, x, kernel, outs, y, cols, device, emit)
+
+
+def _dgrad(base: dict, x, w, kernel, outs, y, cols, emit) -> None:
+    base = {**base, "direction": "dgrad"}
+    dy = torch.randn_like(y)
+    dx = torch.empty_like(x)
+    m, kout = cols.shape[0], y.shape[1]
+    implicit = _us(lambda: patch_gemm.patch_gemm_backward_data(dy, w, kernel, False, dx))
+    reference = dx.float().clone()
+    dy_rows = dy.flatten(2).transpose(1, 2).reshape(m, kout)
+    cublas = _us(lambda: torch.mm(dy_rows, w, out=cols))
+
+    def transposed_scattered():
+        rows = dy.flatten(2).transpose(1, 2).reshape(m, kout)
+        torch.mm(rows, w, out=cols)
+        return scatter_patches(cols, outs, kernel, False, dx)
+
+    both = _us(transposed_scattered)
+    emit({**base, "variant": "implicit", "us": round(implicit, 1)})
+    emit({**base, "variant": "cublas", "us": round(cublas, 1)})
+    emit({**base, "variant": "transpose+cublas+scatter", "us": round(both, 1)})
+    for cfg in CONFIGS:
+        tile = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+        try:
+            dx.fill_(float("nan"))
+            boxed_patch_backward_data(dy, w, kernel, dx, cfg)
+            error = ((dx.float() - reference).norm() / reference.norm()).item()
+            us = _us(lambda c=cfg: boxed_patch_backward_data(dy, w, kernel, dx, c))
+        except Exception as exc:  # out of shared memory and the like
+            emit({**base, "variant": "boxed_dgrad", "tile": tile, "error": type(exc).__name__})
+            continue
+        emit({**base, "variant": "boxed_dgrad", "tile": tile, "us": round(us, 1),
+              "cublas_over_boxed": round(cublas / us, 3),
+              "implicit_over_boxed": round(implicit / us, 3),
+              "rel_rms_vs_implicit": f"{error:.2e}"})  # fmt: skip
 
 
 def _wgrad(base: dict, x, kernel, outs, y, cols, device: torch.device, emit) -> None:

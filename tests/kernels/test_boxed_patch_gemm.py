@@ -23,6 +23,7 @@ from gemmconv.kernels.boxed_patch_gemm import (
     FORWARD_TILES,
     applies,
     box_shape,
+    boxed_patch_backward_data,
     boxed_patch_forward,
     boxed_patch_weight_grad,
     boxed_rows_forward,
@@ -195,6 +196,28 @@ def test_the_weight_gradient_compiles_for_sm90_with_pipelined_loads():
     assert widths["cp4"] > 0 and widths["ld"] == 0, widths
 
 
+def test_backward_data_compiles_for_sm90_with_pipelined_loads_and_a_tma_store():
+    # ViT-B/16's: W by TMA boxes, dY's 14-patch rows by 4-byte cp.async copies (plain
+    # loads when dY's tile had the channels innermost), dx's box stored by TMA.
+    from gemmconv.kernels import boxed_patch_gemm
+    from gemmconv.kernels.boxed_patch_gemm import DGRAD_TILES
+    from gemmconv.kernels.offline import load_widths
+
+    rows, depth, width = box_shape(14, 16, 16, DGRAD_TILES)
+    integers = ("C", "F", "TP", "HP", "WP", "KOUT", "KRED", "YSN", "YSC", "YST", "YSH")
+    signature = {"dy_ptr": "*bf16",
+                 "w_desc": f"tensordesc<bf16[{DGRAD_TILES.block_n}, {depth * 16}]>",
+                 "dx_desc": f"tensordesc<bf16[1, {rows}, {depth}, {width}, 16]>",
+                 **dict.fromkeys(integers, "i32"), "YSW": 1}  # fmt: skip
+    constants = {**_vit_boxes(), "BHP": rows, "BWP": width, "BKH": depth,
+                 "BLOCK_N": DGRAD_TILES.block_n}  # fmt: skip
+    ptx = _sm90_ptx(boxed_patch_gemm._dgrad_kernel, signature, constants)
+    widths = load_widths(ptx)
+    assert re.search(r"cp\.async\.bulk\.tensor\.5d\.global\.shared", ptx)
+    assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared", ptx) and widths["wgmma"]
+    assert widths["cp4"] > 0 and widths["ld"] == 0, widths
+
+
 def test_the_rows_kernel_compiles_for_sm90_with_tma_loads_and_wgmma():
     from gemmconv.kernels import boxed_patch_gemm
 
@@ -316,3 +339,44 @@ def test_weight_grad_refuses_a_dy_of_the_wrong_shape():
     x = torch.zeros(2, 3, 32, 32)
     with pytest.raises(ValueError, match=r"grad_output \(2, 24, 4, 3\): expected \[2, 24, 4, 4\]"):
         boxed_patch_weight_grad(torch.zeros(2, 24, 4, 3), x, (8, 8), 8)
+
+
+def _check_backward_data(shape, kernel, k, dtype, device, cfg, dy_layout="cf"):
+    gen = torch.Generator().manual_seed(sum(shape) + 3 * k)
+    conv = F.conv2d if len(kernel) == 2 else F.conv3d
+    outs = [s // r for s, r in zip(shape[2:], kernel)]
+    dy = torch.randn(shape[0], k, *outs, generator=gen).to(dtype).to(device)
+    if dy_layout == "cl":
+        last = torch.channels_last if len(kernel) == 2 else torch.channels_last_3d
+        dy = dy.to(memory_format=last)
+    w = torch.randn(k, shape[1], *kernel, generator=gen).to(dtype).to(device)
+    x = torch.zeros(shape, dtype=torch.float64, requires_grad=True)
+    conv(x, w.double().cpu(), stride=kernel).backward(dy.double().cpu())
+    ref = x.grad.to(device)
+    # NaN everywhere first: every element must be written, pixels no patch covers as 0.
+    dx = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    boxed_patch_backward_data(dy, w.reshape(k, -1), kernel, dx, cfg)
+    assert torch.isfinite(dx).all()
+    err = (dx.double() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert err <= torch.finfo(dtype).eps * scale + 1e-4 * scale, (shape, kernel, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("shape", "kernel", "k"), CASES)
+def test_backward_data_matches_float64_interpreted(shape, kernel, k, dtype):
+    _check_backward_data(shape, kernel, k, dtype, "cpu", _SMALL)
+
+
+def test_backward_data_reads_a_channels_last_dy_through_its_strides():
+    _check_backward_data((2, 3, 32, 32), (8, 8), 24, torch.float32, "cpu", _SMALL, "cl")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("shape", "kernel", "k"),
+    [*CASES, ((4, 3, 224, 224), (16, 16), 768), ((2, 3, 4, 224, 224), (2, 16, 16), 768)],
+)
+def test_backward_data_matches_float64_on_cuda(shape, kernel, k, dtype):
+    _check_backward_data(shape, kernel, k, dtype, "cuda", None)

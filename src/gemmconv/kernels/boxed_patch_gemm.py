@@ -26,6 +26,10 @@ rows are 28 bytes, which TMA cannot box; the host proves their 4-byte alignment 
 they load in pipelined 4-byte copies), each program summing its share of the patch
 tiles in a fixed order into an fp32 partial.
 
+``boxed_patch_backward_data`` runs the same boxes the other way: a program computes
+one box's columns of dY @ W (dY as the weight gradient reads it, transposed in
+registers) and stores them into dx's 5-D view by TMA, so the scatter costs no pass.
+
 Where each sample is one patch whose memory is dense in the reduction's order and its
 rows are 16-byte multiples (Qwen2-VL's and Qwen3-VL's [2, 14, 14] and [2, 16, 16]
 video patches, point 3D), the column matrix is x itself as [M, Kred] rows, and
@@ -186,6 +190,67 @@ def _wgrad_kernel(
     tl.store(part_ptr + offsets, acc, mask=k_ok[:, None])
 
 
+def _dgrad_kernel(
+    dy_ptr, w_desc, dx_desc,
+    C, F, TP, HP, WP, KOUT, KRED,
+    YSN, YSC, YST, YSH, YSW,
+    KT: tl.constexpr,
+    PH: tl.constexpr,
+    PIXEL_ALIGN: tl.constexpr,
+    BHP: tl.constexpr,
+    BWP: tl.constexpr,
+    BKH: tl.constexpr,
+    PW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """dx's box at (frame, hp0, kh0, wp0, 0) = the column tile dY[patches, :] @ w[:, the
+    box's reduction columns], permuted back into the box and stored by TMA (patches
+    past HP or WP are not written). A program owns one box: BHP x BWP patches of one
+    sample and frame-patch, one box's reduction columns (one channel and frame, BKH
+    pixel rows), and walks the output channels in BLOCK_N steps."""
+    BLOCK_M: tl.constexpr = BHP * BWP
+    BLOCK_K: tl.constexpr = BKH * PW
+    STEPS_PER_FRAME: tl.constexpr = PH // BKH
+    hp_tiles = (HP + BHP - 1) // BHP
+    wp_tiles = (WP + BWP - 1) // BWP
+    steps = KRED // BLOCK_K
+    pid = tl.program_id(0)
+    step = pid % steps  # a patch tile's boxes run one after another, sharing dY in L2
+    tile = pid // steps
+    patch_tile = tile % (hp_tiles * wp_tiles)
+    sample_frame = tile // (hp_tiles * wp_tiles)
+    n = sample_frame // TP
+    tp = sample_frame % TP
+    hp0 = (patch_tile // wp_tiles) * BHP
+    wp0 = (patch_tile % wp_tiles) * BWP
+    channel_frame = step // STEPS_PER_FRAME
+    c = channel_frame // KT
+    kh0 = (step % STEPS_PER_FRAME) * BKH
+
+    hp = hp0 + tl.arange(0, BHP)
+    wp = wp0 + tl.arange(0, BWP)
+    row = n.to(tl.int64) * YSN + tp.to(tl.int64) * YST + hp * YSH
+    pixels = row[None, :, None] + (wp * YSW)[None, None, :]
+    mask = (hp < HP)[None, :, None] & below(wp, WP, PIXEL_ALIGN)[None, None, :]
+    acc = tl.full((BLOCK_M, BLOCK_K), 0.0, dtype=tl.float32)
+    for k0 in range(0, KOUT, BLOCK_N):
+        kout = k0 + tl.arange(0, BLOCK_N)
+        # dY's tile as [BLOCK_N, BHP, BWP], as the weight gradient reads it (patches along
+        # a row innermost: pipelined copies), transposed in registers; channels past
+        # KOUT read as zeros, as W's box does.
+        offsets = (kout.to(tl.int64) * YSC)[:, None, None] + pixels
+        if PIXEL_ALIGN > 1:
+            offsets = tl.multiple_of(offsets, [1, 1, PIXEL_ALIGN])
+            offsets = tl.max_contiguous(offsets, [1, 1, PIXEL_ALIGN])
+        a = tl.load(dy_ptr + offsets, mask=(kout < KOUT)[:, None, None] & mask, other=0.0)
+        b = w_desc.load([k0, step * BLOCK_K])
+        acc = tl.dot(tl.trans(a.reshape(BLOCK_N, BLOCK_M)), b, acc)
+
+    frame = (n * C + c) * F + tp * KT + channel_frame % KT
+    box = tl.permute(acc.reshape(BHP, BWP, BKH, PW), (0, 2, 1, 3))
+    dx_desc.store([frame, hp0, kh0, wp0, 0], box.reshape(1, BHP, BKH, BWP, PW).to(dx_desc.dtype))
+
+
 def _rows_kernel(
     x_desc, w_desc, b_ptr, y_ptr,
     M, KOUT, KRED, YSM, YSC, BS,
@@ -332,6 +397,9 @@ def boxed_patch_forward(
     return out
 
 
+# Backward-data tiles: 128 patches by one box's 64 reduction columns a program, the
+# output channels walked 64 at a time.
+DGRAD_TILES = TileConfig(128, 64, 64, 8, 3)
 # Weight-gradient tiles for half precision: 128 output channels by 64 reduction columns
 # (four pixel rows of a 16-pixel patch), 128 patches reduced a step. dY is read
 # through its strides (ViT's 14-patch rows are 28 bytes, which TMA cannot box).
@@ -384,6 +452,56 @@ def boxed_patch_weight_grad(
         BKH=depth, PW=pw, BLOCK_N=cfg.block_n, **cfg.launch_options(),
     )  # fmt: skip
     return partials[0] if splits == 1 else partials.sum(0)
+
+
+def boxed_patch_backward_data(
+    grad_output: torch.Tensor,
+    weight_rows: torch.Tensor,
+    kernel: tuple[int, ...],
+    dx: torch.Tensor,
+    cfg: TileConfig | None = None,
+) -> torch.Tensor:
+    """dx [N, C, (F,) H, W] (contiguous, TMA can box it: ``applies``) = the convolution's
+    input gradient from dY [N, K, O..] (any strides) and ``weight_rows`` [K, C *
+    prod(kernel)], stride = ``kernel``, no padding. Pixels no patch covers (sizes the
+    kernel does not divide) are zeroed by a fill first. Returns dx."""
+    reasons = applies(dx, kernel, weight_rows)
+    if reasons:
+        raise ValueError(f"dx {tuple(dx.shape)}, kernel {kernel}: " + "; ".join(reasons))
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    n, c, f, h, w, kt, tp = _as_boxes(dx, kernel)
+    ph, pw = kernel[-2], kernel[-1]
+    hp, wp = h // ph, w // pw
+    kout, reduction = weight_rows.shape
+    if reduction != c * math.prod(kernel):
+        raise ValueError(
+            f"weight_rows {tuple(weight_rows.shape)}: expected [K, {c * math.prod(kernel)}]"
+        )
+    expected = (n, kout, *((tp,) if dx.dim() == 5 else ()), hp, wp)
+    if tuple(grad_output.shape) != expected:
+        raise ValueError(f"grad_output {tuple(grad_output.shape)}: expected {list(expected)}")
+    if hp * ph != h or wp * pw != w or tp * kt != f:
+        dx.zero_()
+    cfg = cfg or DGRAD_TILES
+    rows, depth, width = box_shape(wp, ph, pw, cfg)
+    dx_desc = TensorDescriptor(
+        dx, [n * c * f, hp, ph, wp, pw], [h * w, ph * w, w, pw, 1], [1, rows, depth, width, pw]
+    )
+    w_desc = TensorDescriptor(
+        weight_rows, [kout, reduction], [reduction, 1], [cfg.block_n, depth * pw]
+    )
+    ysn, ysc, *spatial = grad_output.stride()
+    yst, ysh, ysw = spatial if dx.dim() == 5 else (0, *spatial)
+    patch_tiles = n * tp * triton.cdiv(hp, rows) * triton.cdiv(wp, width)
+    launch = compiled(_dgrad_kernel, dx.device)
+    launch[(patch_tiles * (reduction // (depth * pw)),)](
+        grad_output, w_desc, dx_desc,
+        c, f, tp, hp, wp, kout, reduction, ysn, ysc, yst, ysh, ysw,
+        KT=kt, PH=ph, PIXEL_ALIGN=pixel_alignment(grad_output, width), BHP=rows, BWP=width,
+        BKH=depth, PW=pw, BLOCK_N=cfg.block_n, **cfg.launch_options(),
+    )  # fmt: skip
+    return dx
 
 
 def rows_apply(x_rows: torch.Tensor, weight_rows: torch.Tensor) -> list[str]:
@@ -439,10 +557,12 @@ def boxed_rows_forward(
 
 
 __all__ = [
+    "DGRAD_TILES",
     "FORWARD_TILES",
     "WGRAD_TILES",
     "applies",
     "box_shape",
+    "boxed_patch_backward_data",
     "boxed_patch_forward",
     "boxed_patch_weight_grad",
     "boxed_rows_forward",
