@@ -561,3 +561,52 @@ def test_a_weight_gradient_whose_forward_gemm_reads_unaligned_rows_leaves_the_fo
     with dispatch.trial(forward, "im2col"):
         _, _, saved = _forward_and_weight_gradient(x, w, dy, 14)
     assert saved[2] is None
+
+
+def _cuda_problem(n, c, spatial, kernel, k, dtype, layout="channels_first"):
+    from gemmconv.core.memory_format import Layout
+
+    return ConvProblem.from_sizes(
+        n=n, c=c, k=k, spatial=spatial, kernel=kernel, stride=kernel,
+        layout=Layout(layout), dtype=dtype, device_type="cuda",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("forward_solver", "problem", "expected"),
+    [
+        # Qwen2-VL's embed at one patch: 1176 bf16 elements a row, whole 16-byte vectors.
+        (
+            "patch_implicit",
+            ((1, 3, (2, 14, 14), (2, 14, 14), 1280), torch.bfloat16),
+            "point_output",
+        ),
+        ("patch", ((1, 3, (2, 14, 14), (2, 14, 14), 1280), torch.bfloat16), "point_output"),
+        ("point_output", ((1, 3, (2, 14, 14), (2, 14, 14), 1280), torch.bfloat16), "point_output"),
+        # Point 2D's rows, 588 bf16 elements: cuBLAS reads them slowly, the implicit GEMM not.
+        ("patch_implicit", ((4, 3, (14, 14), (14, 14), 1280), torch.bfloat16), None),
+        ("vendor", ((1, 3, (2, 14, 14), (2, 14, 14), 1280), torch.bfloat16), None),
+        ("im2col", ((1, 3, (2, 14, 14), (2, 14, 14), 1280), torch.bfloat16), None),
+        ("patch_triton", ((1, 3, (2, 14, 14), (2, 14, 14), 1280), torch.bfloat16), None),
+        # Not one patch a sample: no rows of x to multiply.
+        ("patch_implicit", ((2, 3, (32, 32), (16, 16), 768), torch.bfloat16), None),
+    ],
+)
+def test_the_nodes_gemm_follows_forwards_that_are_it_or_lose_to_it(
+    forward_solver, problem, expected
+):
+    # A training call runs the C++ node's one GEMM where the forward chose it, chose it
+    # under another name, or chose the implicit GEMM on its host price over rows cuBLAS
+    # reads aligned (rows_solver); not after the vendor, im2col or a copied gather.
+    from gemmconv.solvers import get_solver
+
+    (n, c, spatial, kernel, k), dtype = problem
+    p = _cuda_problem(n, c, spatial, kernel, k, dtype)
+    assert eager.rows_solver(p, get_solver(forward_solver)) == expected
+
+
+def test_a_channels_last_1x1_after_the_implicit_gemm_takes_the_pointwise_gemm():
+    from gemmconv.solvers import get_solver
+
+    p = _cuda_problem(8, 64, (14, 14), (1, 1), 128, torch.bfloat16, "channels_last")
+    assert eager.rows_solver(p, get_solver("patch_implicit")) == "pointwise"

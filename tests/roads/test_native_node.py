@@ -475,3 +475,32 @@ def test_a_forward_of_another_gemm_still_trains_through_the_node(node_on, forwar
     (dw,) = torch.autograd.grad(y, w, dy)
     _, _, ref_dw, _ = _reference(2, x, w, None, (2, 4), dy)
     assert rms_range(dw, ref_dw) <= tolerance(torch.float32, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 64])
+def test_on_cuda_a_one_patch_call_after_the_implicit_gemm_trains_through_the_node(
+    monkeypatch, batch
+):
+    # Qwen2-VL's embed whose forward chose patch_implicit (on its host price, as at one
+    # patch) and whose backward chose point_output: its training calls run the node's
+    # GEMM forward too, and the node (rows_solver), with torch's values.
+    monkeypatch.setenv(native_node.ENVIRONMENT, "auto")
+    monkeypatch.setenv("GEMMCONV_SOLVER", "point_output")
+    assert native_node.build(timeout=600), native_node.status()
+    dispatch.clear_cache()
+    generator = torch.Generator().manual_seed(23)
+    x = (torch.rand(batch, 3, 2, 14, 14, generator=generator) * 2 - 1).to("cuda", torch.bfloat16)
+    w = (torch.rand(1280, 3, 2, 14, 14, generator=generator) * 2 - 1).to("cuda", torch.bfloat16)
+    w.requires_grad_()
+    forward = ConvProblem.from_tensors(x, w, None, (2, 14, 14), (0, 0, 0), (1, 1, 1), 1)
+    with dispatch.trial(forward, "patch_implicit"):
+        y = gemmconv.conv3d(x, w, stride=(2, 14, 14))
+        assert _served_by_node(y), _graph_names(y)
+        with torch.no_grad():  # inference keeps the forward's own pick
+            assert not _served_by_node(gemmconv.conv3d(x, w, stride=(2, 14, 14)))
+    dy = (torch.rand(y.shape, generator=generator) * 2 - 1).to("cuda", torch.bfloat16)
+    (dw,) = torch.autograd.grad(y, w, dy)
+    ref_y, _, ref_dw, _ = _reference(3, x, w.detach(), None, (2, 14, 14), dy)
+    assert rms_range(y, ref_y) <= tolerance(torch.bfloat16, "cuda")
+    assert rms_range(dw, ref_dw) <= tolerance(torch.bfloat16, "cuda")

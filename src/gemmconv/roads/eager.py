@@ -297,21 +297,32 @@ def rows_form(plan: ops.Plan) -> tuple[bool, bool, bool, bool] | None:
 
 def rows_solver(p: ConvProblem, forward: Solver) -> str | None:
     """The rows solver whose GEMM the C++ node runs for training calls of ``p``: the
-    forward's own where it chose one; where it chose another column GEMM that reads x's
-    own memory as its columns (`patch` on one patch a sample), the rows solver of its
-    geometry (point_output, or pointwise for a 1x1), the same GEMM, where that applies;
-    the node then serves where the backward directions chose it (native_serves). None
-    after any other forward: the vendor's kernel, or an implicit GEMM chosen where the
-    rows are unaligned for cuBLAS, may beat the node's GEMM. find picked `patch` for
-    Qwen3-VL's channels-last forward and point_output for both backward directions: the
-    backward-data call took the Python node, 0.171 ms against immediate's 0.116 (H100
-    at dea76e9)."""
+    forward's own where it chose one; else the rows solver of its geometry
+    (point_output, or pointwise for a 1x1), where that applies, after
+    - another column GEMM that reads x's own memory as its columns (`patch` on one
+      patch a sample): the same GEMM under another name. find picked `patch` for
+      Qwen3-VL's channels-last forward and point_output for both backward directions:
+      the backward-data call took the Python node, 0.171 ms against immediate's 0.116
+      (H100 at dea76e9);
+    - the implicit GEMM over rows cuBLAS reads aligned: it is chosen there on its host
+      price alone (a Triton launch against a torch op, 5 us), at about half cuBLAS's
+      device speed (point 3D's forward 100 us against 51, H100), and its Python node
+      cost more than that: Qwen2-VL's one-patch step with dW ran 1.019x the rewrite
+      where its larger steps, served by the C++ node, ran 0.947-0.962x (dea76e9).
+    The node then serves where the backward directions chose the rows solver
+    (native_serves). None after any other forward: the vendor's kernel, or an implicit
+    GEMM where the rows are unaligned for cuBLAS, may beat the node's GEMM."""
     if forward.id in _ROWS_SOLVERS:
         return forward.id
-    if not forward.weight_gradient_multiplies_columns or forward.gathers_columns(p):
-        return None
     geometry = "point_output" if tuple(p.spatial) == tuple(p.kernel) else "pointwise"
-    return geometry if get_solver(geometry).is_applicable(p) else None
+    rows = get_solver(geometry)
+    if not rows.is_applicable(p):
+        return None
+    if forward.weight_gradient_multiplies_columns and not forward.gathers_columns(p):
+        return geometry
+    if forward.id == "patch_implicit" and rows.gemm_is_aligned(p):
+        return geometry
+    return None
 
 
 def _one_gemm_over_views(p: ConvProblem, solver_id: str) -> bool:
