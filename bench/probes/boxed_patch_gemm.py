@@ -1,5 +1,5 @@
-"""The forward GEMMs with TMA boxes (gemmconv.kernels.boxed_patch_gemm) against the
-library's implicit GEMM and cuBLAS on the same columns (a diagnostic).
+"""The patch GEMMs with TMA boxes (gemmconv.kernels.boxed_patch_gemm), each direction,
+against the library's implicit GEMMs and cuBLAS on the same columns (a diagnostic).
 
 Issue 44's reference for a gather inside the GEMM is cuBLAS on the same GEMM with the
 column matrix gathered beforehand; its target is 0.85x that speed. For every bf16
@@ -7,7 +7,7 @@ channels-first suite row whose patches TMA can box (ViT-B/16, SAM ViT-H, VideoMA
 ViT-B/16 at batch 32 too), this times, by device time (triton.testing.do_bench, L2
 flushed between calls):
 
-- ``boxed``: the TMA kernel with each tile configuration below;
+- ``boxed`` (``direction=fwd``): the TMA kernel with each tile configuration below;
 - ``implicit``: patch_gemm's forward with the library's tiles (what patch_implicit runs);
 - ``cublas``: torch.mm of the gathered columns [M, Kred] and W^T, into [M, K] rows;
 - ``gather+cublas``: the Triton gather into those columns, then that mm (patch_triton's
@@ -124,11 +124,12 @@ def _row(name: str, shape, device: torch.device, emit) -> None:
         return
     y = torch.empty(shape.n, shape.k, *outs, device=device, dtype=dtype)
     m = shape.n * math.prod(outs)
-    base = {"case": name, "m": m, "n": shape.k, "k": reduction}
+    base = {"case": name, "direction": "fwd", "m": m, "n": shape.k, "k": reduction}
 
     implicit = _us(lambda: patch_gemm.patch_gemm_forward(x, w, None, kernel, False, out=y))
     reference = y.float().clone()
-    cols = torch.empty(m, reduction, device=device, dtype=dtype)
+    cols = gather_patches(x, outs, kernel, False, torch.empty(m, reduction, device=device,
+                                                               dtype=dtype))  # fmt: skip
     cublas = _us(lambda: torch.mm(cols, w.t()))
 
     def gathered():
@@ -139,20 +140,8 @@ def _row(name: str, shape, device: torch.device, emit) -> None:
     emit({**base, "variant": "implicit", "us": round(implicit, 1)})
     emit({**base, "variant": "cublas", "us": round(cublas, 1)})
     emit({**base, "variant": "gather+cublas", "us": round(gather_mm, 1)})
-    for cfg in CONFIGS:
-        tile = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-        try:
-            y.fill_(float("nan"))
-            boxed_patch_forward(x, w, None, kernel, y, cfg)
-            error = ((y.float() - reference).norm() / reference.norm()).item()
-            us = _us(lambda c=cfg: boxed_patch_forward(x, w, None, kernel, y, c))
-        except Exception as exc:  # out of shared memory and the like
-            emit({**base, "variant": "boxed", "tile": tile, "error": type(exc).__name__})
-            continue
-        emit({**base, "variant": "boxed", "tile": tile, "us": round(us, 1),
-              "cublas_over_boxed": round(cublas / us, 3),
-              "implicit_over_boxed": round(implicit / us, 3),
-              "rel_rms_vs_implicit": f"{error:.2e}"})  # fmt: skip
+    _sweep(base, "boxed", lambda cfg: boxed_patch_forward(x, w, None, kernel, y, cfg), y,
+           reference, cublas, implicit, emit)  # fmt: skip
     _dgrad(base, x, w, kernel, outs, y, cols, emit)
     _wgrad(base, x, kernel, outs, y, cols, device, emit)
 
@@ -176,20 +165,8 @@ def _dgrad(base: dict, x, w, kernel, outs, y, cols, emit) -> None:
     emit({**base, "variant": "implicit", "us": round(implicit, 1)})
     emit({**base, "variant": "cublas", "us": round(cublas, 1)})
     emit({**base, "variant": "transpose+cublas+scatter", "us": round(both, 1)})
-    for cfg in CONFIGS:
-        tile = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-        try:
-            dx.fill_(float("nan"))
-            boxed_patch_backward_data(dy, w, kernel, dx, cfg)
-            error = ((dx.float() - reference).norm() / reference.norm()).item()
-            us = _us(lambda c=cfg: boxed_patch_backward_data(dy, w, kernel, dx, c))
-        except Exception as exc:  # out of shared memory and the like
-            emit({**base, "variant": "boxed_dgrad", "tile": tile, "error": type(exc).__name__})
-            continue
-        emit({**base, "variant": "boxed_dgrad", "tile": tile, "us": round(us, 1),
-              "cublas_over_boxed": round(cublas / us, 3),
-              "implicit_over_boxed": round(implicit / us, 3),
-              "rel_rms_vs_implicit": f"{error:.2e}"})  # fmt: skip
+    _sweep(base, "boxed_dgrad", lambda cfg: boxed_patch_backward_data(dy, w, kernel, dx, cfg),
+           dx, reference, cublas, implicit, emit)  # fmt: skip
 
 
 def _wgrad(base: dict, x, kernel, outs, y, cols, device: torch.device, emit) -> None:
@@ -212,19 +189,8 @@ def _wgrad(base: dict, x, kernel, outs, y, cols, device: torch.device, emit) -> 
     emit({**base, "variant": "implicit", "us": round(implicit, 1)})
     emit({**base, "variant": "cublas", "us": round(cublas, 1)})
     emit({**base, "variant": "transpose+gather+cublas", "us": round(both, 1)})
-    for cfg in CONFIGS:
-        tile = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-        try:
-            got = boxed_patch_weight_grad(dy, x, kernel, programs, cfg)
-            error = ((got - reference).norm() / reference.norm()).item()
-            us = _us(lambda c=cfg: boxed_patch_weight_grad(dy, x, kernel, programs, c))
-        except Exception as exc:  # out of shared memory and the like
-            emit({**base, "variant": "boxed_wgrad", "tile": tile, "error": type(exc).__name__})
-            continue
-        emit({**base, "variant": "boxed_wgrad", "tile": tile, "us": round(us, 1),
-              "cublas_over_boxed": round(cublas / us, 3),
-              "implicit_over_boxed": round(implicit / us, 3),
-              "rel_rms_vs_implicit": f"{error:.2e}"})  # fmt: skip
+    _sweep(base, "boxed_wgrad", lambda cfg: boxed_patch_weight_grad(dy, x, kernel, programs, cfg),
+           None, reference, cublas, implicit, emit)  # fmt: skip
 
 
 def _point_row(name: str, shape, device: torch.device, emit) -> None:
@@ -236,23 +202,33 @@ def _point_row(name: str, shape, device: torch.device, emit) -> None:
     w = torch.randn(shape.k, reduction, device=device, dtype=dtype) / math.sqrt(reduction)
     y = torch.empty(shape.n, shape.k, *(1,) * len(kernel), device=device, dtype=dtype)
     rows, y_rows = x.view(shape.n, reduction), y.view(shape.n, shape.k)
-    base = {"case": name, "m": shape.n, "n": shape.k, "k": reduction}
+    base = {"case": name, "direction": "fwd", "m": shape.n, "n": shape.k, "k": reduction}
     implicit = _us(lambda: patch_gemm.patch_gemm_forward(x, w, None, kernel, False, out=y))
     reference = y_rows.float().clone()
     cublas = _us(lambda: torch.mm(rows, w.t()))
     emit({**base, "variant": "implicit", "us": round(implicit, 1)})
     emit({**base, "variant": "cublas", "us": round(cublas, 1)})
+    _sweep(base, "boxed_rows", lambda cfg: boxed_rows_forward(rows, w, None, y_rows, cfg),
+           y_rows, reference, cublas, implicit, emit)  # fmt: skip
+
+
+def _sweep(base: dict, variant: str, run, result: torch.Tensor | None, reference,
+           cublas: float, implicit: float, emit) -> None:  # fmt: skip
+    """Time ``run(cfg)`` per configuration, its result (``result``, filled with NaN
+    before the checked run, where it writes one given buffer) compared with
+    ``reference`` first."""
     for cfg in CONFIGS:
         tile = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
         try:
-            y_rows.fill_(float("nan"))
-            boxed_rows_forward(rows, w, None, y_rows, cfg)
-            error = ((y_rows.float() - reference).norm() / reference.norm()).item()
-            us = _us(lambda c=cfg: boxed_rows_forward(rows, w, None, y_rows, c))
+            if result is not None:
+                result.fill_(float("nan"))
+            got = run(cfg).float()
+            error = ((got - reference).norm() / reference.norm()).item()
+            us = _us(lambda c=cfg: run(c))
         except Exception as exc:  # out of shared memory and the like
-            emit({**base, "variant": "boxed_rows", "tile": tile, "error": type(exc).__name__})
+            emit({**base, "variant": variant, "tile": tile, "error": type(exc).__name__})
             continue
-        emit({**base, "variant": "boxed_rows", "tile": tile, "us": round(us, 1),
+        emit({**base, "variant": variant, "tile": tile, "us": round(us, 1),
               "cublas_over_boxed": round(cublas / us, 3),
               "implicit_over_boxed": round(implicit / us, 3),
               "rel_rms_vs_implicit": f"{error:.2e}"})  # fmt: skip

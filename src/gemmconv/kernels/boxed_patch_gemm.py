@@ -278,10 +278,10 @@ def _rows_kernel(
              mask=(m < M)[:, None] & k_ok[None, :])  # fmt: skip
 
 
-# Tiles for half precision: 128 patches (two 8 x 16 boxes of ViT-B/16's 14 x 14 grid
-# would waste the same rows; the box is as wide as the grid's rows allow, up to the
-# tile), 64 reduction elements a step (four pixel rows of a 16-pixel patch) and 128
-# output channels. Shared memory per stage: 16 KiB of x and 16 KiB of W.
+# Tiles for half precision, not yet measured: 128 patches a tile (ViT-B/16: 8 patch
+# rows of a 16-wide box over its 14 x 14 grid; box_shape), 64 reduction elements a step
+# (four pixel rows of a 16-pixel patch) and 128 output channels. Shared memory a stage:
+# 16 KiB of x and 16 KiB of W.
 FORWARD_TILES = TileConfig(128, 128, 64, 8, 3)
 
 
