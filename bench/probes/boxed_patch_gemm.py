@@ -111,12 +111,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _row(name: str, shape, device: torch.device, emit) -> None:
-    dtype = torch.bfloat16
-    x = torch.randn(shape.n, shape.c, *shape.spatial, device=device, dtype=dtype)
+def _operands(shape, device: torch.device):
+    """(x, its patch kernel, the reduction's length, W's rows) in bf16."""
+    x = torch.randn(shape.n, shape.c, *shape.spatial, device=device, dtype=torch.bfloat16)
     kernel = tuple(shape.kernel)
     reduction = shape.c * math.prod(kernel)
-    w = torch.randn(shape.k, reduction, device=device, dtype=dtype) / math.sqrt(reduction)
+    w = torch.randn(shape.k, reduction, device=device, dtype=x.dtype) / math.sqrt(reduction)
+    return x, kernel, reduction, w
+
+
+def _row(name: str, shape, device: torch.device, emit) -> None:
+    x, kernel, reduction, w = _operands(shape, device)
+    dtype = x.dtype
     outs = tuple(s // r for s, r in zip(shape.spatial, kernel))
     reasons = applies(x, kernel, w)
     if reasons:
@@ -195,12 +201,8 @@ def _wgrad(base: dict, x, kernel, outs, y, cols, device: torch.device, emit) -> 
 
 def _point_row(name: str, shape, device: torch.device, emit) -> None:
     """One patch a sample: x's own rows [N, Kred] are the columns."""
-    dtype = torch.bfloat16
-    x = torch.randn(shape.n, shape.c, *shape.spatial, device=device, dtype=dtype)
-    kernel = tuple(shape.kernel)
-    reduction = shape.c * math.prod(kernel)
-    w = torch.randn(shape.k, reduction, device=device, dtype=dtype) / math.sqrt(reduction)
-    y = torch.empty(shape.n, shape.k, *(1,) * len(kernel), device=device, dtype=dtype)
+    x, kernel, reduction, w = _operands(shape, device)
+    y = torch.empty(shape.n, shape.k, *(1,) * len(kernel), device=device, dtype=x.dtype)
     rows, y_rows = x.view(shape.n, reduction), y.view(shape.n, shape.k)
     base = {"case": name, "direction": "fwd", "m": shape.n, "n": shape.k, "k": reduction}
     implicit = _us(lambda: patch_gemm.patch_gemm_forward(x, w, None, kernel, False, out=y))

@@ -44,6 +44,15 @@ CASES = [
 ]
 
 
+def _assert_close(got, ref, dtype, label):
+    """``got`` within its own rounding (an ulp of the largest value, ``dtype``'s) and the
+    fp32 sums' of the float64 ``ref``, every element written (the results start NaN)."""
+    assert torch.isfinite(got).all(), label
+    err = (got.double() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert err <= torch.finfo(dtype).eps * scale + 1e-4 * scale, (label, err)
+
+
 def _check(shape, kernel, k, bias, dtype, device, cfg, channels_last=False):
     gen = torch.Generator().manual_seed(sum(shape) + k)
     x = torch.randn(shape, generator=gen).to(dtype).to(device)
@@ -56,11 +65,7 @@ def _check(shape, kernel, k, bias, dtype, device, cfg, channels_last=False):
         memory = torch.channels_last if len(kernel) == 2 else torch.channels_last_3d
         out = out.to(memory_format=memory)
     boxed_patch_forward(x, w.reshape(k, -1), b, kernel, out, cfg)
-    assert torch.isfinite(out).all()
-    err = (out.double() - ref).abs().max().item()
-    # The result's own rounding (half an ulp of the largest value) and the fp32 sum's.
-    scale = ref.abs().max().item()
-    assert err <= torch.finfo(dtype).eps * scale + 1e-4 * scale, (shape, kernel, err)
+    _assert_close(out, ref, dtype, (shape, kernel))
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -245,10 +250,7 @@ def _check_rows(m, k, n, bias, dtype, device, cfg, transposed_out=False):
                      device=device)  # fmt: skip
     out = out.t() if transposed_out else out
     boxed_rows_forward(x, w, b, out, cfg)
-    assert torch.isfinite(out).all()
-    err = (out.double() - ref).abs().max().item()
-    scale = ref.abs().max().item()
-    assert err <= torch.finfo(dtype).eps * scale + 1e-4 * scale, (m, k, n, err)
+    _assert_close(out, ref, dtype, (m, k, n))
 
 
 # (rows, reduction, output channels): tiles that fit, and tails in every dimension.
@@ -304,11 +306,9 @@ def _check_weight_grad(shape, kernel, k, dtype, device, cfg, programs, dy_layout
     conv(x.double().cpu(), w, stride=kernel).backward(dy.double().cpu())
     ref = w.grad.reshape(k, -1).to(device)
     got = boxed_patch_weight_grad(dy, x, kernel, programs, cfg)
+    # fp32 partials: products of half-precision operands are exact there.
     assert got.dtype == torch.float32 and got.shape == ref.shape
-    assert torch.isfinite(got).all()
-    err = (got.double() - ref).abs().max().item()
-    # Products of half-precision operands are exact in fp32; the fp32 sums' rounding.
-    assert err <= 1e-4 * ref.abs().max().item(), (shape, kernel, err)
+    _assert_close(got, ref, torch.float32, (shape, kernel))
 
 
 @pytest.mark.parametrize("programs", [1, 8])
@@ -356,10 +356,7 @@ def _check_backward_data(shape, kernel, k, dtype, device, cfg, dy_layout="cf"):
     # NaN everywhere first: every element must be written, pixels no patch covers as 0.
     dx = torch.full(shape, float("nan"), dtype=dtype, device=device)
     boxed_patch_backward_data(dy, w.reshape(k, -1), kernel, dx, cfg)
-    assert torch.isfinite(dx).all()
-    err = (dx.double() - ref).abs().max().item()
-    scale = ref.abs().max().item()
-    assert err <= torch.finfo(dtype).eps * scale + 1e-4 * scale, (shape, kernel, err)
+    _assert_close(dx, ref, dtype, (shape, kernel))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

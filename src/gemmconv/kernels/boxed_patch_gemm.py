@@ -44,7 +44,7 @@ the implicit GEMMs of patch_gemm and cuBLAS on the same columns.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 
 import torch
 import triton
@@ -52,12 +52,74 @@ import triton.language as tl
 
 from gemmconv.kernels import compiled
 from gemmconv.kernels.patch_gemm import TileConfig, vector_elements
-from gemmconv.kernels.patch_index import below
+from gemmconv.kernels.patch_index import DeviceHelper, below
 from gemmconv.kernels.program_order import grouped_tile
 
 # TMA's rule for a box's global memory: the base and every stride but the innermost
 # 16-byte aligned, and the innermost box extent a multiple of 16 bytes.
 TMA_ALIGNMENT = 16
+
+
+def _patch_origin(tile, TP, HP, WP, BHP: tl.constexpr, BWP: tl.constexpr):
+    """(n, tp, hp0, wp0) of patch tile ``tile``: the tiles of a sample's frame patch in
+    patch-row order, then its frame patches, then the samples."""
+    hp_tiles = (HP + BHP - 1) // BHP  # not tl.cdiv: a jit helper the interpreter lacks
+    wp_tiles = (WP + BWP - 1) // BWP
+    patch_tile = tile % (hp_tiles * wp_tiles)
+    sample_frame = tile // (hp_tiles * wp_tiles)  # n * TP + tp
+    hp0 = (patch_tile // wp_tiles) * BHP
+    wp0 = (patch_tile % wp_tiles) * BWP
+    return sample_frame // TP, sample_frame % TP, hp0, wp0
+
+
+def _box_start(step, n, tp, C, F, KT: tl.constexpr, PH: tl.constexpr, BKH: tl.constexpr):
+    """(row of x's 5-D view, first pixel row) of reduction box ``step`` (channel c, frame
+    dt of the kernel, BKH pixel rows: the weight's order) of sample n's frame patch tp."""
+    STEPS_PER_FRAME: tl.constexpr = PH // BKH
+    channel_frame = step // STEPS_PER_FRAME  # c * KT + dt
+    frame = (n * C + channel_frame // KT) * F + tp * KT + channel_frame % KT
+    return frame, (step % STEPS_PER_FRAME) * BKH
+
+
+def _box_columns(box, BHP: tl.constexpr, BKH: tl.constexpr, BWP: tl.constexpr,
+                 PW: tl.constexpr):  # fmt: skip
+    """A box [1, BHP, BKH, BWP, PW] as its [BHP * BWP, BKH * PW] tile of the column matrix."""
+    tile = tl.permute(box.reshape(BHP, BKH, BWP, PW), (0, 2, 1, 3))
+    return tile.reshape(BHP * BWP, BKH * PW)
+
+
+def _pixel_block(channels, n, tp, hp0, wp0, HP, WP, YSN, YST, YSH, YSW,
+                 PIXEL_ALIGN: tl.constexpr, BHP: tl.constexpr, BWP: tl.constexpr,
+                 CHANNELS_OUTER: tl.constexpr):  # fmt: skip
+    """(offsets, mask over the patches) of a block of y or dY: ``channels`` (their
+    offsets) by BHP patch rows by BWP patches, as [channels, BHP, BWP] where
+    CHANNELS_OUTER, else [BHP, BWP, channels]. Patches along a row are an axis of their
+    own, so Triton sees their runs (and the host's PIXEL_ALIGN claim on them) and moves
+    them in vectors; through a flattened patch index it moved 2-byte pieces."""
+    hp = hp0 + tl.arange(0, BHP)
+    wp = wp0 + tl.arange(0, BWP)
+    row = n.to(tl.int64) * YSN + tp.to(tl.int64) * YST + hp * YSH
+    inside = (hp < HP)[:, None] & below(wp, WP, PIXEL_ALIGN)[None, :]
+    pixels = row[:, None] + (wp * YSW)[None, :]
+    if CHANNELS_OUTER:
+        offsets = channels[:, None, None] + pixels[None, :, :]
+        mask = inside[None, :, :]
+        if PIXEL_ALIGN > 1:
+            offsets = tl.multiple_of(offsets, [1, 1, PIXEL_ALIGN])
+            offsets = tl.max_contiguous(offsets, [1, 1, PIXEL_ALIGN])
+    else:
+        offsets = pixels[:, :, None] + channels[None, None, :]
+        mask = inside[:, :, None]
+        if PIXEL_ALIGN > 1:
+            offsets = tl.multiple_of(offsets, [1, PIXEL_ALIGN, 1])
+            offsets = tl.max_contiguous(offsets, [1, PIXEL_ALIGN, 1])
+    return offsets, mask
+
+
+patch_origin = DeviceHelper(_patch_origin)
+box_start = DeviceHelper(_box_start)
+box_columns = DeviceHelper(_box_columns)
+pixel_block = DeviceHelper(_pixel_block)
 
 
 def _forward_kernel(
@@ -75,49 +137,23 @@ def _forward_kernel(
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """y[n, k, tp, hp, wp] = sum over (c, dt, kh, kw) of
-    x[n, c, tp*KT + dt, hp*PH + kh, wp*PW + kw] * w[k, (c, dt, kh, kw)] (+ b[k])."""
-    BLOCK_M: tl.constexpr = BHP * BWP
-    BLOCK_K: tl.constexpr = BKH * PW
-    STEPS_PER_FRAME: tl.constexpr = PH // BKH
-    hp_tiles = (HP + BHP - 1) // BHP  # not tl.cdiv: a jit helper the interpreter lacks
-    wp_tiles = (WP + BWP - 1) // BWP
-    pid = tl.program_id(0)
-    patch_tile = pid % (hp_tiles * wp_tiles)
-    sample_frame = pid // (hp_tiles * wp_tiles)  # n * TP + tp
-    n = sample_frame // TP
-    tp = sample_frame % TP
-    hp0 = (patch_tile // wp_tiles) * BHP
-    wp0 = (patch_tile % wp_tiles) * BWP
+    x[n, c, tp*KT + dt, hp*PH + kh, wp*PW + kw] * w[k, (c, dt, kh, kw)] (+ b[k]). A
+    program owns one patch tile and BLOCK_N output channels."""
+    n, tp, hp0, wp0 = patch_origin(tl.program_id(0), TP, HP, WP, BHP, BWP)
     k0 = tl.program_id(1) * BLOCK_N
-
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
-    for step in range(C * KT * STEPS_PER_FRAME):
-        channel_frame = step // STEPS_PER_FRAME  # c * KT + dt
-        c = channel_frame // KT
-        frame = (n * C + c) * F + tp * KT + channel_frame % KT
-        kh0 = (step % STEPS_PER_FRAME) * BKH
-        box = x_desc.load([frame, hp0, kh0, wp0, 0]).reshape(BHP, BKH, BWP, PW)
-        a = tl.permute(box, (0, 2, 1, 3)).reshape(BLOCK_M, BLOCK_K)
-        b = w_desc.load([k0, step * BLOCK_K])
+    acc = tl.full((BHP * BWP, BLOCK_N), 0.0, dtype=tl.float32)
+    for step in range(C * KT * (PH // BKH)):
+        frame, kh0 = box_start(step, n, tp, C, F, KT, PH, BKH)
+        a = box_columns(x_desc.load([frame, hp0, kh0, wp0, 0]), BHP, BKH, BWP, PW)
+        b = w_desc.load([k0, step * BKH * PW])
         acc = tl.dot(a, b.T, acc)
 
     kout = k0 + tl.arange(0, BLOCK_N)
     k_ok = kout < KOUT
     if HAS_BIAS:
         acc += tl.load(b_ptr + kout * BS, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    # y's tile as [BHP, BWP, BLOCK_N], patches along a row in the middle, so that
-    # Triton sees the runs along a row (and the host's PIXEL_ALIGN claim on them) and
-    # stores them in vectors.
-    hp = hp0 + tl.arange(0, BHP)
-    wp = wp0 + tl.arange(0, BWP)
-    row = n.to(tl.int64) * YSN + tp.to(tl.int64) * YST + hp * YSH
-    offsets = (
-        row[:, None, None] + (wp * YSW)[None, :, None] + (kout.to(tl.int64) * YSC)[None, None, :]
-    )
-    if PIXEL_ALIGN > 1:
-        offsets = tl.multiple_of(offsets, [1, PIXEL_ALIGN, 1])
-        offsets = tl.max_contiguous(offsets, [1, PIXEL_ALIGN, 1])
-    mask = (hp < HP)[:, None, None] & below(wp, WP, PIXEL_ALIGN)[None, :, None]
+    offsets, mask = pixel_block(kout.to(tl.int64) * YSC, n, tp, hp0, wp0, HP, WP, YSN, YST, YSH,
+                                YSW, PIXEL_ALIGN, BHP, BWP, False)  # fmt: skip
     tl.store(y_ptr + offsets, acc.reshape(BHP, BWP, BLOCK_N).to(y_ptr.dtype.element_ty),
              mask=mask & k_ok[None, None, :])  # fmt: skip
 
@@ -137,53 +173,25 @@ def _wgrad_kernel(
 ):  # fmt: skip
     """part[split, k, r] = sum over the split's patch tiles of dY[n, k, tp, hp, wp] *
     x's column (n, tp, hp, wp; r), r in the weight's order (c, dt, kh, kw). A program
-    owns BLOCK_N output channels by one box's reduction columns (one channel and frame,
-    BKH pixel rows) and walks PER_SPLIT patch tiles in order, so the sum's order is
-    fixed by the shapes."""
-    BLOCK_M: tl.constexpr = BHP * BWP
+    owns BLOCK_N output channels by one box's reduction columns and walks PER_SPLIT
+    patch tiles in order, so the sum's order is fixed by the shapes."""
     BLOCK_K: tl.constexpr = BKH * PW
-    STEPS_PER_FRAME: tl.constexpr = PH // BKH
-    hp_tiles = (HP + BHP - 1) // BHP
-    wp_tiles = (WP + BWP - 1) // BWP
     steps = KRED // BLOCK_K
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    step = pid % steps
-    k0 = (pid // steps) * BLOCK_N
-    channel_frame = step // STEPS_PER_FRAME  # c * KT + dt
-    c = channel_frame // KT
-    dt = channel_frame % KT
-    kh0 = (step % STEPS_PER_FRAME) * BKH
-    kout = k0 + tl.arange(0, BLOCK_N)
+    step = tl.program_id(0) % steps
+    kout = (tl.program_id(0) // steps) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_ok = kout < KOUT
-    dy_channel = kout.to(tl.int64) * YSC
-
+    split = tl.program_id(1)
     acc = tl.full((BLOCK_N, BLOCK_K), 0.0, dtype=tl.float32)
     first = split * PER_SPLIT
     last = tl.where(first + PER_SPLIT < TILES, first + PER_SPLIT, TILES)
     for tile in range(first, last):
-        patch_tile = tile % (hp_tiles * wp_tiles)
-        sample_frame = tile // (hp_tiles * wp_tiles)
-        n = sample_frame // TP
-        tp = sample_frame % TP
-        hp0 = (patch_tile // wp_tiles) * BHP
-        wp0 = (patch_tile % wp_tiles) * BWP
-        # dY's tile as [BLOCK_N, BHP, BWP], patches along a row innermost, so that
-        # Triton sees the runs along a row (and the host's PIXEL_ALIGN claim on them).
-        hp = hp0 + tl.arange(0, BHP)
-        wp = wp0 + tl.arange(0, BWP)
-        row = n.to(tl.int64) * YSN + tp.to(tl.int64) * YST + hp * YSH
-        offsets = dy_channel[:, None, None] + row[None, :, None] + (wp * YSW)[None, None, :]
-        if PIXEL_ALIGN > 1:
-            offsets = tl.multiple_of(offsets, [1, 1, PIXEL_ALIGN])
-            offsets = tl.max_contiguous(offsets, [1, 1, PIXEL_ALIGN])
-        mask = k_ok[:, None, None] & (hp < HP)[None, :, None]
-        mask = mask & below(wp, WP, PIXEL_ALIGN)[None, None, :]
-        a = tl.load(dy_ptr + offsets, mask=mask, other=0.0).reshape(BLOCK_N, BLOCK_M)
-        frame = (n * C + c) * F + tp * KT + dt
-        box = x_desc.load([frame, hp0, kh0, wp0, 0]).reshape(BHP, BKH, BWP, PW)
-        b = tl.permute(box, (0, 2, 1, 3)).reshape(BLOCK_M, BLOCK_K)
-        acc = tl.dot(a, b, acc)
+        n, tp, hp0, wp0 = patch_origin(tile, TP, HP, WP, BHP, BWP)
+        offsets, mask = pixel_block(kout.to(tl.int64) * YSC, n, tp, hp0, wp0, HP, WP, YSN,
+                                    YST, YSH, YSW, PIXEL_ALIGN, BHP, BWP, True)  # fmt: skip
+        a = tl.load(dy_ptr + offsets, mask=mask & k_ok[:, None, None], other=0.0)
+        frame, kh0 = box_start(step, n, tp, C, F, KT, PH, BKH)
+        b = box_columns(x_desc.load([frame, hp0, kh0, wp0, 0]), BHP, BKH, BWP, PW)
+        acc = tl.dot(a.reshape(BLOCK_N, BHP * BWP), b, acc)
 
     r = step * BLOCK_K + tl.arange(0, BLOCK_K)
     offsets = (split * KOUT + kout[:, None]).to(tl.int64) * KRED + r[None, :]
@@ -205,48 +213,26 @@ def _dgrad_kernel(
 ):  # fmt: skip
     """dx's box at (frame, hp0, kh0, wp0, 0) = the column tile dY[patches, :] @ w[:, the
     box's reduction columns], permuted back into the box and stored by TMA (patches
-    past HP or WP are not written). A program owns one box: BHP x BWP patches of one
-    sample and frame-patch, one box's reduction columns (one channel and frame, BKH
-    pixel rows), and walks the output channels in BLOCK_N steps."""
+    past HP or WP are not written). A program owns one box: one patch tile, one box's
+    reduction columns, and walks the output channels in BLOCK_N steps. dY is read as
+    the weight gradient reads it, [BLOCK_N, BHP, BWP] (its pipelined copies; with the
+    channels innermost they were plain loads), and transposed in registers."""
     BLOCK_M: tl.constexpr = BHP * BWP
     BLOCK_K: tl.constexpr = BKH * PW
-    STEPS_PER_FRAME: tl.constexpr = PH // BKH
-    hp_tiles = (HP + BHP - 1) // BHP
-    wp_tiles = (WP + BWP - 1) // BWP
     steps = KRED // BLOCK_K
-    pid = tl.program_id(0)
-    step = pid % steps  # a patch tile's boxes run one after another, sharing dY in L2
-    tile = pid // steps
-    patch_tile = tile % (hp_tiles * wp_tiles)
-    sample_frame = tile // (hp_tiles * wp_tiles)
-    n = sample_frame // TP
-    tp = sample_frame % TP
-    hp0 = (patch_tile // wp_tiles) * BHP
-    wp0 = (patch_tile % wp_tiles) * BWP
-    channel_frame = step // STEPS_PER_FRAME
-    c = channel_frame // KT
-    kh0 = (step % STEPS_PER_FRAME) * BKH
-
-    hp = hp0 + tl.arange(0, BHP)
-    wp = wp0 + tl.arange(0, BWP)
-    row = n.to(tl.int64) * YSN + tp.to(tl.int64) * YST + hp * YSH
-    pixels = row[None, :, None] + (wp * YSW)[None, None, :]
-    mask = (hp < HP)[None, :, None] & below(wp, WP, PIXEL_ALIGN)[None, None, :]
+    step = tl.program_id(0) % steps  # a patch tile's boxes run one after another
+    n, tp, hp0, wp0 = patch_origin(tl.program_id(0) // steps, TP, HP, WP, BHP, BWP)
     acc = tl.full((BLOCK_M, BLOCK_K), 0.0, dtype=tl.float32)
     for k0 in range(0, KOUT, BLOCK_N):
         kout = k0 + tl.arange(0, BLOCK_N)
-        # dY's tile as [BLOCK_N, BHP, BWP], as the weight gradient reads it (patches along
-        # a row innermost: pipelined copies), transposed in registers; channels past
-        # KOUT read as zeros, as W's box does.
-        offsets = (kout.to(tl.int64) * YSC)[:, None, None] + pixels
-        if PIXEL_ALIGN > 1:
-            offsets = tl.multiple_of(offsets, [1, 1, PIXEL_ALIGN])
-            offsets = tl.max_contiguous(offsets, [1, 1, PIXEL_ALIGN])
-        a = tl.load(dy_ptr + offsets, mask=(kout < KOUT)[:, None, None] & mask, other=0.0)
+        offsets, mask = pixel_block(kout.to(tl.int64) * YSC, n, tp, hp0, wp0, HP, WP, YSN,
+                                    YST, YSH, YSW, PIXEL_ALIGN, BHP, BWP, True)  # fmt: skip
+        # Channels past KOUT read as zeros, as W's box does.
+        a = tl.load(dy_ptr + offsets, mask=mask & (kout < KOUT)[:, None, None], other=0.0)
         b = w_desc.load([k0, step * BLOCK_K])
         acc = tl.dot(tl.trans(a.reshape(BLOCK_N, BLOCK_M)), b, acc)
 
-    frame = (n * C + c) * F + tp * KT + channel_frame % KT
+    frame, kh0 = box_start(step, n, tp, C, F, KT, PH, BKH)
     box = tl.permute(acc.reshape(BHP, BWP, BKH, PW), (0, 2, 1, 3))
     dx_desc.store([frame, hp0, kh0, wp0, 0], box.reshape(1, BHP, BKH, BWP, PW).to(dx_desc.dtype))
 
@@ -285,13 +271,104 @@ def _rows_kernel(
 FORWARD_TILES = TileConfig(128, 128, 64, 8, 3)
 
 
-def _as_boxes(x: torch.Tensor, kernel: tuple[int, ...]) -> tuple[int, ...]:
-    """(N, C, F, H, W, KT, TP) of channels-first x [N, C, (F,) H, W] under ``kernel``."""
+@dataclasses.dataclass(frozen=True)
+class _Boxes:
+    """A channels-first x [N, C, (F,) H, W] under a patch ``kernel`` seen as TMA boxes,
+    and the tiles of a configuration over it."""
+
+    n: int
+    c: int
+    f: int  # frames (1 in 2-D)
+    h: int
+    w: int
+    kt: int  # the kernel's frames (1 in 2-D)
+    tp: int  # frame patches (1 in 2-D)
+    ph: int
+    pw: int
+    hp: int
+    wp: int
+    volumes: bool  # 3-D
+    rows: int  # BHP
+    depth: int  # BKH
+    width: int  # BWP
+
+    @property
+    def reduction(self) -> int:
+        return self.c * self.kt * self.ph * self.pw
+
+    @property
+    def patch_tiles(self) -> int:
+        return self.n * self.tp * triton.cdiv(self.hp, self.rows) * triton.cdiv(self.wp, self.width)
+
+    @property
+    def steps(self) -> int:
+        """Boxes along the reduction."""
+        return self.reduction // (self.depth * self.pw)
+
+    @property
+    def covers_all(self) -> bool:
+        """Whether every pixel of x lies in some patch."""
+        return (
+            self.hp * self.ph == self.h
+            and self.wp * self.pw == self.w
+            and (self.tp * self.kt == self.f)
+        )
+
+    def output_shape(self, kout: int) -> tuple[int, ...]:
+        return (self.n, kout, *((self.tp,) if self.volumes else ()), self.hp, self.wp)
+
+    def descriptor(self, t: torch.Tensor):
+        """The 5-D view of ``t`` (x or dx) in this geometry's boxes."""
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        shape = [self.n * self.c * self.f, self.hp, self.ph, self.wp, self.pw]
+        strides = [self.h * self.w, self.ph * self.w, self.w, self.pw, 1]
+        return TensorDescriptor(t, shape, strides, [1, self.rows, self.depth, self.width, self.pw])
+
+    def weight_descriptor(self, weight_rows: torch.Tensor, block_n: int):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        kout = weight_rows.shape[0]
+        box = [block_n, self.depth * self.pw]
+        return TensorDescriptor(weight_rows, [kout, self.reduction], [self.reduction, 1], box)
+
+    def pixel_strides(self, t: torch.Tensor) -> tuple[int, ...]:
+        """(sample, channel, frame patch, patch row, patch) strides of y or dY ``t``."""
+        ysn, ysc, *spatial = t.stride()
+        return (ysn, ysc, *(spatial if self.volumes else (0, *spatial)))
+
+
+def _boxes(
+    name: str,
+    x: torch.Tensor,
+    kernel: tuple[int, ...],
+    cfg: TileConfig,
+    weight_rows: torch.Tensor | None = None,
+    output: tuple[str, torch.Tensor] | None = None,
+) -> _Boxes:
+    """The boxes of ``x`` (called ``name``) under ``kernel`` and ``cfg``, after checking
+    that TMA can box it (``applies``), that ``weight_rows`` is [K, C * prod(kernel)] and
+    that the output-shaped operand ``output`` (its name and tensor) has the patches'
+    shape: ValueError naming the argument otherwise."""
+    reasons = applies(x, kernel, weight_rows)
+    if reasons:
+        raise ValueError(f"{name} {tuple(x.shape)}, kernel {kernel}: " + "; ".join(reasons))
     if x.dim() == 4:
-        n, c, h, w = x.shape
-        return n, c, 1, h, w, 1, 1
-    n, c, f, h, w = x.shape
-    return n, c, f, h, w, kernel[0], f // kernel[0]
+        (n, c, h, w), f, kt = x.shape, 1, 1
+    else:
+        (n, c, f, h, w), kt = x.shape, kernel[0]
+    ph, pw = kernel[-2], kernel[-1]
+    rows, depth, width = box_shape(w // pw, ph, pw, cfg)
+    boxes = _Boxes(n, c, f, h, w, kt, f // kt, ph, pw, h // ph, w // pw, x.dim() == 5,
+                   rows, depth, width)  # fmt: skip
+    if weight_rows is not None and weight_rows.shape[1] != boxes.reduction:
+        raise ValueError(f"weight_rows {tuple(weight_rows.shape)}: expected [K, {boxes.reduction}]")
+    if output is not None:
+        label, t = output
+        expected = boxes.output_shape(t.shape[1] if weight_rows is None else weight_rows.shape[0])
+        if tuple(t.shape) != expected:
+            raise ValueError(f"{label} {tuple(t.shape)}: expected {list(expected)}")
+    return boxes
 
 
 def applies(
@@ -357,42 +434,20 @@ def boxed_patch_forward(
     padding, for x TMA can box (``applies``); ``weight_rows`` [K, C * prod(kernel)] in
     the weight's own order. ``cfg`` overrides the tiles (the probe's sweep; block_m
     and block_k powers of two)."""
-    reasons = applies(x, kernel, weight_rows)
-    if reasons:
-        raise ValueError(f"x {tuple(x.shape)}, kernel {kernel}: " + "; ".join(reasons))
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    n, c, f, h, w, kt, tp = _as_boxes(x, kernel)
-    ph, pw = kernel[-2], kernel[-1]
-    hp, wp = h // ph, w // pw
-    kout, reduction = weight_rows.shape
-    if reduction != c * math.prod(kernel):
-        raise ValueError(
-            f"weight_rows {tuple(weight_rows.shape)}: expected [K, {c * math.prod(kernel)}]"
-        )
-    expected = (n, kout, *((tp,) if x.dim() == 5 else ()), hp, wp)
-    if tuple(out.shape) != expected:
-        raise ValueError(f"out {tuple(out.shape)}: expected {list(expected)}")
+    cfg = cfg or FORWARD_TILES
+    b = _boxes("x", x, kernel, cfg, weight_rows, ("out", out))
+    kout = weight_rows.shape[0]
     if bias is not None and bias.shape != (kout,):
         raise ValueError(f"bias {tuple(bias.shape)}: expected [{kout}]")
-    cfg = cfg or FORWARD_TILES
-    rows, depth, width = box_shape(wp, ph, pw, cfg)
-    x_desc = TensorDescriptor(
-        x, [n * c * f, hp, ph, wp, pw], [h * w, ph * w, w, pw, 1], [1, rows, depth, width, pw]
-    )
-    w_desc = TensorDescriptor(
-        weight_rows, [kout, reduction], [reduction, 1], [cfg.block_n, depth * pw]
-    )
-    ysn, ysc, *spatial = out.stride()
-    yst, ysh, ysw = spatial if x.dim() == 5 else (0, *spatial)
-    tiles = triton.cdiv(hp, rows) * triton.cdiv(wp, width)
-    grid = (n * tp * tiles, triton.cdiv(kout, cfg.block_n))
     launch = compiled(_forward_kernel, x.device)
-    launch[grid](
-        x_desc, w_desc, weight_rows if bias is None else bias, out,
-        c, f, tp, hp, wp, kout, ysn, ysc, yst, ysh, ysw, 1 if bias is None else bias.stride(0),
-        KT=kt, PH=ph, HAS_BIAS=bias is not None, PIXEL_ALIGN=pixel_alignment(out, width),
-        BHP=rows, BWP=width, BKH=depth, PW=pw, BLOCK_N=cfg.block_n, **cfg.launch_options(),
+    launch[(b.patch_tiles, triton.cdiv(kout, cfg.block_n))](
+        b.descriptor(x), b.weight_descriptor(weight_rows, cfg.block_n),
+        weight_rows if bias is None else bias, out,
+        b.c, b.f, b.tp, b.hp, b.wp, kout, *b.pixel_strides(out),
+        1 if bias is None else bias.stride(0),
+        KT=b.kt, PH=b.ph, HAS_BIAS=bias is not None, PIXEL_ALIGN=pixel_alignment(out, b.width),
+        BHP=b.rows, BWP=b.width, BKH=b.depth, PW=b.pw, BLOCK_N=cfg.block_n,
+        **cfg.launch_options(),
     )  # fmt: skip
     return out
 
@@ -417,39 +472,22 @@ def boxed_patch_weight_grad(
     (any strides) and x TMA can box (``applies``), stride = ``kernel``, no padding; the
     reduction over patch tiles cut into enough fp32 partials to run about ``programs``
     programs (gemmconv.kernels.split_programs), summed in a fixed order."""
-    reasons = applies(x, kernel)
-    if reasons:
-        raise ValueError(f"x {tuple(x.shape)}, kernel {kernel}: " + "; ".join(reasons))
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    n, c, f, h, w, kt, tp = _as_boxes(x, kernel)
-    ph, pw = kernel[-2], kernel[-1]
-    hp, wp = h // ph, w // pw
-    kout = grad_output.shape[1]
-    expected = (n, kout, *((tp,) if x.dim() == 5 else ()), hp, wp)
-    if tuple(grad_output.shape) != expected:
-        raise ValueError(f"grad_output {tuple(grad_output.shape)}: expected {list(expected)}")
     cfg = cfg or WGRAD_TILES
-    rows, depth, width = box_shape(wp, ph, pw, cfg)
-    reduction = c * math.prod(kernel)
-    patch_tiles = n * tp * triton.cdiv(hp, rows) * triton.cdiv(wp, width)
-    out_tiles = triton.cdiv(kout, cfg.block_n) * (reduction // (depth * pw))
+    b = _boxes("x", x, kernel, cfg, output=("grad_output", grad_output))
+    kout = grad_output.shape[1]
+    out_tiles = triton.cdiv(kout, cfg.block_n) * b.steps
     # Never a split of fewer than four tiles: each writes a whole partial.
-    splits = max(1, min(triton.cdiv(programs, out_tiles), triton.cdiv(patch_tiles, 4)))
-    per_split = triton.cdiv(patch_tiles, splits)
-    splits = triton.cdiv(patch_tiles, per_split)  # every split owns at least one tile
-    partials = torch.empty(splits, kout, reduction, dtype=torch.float32, device=x.device)
-    x_desc = TensorDescriptor(
-        x, [n * c * f, hp, ph, wp, pw], [h * w, ph * w, w, pw, 1], [1, rows, depth, width, pw]
-    )
-    ysn, ysc, *spatial = grad_output.stride()
-    yst, ysh, ysw = spatial if x.dim() == 5 else (0, *spatial)
+    splits = max(1, min(triton.cdiv(programs, out_tiles), triton.cdiv(b.patch_tiles, 4)))
+    per_split = triton.cdiv(b.patch_tiles, splits)
+    splits = triton.cdiv(b.patch_tiles, per_split)  # every split owns at least one tile
+    partials = torch.empty(splits, kout, b.reduction, dtype=torch.float32, device=x.device)
     launch = compiled(_wgrad_kernel, x.device)
     launch[(out_tiles, splits)](
-        grad_output, x_desc, partials,
-        c, f, tp, hp, wp, kout, reduction, patch_tiles, per_split, ysn, ysc, yst, ysh, ysw,
-        KT=kt, PH=ph, PIXEL_ALIGN=pixel_alignment(grad_output, width), BHP=rows, BWP=width,
-        BKH=depth, PW=pw, BLOCK_N=cfg.block_n, **cfg.launch_options(),
+        grad_output, b.descriptor(x), partials,
+        b.c, b.f, b.tp, b.hp, b.wp, kout, b.reduction, b.patch_tiles, per_split,
+        *b.pixel_strides(grad_output),
+        KT=b.kt, PH=b.ph, PIXEL_ALIGN=pixel_alignment(grad_output, b.width), BHP=b.rows,
+        BWP=b.width, BKH=b.depth, PW=b.pw, BLOCK_N=cfg.block_n, **cfg.launch_options(),
     )  # fmt: skip
     return partials[0] if splits == 1 else partials.sum(0)
 
@@ -465,41 +503,17 @@ def boxed_patch_backward_data(
     input gradient from dY [N, K, O..] (any strides) and ``weight_rows`` [K, C *
     prod(kernel)], stride = ``kernel``, no padding. Pixels no patch covers (sizes the
     kernel does not divide) are zeroed by a fill first. Returns dx."""
-    reasons = applies(dx, kernel, weight_rows)
-    if reasons:
-        raise ValueError(f"dx {tuple(dx.shape)}, kernel {kernel}: " + "; ".join(reasons))
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    n, c, f, h, w, kt, tp = _as_boxes(dx, kernel)
-    ph, pw = kernel[-2], kernel[-1]
-    hp, wp = h // ph, w // pw
-    kout, reduction = weight_rows.shape
-    if reduction != c * math.prod(kernel):
-        raise ValueError(
-            f"weight_rows {tuple(weight_rows.shape)}: expected [K, {c * math.prod(kernel)}]"
-        )
-    expected = (n, kout, *((tp,) if dx.dim() == 5 else ()), hp, wp)
-    if tuple(grad_output.shape) != expected:
-        raise ValueError(f"grad_output {tuple(grad_output.shape)}: expected {list(expected)}")
-    if hp * ph != h or wp * pw != w or tp * kt != f:
-        dx.zero_()
     cfg = cfg or DGRAD_TILES
-    rows, depth, width = box_shape(wp, ph, pw, cfg)
-    dx_desc = TensorDescriptor(
-        dx, [n * c * f, hp, ph, wp, pw], [h * w, ph * w, w, pw, 1], [1, rows, depth, width, pw]
-    )
-    w_desc = TensorDescriptor(
-        weight_rows, [kout, reduction], [reduction, 1], [cfg.block_n, depth * pw]
-    )
-    ysn, ysc, *spatial = grad_output.stride()
-    yst, ysh, ysw = spatial if dx.dim() == 5 else (0, *spatial)
-    patch_tiles = n * tp * triton.cdiv(hp, rows) * triton.cdiv(wp, width)
+    b = _boxes("dx", dx, kernel, cfg, weight_rows, ("grad_output", grad_output))
+    if not b.covers_all:
+        dx.zero_()
     launch = compiled(_dgrad_kernel, dx.device)
-    launch[(patch_tiles * (reduction // (depth * pw)),)](
-        grad_output, w_desc, dx_desc,
-        c, f, tp, hp, wp, kout, reduction, ysn, ysc, yst, ysh, ysw,
-        KT=kt, PH=ph, PIXEL_ALIGN=pixel_alignment(grad_output, width), BHP=rows, BWP=width,
-        BKH=depth, PW=pw, BLOCK_N=cfg.block_n, **cfg.launch_options(),
+    launch[(b.patch_tiles * b.steps,)](
+        grad_output, b.weight_descriptor(weight_rows, cfg.block_n), b.descriptor(dx),
+        b.c, b.f, b.tp, b.hp, b.wp, weight_rows.shape[0], b.reduction,
+        *b.pixel_strides(grad_output),
+        KT=b.kt, PH=b.ph, PIXEL_ALIGN=pixel_alignment(grad_output, b.width), BHP=b.rows,
+        BWP=b.width, BKH=b.depth, PW=b.pw, BLOCK_N=cfg.block_n, **cfg.launch_options(),
     )  # fmt: skip
     return dx
 
