@@ -118,6 +118,11 @@ def test_patches_tma_cannot_box_are_refused_by_name(shape, kernel, dtype, reason
         boxed_patch_forward(x, w, None, kernel, out)
 
 
+def test_more_frames_than_32_bit_coordinates_reach_are_refused():
+    x = torch.empty(2**20, 2**11, 8, 8, device="meta")
+    assert any("exceed TMA's 32-bit coordinates" in r for r in applies(x, (8, 8)))
+
+
 def test_channels_last_inputs_are_refused():
     x = torch.zeros(2, 3, 32, 32).to(memory_format=torch.channels_last)
     w = torch.zeros(4, 3 * 64)

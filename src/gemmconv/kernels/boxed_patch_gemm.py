@@ -376,8 +376,9 @@ def applies(
 ) -> list[str]:
     """Why TMA cannot box x's patches (empty: it can): channels-first dense x of 2 or 3
     spatial dimensions, a patch width that is a power of two and, like x's rows, a
-    16-byte multiple, a 16-byte aligned base; and the forward's weight rows dense and
-    16-byte aligned."""
+    16-byte multiple, a 16-byte aligned base, fewer than 2^31 frames (its boxes'
+    coordinates and the kernels' frame index are 32-bit); and the forward's weight rows
+    dense and 16-byte aligned."""
     if x.dim() not in (4, 5) or len(kernel) != x.dim() - 2:
         return [f"x of {x.dim()} dimensions with kernel {kernel}: expected 2-D or 3-D"]
     reasons = []
@@ -392,6 +393,10 @@ def applies(
                        f"{TMA_ALIGNMENT} bytes")  # fmt: skip
     if x.data_ptr() % TMA_ALIGNMENT:
         reasons.append("x does not start 16-byte aligned")
+    frames = x.shape[0] * x.shape[1] * (x.shape[2] if x.dim() == 5 else 1)
+    if frames >= 2**31:
+        reasons.append(f"{frames} frames of x (samples x channels x frames) exceed TMA's "
+                       "32-bit coordinates")  # fmt: skip
     if weight_rows is not None:
         if not weight_rows.is_contiguous():
             reasons.append("the weight's rows are not dense")
