@@ -38,7 +38,9 @@ order do not depend on M (no split-K), like the implicit GEMM's whole-row form, 
 loads the same rows through pointers at about half cuBLAS's speed on an H100 (point
 3D's forward: 100 us against 51; bench/probes/results/whole_row_h100.txt).
 
-No solver runs any of them yet: bench/probes/boxed_patch_gemm.py times them against
+The tiles are for half precision; fp32 operands (the CPU tests') multiply in TF32 on
+a GPU, tl.dot's default, where a solver would follow torch's TF32 setting. No solver
+runs any of them yet: bench/probes/boxed_patch_gemm.py times them against
 the implicit GEMMs of patch_gemm and cuBLAS on the same columns.
 """
 
