@@ -35,7 +35,8 @@ Each boxed configuration's output is compared with the implicit GEMM's first (re
 rms error, printed). One line per row and variant, printed as measured and, with
 ``--out FILE``, appended to FILE as a JSON line.
 
-    PYTHONPATH=src python3 bench/probes/boxed_patch_gemm.py [--out FILE]
+    PYTHONPATH=src python3 bench/probes/boxed_patch_gemm.py [--out FILE] [--configs N]
+        [--cases vit_b16,qwen2vl,...]
 """
 
 from __future__ import annotations
@@ -89,7 +90,14 @@ def _us(fn) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="")
+    ap.add_argument("--configs", type=int, default=len(CONFIGS),
+                    help="the first this many tile configurations (each compiles)")  # fmt: skip
+    ap.add_argument("--cases", default=",".join(CASES + ROW_CASES),
+                    help="comma list of the cases to run")  # fmt: skip
     args = ap.parse_args(argv)
+    global CONFIGS
+    CONFIGS = CONFIGS[: args.configs]
+    wanted = args.cases.split(",")
     device = torch.device("cuda")
     out = open(args.out, "a") if args.out else None  # noqa: SIM115 (appended line by line)
     print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
@@ -102,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         for name, shape in _rows():
-            _row(name, shape, device, emit)
-        for case in suite_cases(list(ROW_CASES)):
+            if name.split("_b")[0] in wanted or name in wanted:
+                _row(name, shape, device, emit)
+        point_cases = [c for c in ROW_CASES if c in wanted]
+        for case in suite_cases(point_cases) if point_cases else ():
             _point_row(case.name, case.full, device, emit)
     finally:
         if out is not None:
