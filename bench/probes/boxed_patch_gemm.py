@@ -77,8 +77,11 @@ SMALL_BATCH = 32  # ViT-B/16's batch for the host-bound end
 CHOSEN = list(CONFIGS)  # the configurations a run times (--configs)
 
 
-def _rows():
-    for case in suite_cases(list(CASES)):
+def _rows(wanted: list[str]):
+    """(name, shape) of the patch rows among the ``wanted`` cases."""
+    for case in suite_cases([c for c in CASES if c in wanted] or None):
+        if case.name not in wanted:
+            continue
         yield case.name, case.full
         if case.name == "vit_b16":
             yield f"vit_b16_b{SMALL_BATCH}", dataclasses.replace(case.full, n=SMALL_BATCH)
@@ -109,9 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             out.flush()
 
     try:
-        for name, shape in _rows():
-            if name.split("_b")[0] in wanted or name in wanted:
-                _row(name, shape, device, emit)
+        for name, shape in _rows(wanted):
+            _row(name, shape, device, emit)
         point_cases = [c for c in ROW_CASES if c in wanted]
         for case in suite_cases(point_cases) if point_cases else ():
             _point_row(case.name, case.full, device, emit)
