@@ -79,9 +79,8 @@ CHOSEN = list(CONFIGS)  # the configurations a run times (--configs)
 
 def _rows(wanted: list[str]):
     """(name, shape) of the patch rows among the ``wanted`` cases."""
-    for case in suite_cases([c for c in CASES if c in wanted] or None):
-        if case.name not in wanted:
-            continue
+    names = [c for c in CASES if c in wanted]
+    for case in suite_cases(names) if names else ():
         yield case.name, case.full
         if case.name == "vit_b16":
             yield f"vit_b16_b{SMALL_BATCH}", dataclasses.replace(case.full, n=SMALL_BATCH)
