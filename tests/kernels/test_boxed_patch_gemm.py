@@ -140,7 +140,9 @@ def test_wrong_result_shapes_are_refused():
 def _sm90_ptx(fn, signature: dict[str, object], constants: dict[str, object]) -> str:
     """``fn`` compiled for sm_90 here with FORWARD_TILES' warps and stages: ``signature``
     maps each runtime argument to its type, or to an int Triton's launcher would
-    specialise it to (a stride of 1); pointer arguments 16-byte aligned."""
+    specialise it to (a stride of 1); pointer arguments 16-byte aligned. Not
+    kernels/offline.sm90_ptx, which compiles prepared launches: these kernels take
+    tensor descriptors, which no prepared launch binds."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -53,13 +53,10 @@ import triton
 import triton.language as tl
 
 from gemmconv.kernels import compiled
+from gemmconv.kernels.paired_rows_gemm import TMA_ALIGNMENT
 from gemmconv.kernels.patch_gemm import TileConfig, vector_elements
 from gemmconv.kernels.patch_index import DeviceHelper, below
 from gemmconv.kernels.program_order import grouped_tile
-
-# TMA's rule for a box's global memory: the base and every stride but the innermost
-# 16-byte aligned, and the innermost box extent a multiple of 16 bytes.
-TMA_ALIGNMENT = 16
 
 
 def _patch_origin(tile, TP, HP, WP, BHP: tl.constexpr, BWP: tl.constexpr):
