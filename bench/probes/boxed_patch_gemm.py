@@ -131,6 +131,16 @@ def _operands(shape, device: torch.device):
     return x, kernel, reduction, w
 
 
+def _dy_rows(dy: torch.Tensor) -> torch.Tensor:
+    """Channels-first dY [N, K, O..] copied into rows [M, K], as patch_triton moves it."""
+    return dy.flatten(2).transpose(1, 2).reshape(-1, dy.shape[1])
+
+
+def _emit_baselines(base: dict, emit, times: dict[str, float]) -> None:
+    for variant, us in times.items():
+        emit({**base, "variant": variant, "us": round(us, 1)})
+
+
 def _row(name: str, shape, device: torch.device, emit) -> None:
     x, kernel, reduction, w = _operands(shape, device)
     dtype = x.dtype
@@ -154,9 +164,9 @@ def _row(name: str, shape, device: torch.device, emit) -> None:
         return torch.mm(cols, w.t())
 
     gather_mm = _us(gathered)
-    emit({**base, "variant": "implicit", "us": round(implicit, 1)})
-    emit({**base, "variant": "cublas", "us": round(cublas, 1)})
-    emit({**base, "variant": "gather+cublas", "us": round(gather_mm, 1)})
+    _emit_baselines(
+        base, emit, {"implicit": implicit, "cublas": cublas, "gather+cublas": gather_mm}
+    )
     _sweep(base, "boxed", lambda cfg: boxed_patch_forward(x, w, None, kernel, y, cfg), y,
            reference, cublas, implicit, emit)  # fmt: skip
     _dgrad(base, x, w, kernel, outs, y, cols, emit)
@@ -167,21 +177,19 @@ def _dgrad(base: dict, x, w, kernel, outs, y, cols, emit) -> None:
     base = {**base, "direction": "dgrad"}
     dy = torch.randn_like(y)
     dx = torch.empty_like(x)
-    m, kout = cols.shape[0], y.shape[1]
     implicit = _us(lambda: patch_gemm.patch_gemm_backward_data(dy, w, kernel, False, dx))
     reference = dx.float().clone()
-    dy_rows = dy.flatten(2).transpose(1, 2).reshape(m, kout)
+    dy_rows = _dy_rows(dy)
     cublas = _us(lambda: torch.mm(dy_rows, w, out=cols))
 
     def transposed_scattered():
-        rows = dy.flatten(2).transpose(1, 2).reshape(m, kout)
+        rows = _dy_rows(dy)
         torch.mm(rows, w, out=cols)
         return scatter_patches(cols, outs, kernel, False, dx)
 
     both = _us(transposed_scattered)
-    emit({**base, "variant": "implicit", "us": round(implicit, 1)})
-    emit({**base, "variant": "cublas", "us": round(cublas, 1)})
-    emit({**base, "variant": "transpose+cublas+scatter", "us": round(both, 1)})
+    _emit_baselines(base, emit, {"implicit": implicit, "cublas": cublas,
+                                 "transpose+cublas+scatter": both})  # fmt: skip
     _sweep(base, "boxed_dgrad", lambda cfg: boxed_patch_backward_data(dy, w, kernel, dx, cfg),
            dx, reference, cublas, implicit, emit)  # fmt: skip
 
@@ -194,18 +202,17 @@ def _wgrad(base: dict, x, kernel, outs, y, cols, device: torch.device, emit) -> 
     splits = patch_gemm.wgrad_splits(m, kout, cols.shape[1], x.dtype, programs)
     implicit = _us(lambda: patch_gemm.patch_gemm_weight_grad(dy, x, kernel, False, splits))
     reference = patch_gemm.patch_gemm_weight_grad(dy, x, kernel, False, splits)
-    dy_rows = dy.flatten(2).transpose(1, 2).reshape(m, kout)
+    dy_rows = _dy_rows(dy)
     cublas = _us(lambda: torch.mm(dy_rows.t(), cols))
 
     def transposed_gathered():
-        rows = dy.flatten(2).transpose(1, 2).reshape(m, kout)
+        rows = _dy_rows(dy)
         gather_patches(x, outs, kernel, False, cols)
         return torch.mm(rows.t(), cols)
 
     both = _us(transposed_gathered)
-    emit({**base, "variant": "implicit", "us": round(implicit, 1)})
-    emit({**base, "variant": "cublas", "us": round(cublas, 1)})
-    emit({**base, "variant": "transpose+gather+cublas", "us": round(both, 1)})
+    _emit_baselines(base, emit, {"implicit": implicit, "cublas": cublas,
+                                 "transpose+gather+cublas": both})  # fmt: skip
     _sweep(base, "boxed_wgrad", lambda cfg: boxed_patch_weight_grad(dy, x, kernel, programs, cfg),
            None, reference, cublas, implicit, emit)  # fmt: skip
 
@@ -219,8 +226,7 @@ def _point_row(name: str, shape, device: torch.device, emit) -> None:
     implicit = _us(lambda: patch_gemm.patch_gemm_forward(x, w, None, kernel, False, out=y))
     reference = y_rows.float().clone()
     cublas = _us(lambda: torch.mm(rows, w.t()))
-    emit({**base, "variant": "implicit", "us": round(implicit, 1)})
-    emit({**base, "variant": "cublas", "us": round(cublas, 1)})
+    _emit_baselines(base, emit, {"implicit": implicit, "cublas": cublas})
     _sweep(base, "boxed_rows", lambda cfg: boxed_rows_forward(rows, w, None, y_rows, cfg),
            y_rows, reference, cublas, implicit, emit)  # fmt: skip
 

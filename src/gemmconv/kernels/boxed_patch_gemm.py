@@ -307,11 +307,8 @@ class _Boxes:
     @property
     def covers_all(self) -> bool:
         """Whether every pixel of x lies in some patch."""
-        return (
-            self.hp * self.ph == self.h
-            and self.wp * self.pw == self.w
-            and (self.tp * self.kt == self.f)
-        )
+        covered = (self.tp * self.kt, self.hp * self.ph, self.wp * self.pw)
+        return covered == (self.f, self.h, self.w)
 
     def output_shape(self, kout: int) -> tuple[int, ...]:
         return (self.n, kout, *((self.tp,) if self.volumes else ()), self.hp, self.wp)
@@ -415,11 +412,11 @@ def pixel_alignment(t: torch.Tensor, box_width: int) -> int:
     return vector_elements(t.element_size(), t.shape[-1], box_width, *t.stride()[:-1])
 
 
-def box_shape(patch_rows: int, patch_height: int, patch_width: int, cfg: TileConfig):
+def box_shape(row_patches: int, patch_height: int, patch_width: int, cfg: TileConfig):
     """(BHP, BKH, BWP): patch rows and pixel rows a box holds and patches along a row.
     BWP is the grid's row rounded up to a power of two, at most the tile's patches;
     BKH the most pixel rows within the tile's reduction depth that divide the patch."""
-    width = min(triton.next_power_of_2(patch_rows), cfg.block_m)
+    width = min(triton.next_power_of_2(row_patches), cfg.block_m)
     depth = 1 << max(0, (cfg.block_k // patch_width).bit_length() - 1)
     while patch_height % depth:
         depth //= 2
