@@ -10,7 +10,7 @@
 #   bash bench/probes/gpu_stages.sh fp8-scale # the fp8 scale kernel: its tests, its A/B
 #   bash bench/probes/gpu_stages.sh invariance  # batch-invariance GPU tests, the chunk budgets
 #   bash bench/probes/gpu_stages.sh tiles     # the implicit GEMMs per tile, invariance's cost
-#   bash bench/probes/gpu_stages.sh boxed     # the TMA-boxed patch GEMMs: tests, against cuBLAS
+#   bash bench/probes/gpu_stages.sh boxed     # the rows forward on TMA boxes: its tests
 #   bash bench/probes/gpu_stages.sh models    # the end-to-end table (about 3 min)
 #   bash bench/probes/gpu_stages.sh gap       # backward-data public calls against call times
 #   bash bench/probes/gpu_stages.sh rows      # the rows path's in-place GEMM: tests, device time
@@ -111,17 +111,11 @@ tiles)
         --out "$OUT/invariant_cost.jsonl" >"$OUT/invariant_cost.txt" 2>&1
     ;;
 boxed)
-    # The TMA-boxed patch GEMMs (kernels/boxed_patch_gemm.py, compiled offline for
-    # sm_90 with Triton 3.6 and 3.8 before any GPU ran them): their GPU tests, the
-    # node's (the one-patch training call after the implicit GEMM) and the fp8 scale
-    # kernel's, then each direction per tile against the implicit GEMMs and cuBLAS on
-    # the same columns.
-    timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
-        tests/kernels/test_boxed_patch_gemm.py tests/roads/test_native_node.py \
-        tests/kernels/test_amax_scale.py >"$OUT/boxed_tests.log" 2>&1
+    # The whole-sample rows forward on TMA boxes (kernels/boxed_rows_gemm.py): its GPU
+    # tests.
+    timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
+        tests/kernels/test_boxed_rows_gemm.py >"$OUT/boxed_tests.log" 2>&1
     echo "pytest exit $?" >>"$OUT/boxed_tests.log"
-    timeout 330 python3 bench/probes/boxed_patch_gemm.py --out "$OUT/boxed_patch_gemm.jsonl" \
-        >"$OUT/boxed_patch_gemm.txt" 2>&1
     ;;
 suite-in-place)
     # The suite with the rows path's in-place GEMMs on in every direction and size in

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemmconv.kernels import patch_gemm
+from gemmconv.kernels import patch_gemm, tiles
 from gemmconv.kernels.patch_gemm import (
     FORWARD_TILES,
     SHALLOW_TILES,
@@ -62,9 +62,9 @@ def test_tiles_that_do_not_fit_the_shared_memory_fall_back_to_the_table(monkeypa
     # 128x256x64 in 3 stages wants 144 KB: a card with about 100 KB gets the table's.
     cuda = torch.device("cuda", 0)
     g = _geometry(2, 3, (224, 224), (16, 16), False)
-    monkeypatch.setattr(patch_gemm, "_shared_memory", lambda index: 101376)
+    monkeypatch.setattr(tiles, "shared_memory", lambda index: 101376)
     assert forward_tiles(g, torch.bfloat16, 0, cuda) == FORWARD_TILES[torch.bfloat16]
-    monkeypatch.setattr(patch_gemm, "_shared_memory", lambda index: 232448)
+    monkeypatch.setattr(tiles, "shared_memory", lambda index: 232448)
     assert forward_tiles(g, torch.bfloat16, 0, cuda) == WIDE_RUN_TILES
 
 

@@ -25,14 +25,11 @@ vectors and can be pipelined, where the general map loads 2 bytes at a time.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from gemmconv.kernels.launch import COMPILE_OPTIONS, LaunchCache, PreparedLaunch, TensorSlot
+from gemmconv.kernels.launch import LaunchCache, PreparedLaunch, TensorSlot
 from gemmconv.kernels.patch_index import (
     below,
     column_offsets,
@@ -42,19 +39,7 @@ from gemmconv.kernels.patch_index import (
 )
 from gemmconv.kernels.patch_permute import PatchGeometry, contiguous_run
 from gemmconv.kernels.program_order import grouped_tile
-
-
-@dataclasses.dataclass(frozen=True)
-class TileConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-    def launch_options(self) -> dict[str, object]:
-        return {"num_warps": self.num_warps, "num_stages": self.num_stages, **COMPILE_OPTIONS}
-
+from gemmconv.kernels.tiles import TileConfig, fits
 
 # Hopper-sized tiles for half precision; fp32 tiles are half as deep (twice the bytes).
 FORWARD_TILES = {
@@ -459,24 +444,7 @@ def forward_tiles(
         chosen = WIDE_RUN_TILES
     else:
         return default
-    return chosen if _fits(chosen, 2, device) else default
-
-
-def _fits(cfg: TileConfig, element_size: int, device: torch.device) -> bool:
-    """Whether ``cfg``'s pipelined operand tiles fit one program's shared memory on
-    ``device`` (a consumer Ada or Ampere card has about 100 KB; the interpreter has no
-    limit)."""
-    if device.type != "cuda":
-        return True
-    need = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * element_size
-    return need <= _shared_memory(device.index if device.index is not None else 0)
-
-
-@functools.cache
-def _shared_memory(index: int) -> int:
-    from triton.runtime import driver
-
-    return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    return chosen if fits(chosen, 2, device) else default
 
 
 def patch_gemm_forward(
