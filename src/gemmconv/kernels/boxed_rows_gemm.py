@@ -157,7 +157,9 @@ def boxed_rows_forward(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """out[M, K] (any strides) = x_rows @ weight_rows^T (+ bias), both read by TMA boxes
-    (``rows_apply``; 16-byte aligned bases). Returns out."""
+    (``rows_apply``; 16-byte aligned bases). Returns out. The tiles are for half
+    precision; fp32 operands (the CPU tests') multiply in TF32 on a GPU, tl.dot's
+    default."""
     reasons = rows_apply(x_rows, weight_rows)
     if not bases_aligned(x_rows, weight_rows):
         reasons.append("x_rows or weight_rows does not start 16-byte aligned")
