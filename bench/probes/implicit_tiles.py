@@ -45,8 +45,8 @@ from gemmconv.bench.suite import suite_cases
 from gemmconv.core.sizes import round_up
 from gemmconv.kernels import patch_gemm, split_programs
 from gemmconv.kernels.offline import load_widths, sm90_ptx
-from gemmconv.kernels.patch_gemm import TileConfig
 from gemmconv.kernels.patch_permute import PatchGeometry
+from gemmconv.kernels.tiles import TileConfig
 
 FORWARD_CONFIGS = (
     TileConfig(128, 128, 64, 8, 3),  # FORWARD_TILES at the time of writing

@@ -20,7 +20,7 @@ from host_profile import issue_us  # this folder is the script's first import pa
 from triton.testing import do_bench, do_bench_cudagraph
 
 from gemmconv.kernels import paired_rows_gemm, patch_gemm
-from gemmconv.kernels.patch_gemm import TileConfig
+from gemmconv.kernels.tiles import TileConfig
 
 CONFIGS = [
     TileConfig(128, 256, 64, 8, 4),

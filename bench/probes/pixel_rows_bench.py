@@ -23,8 +23,8 @@ import triton.testing
 
 from gemmconv.core.problem import ConvProblem
 from gemmconv.kernels import pixel_rows_gemm, split_programs
-from gemmconv.kernels.patch_gemm import TileConfig
 from gemmconv.kernels.strided_copy import strided_copy
+from gemmconv.kernels.tiles import TileConfig
 from gemmconv.solvers.patch.columns import TRITON_COPY_COLUMNS
 
 # (name, batch, channels in, image side, patch side, channels out): ViT-B/16 and the

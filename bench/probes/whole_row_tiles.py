@@ -15,7 +15,7 @@ import torch
 from triton.testing import do_bench
 
 from gemmconv.kernels import patch_gemm, split_programs
-from gemmconv.kernels.patch_gemm import TileConfig
+from gemmconv.kernels.tiles import TileConfig
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from gemmconv.kernels.paired_rows_gemm import (
     paired_rows_forward,
     paired_rows_forward_boxed,
 )
-from gemmconv.kernels.patch_gemm import TileConfig
+from gemmconv.kernels.tiles import TileConfig
 
 # Small tiles for the interpreter; the GPU runs the table's.
 _SMALL = TileConfig(16, 16, 32, 4, 2)

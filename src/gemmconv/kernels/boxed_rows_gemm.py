@@ -28,7 +28,9 @@ from gemmconv.kernels.launch import PreparedLaunch, TensorSlot
 from gemmconv.kernels.program_order import grouped_tile
 from gemmconv.kernels.tiles import TileConfig, fits
 
-TMA_ALIGNMENT = 16  # bytes: a descriptor's base, row strides and innermost box
+# TMA's rule for a box's global memory: the base and every stride but the innermost
+# 16-byte aligned.
+TMA_ALIGNMENT = 16
 TMA_CAPABILITY = (9, 0)
 
 

@@ -39,13 +39,12 @@ import triton
 import triton.language as tl
 
 from gemmconv.kernels import compiled
-from gemmconv.kernels.patch_gemm import TileConfig, vector_elements
+from gemmconv.kernels.boxed_rows_gemm import TMA_ALIGNMENT
+from gemmconv.kernels.patch_gemm import vector_elements
 from gemmconv.kernels.patch_index import DeviceHelper
 from gemmconv.kernels.program_order import grouped_tile
+from gemmconv.kernels.tiles import TileConfig
 
-# TMA's rule for a box's global memory: the base and every stride but the innermost
-# 16-byte aligned.
-TMA_ALIGNMENT = 16
 # Tiles for half precision: the best of bench/probes/paired_rows_probe.py's sweep on an H100
 # with L2 flushed in both dtypes (bench/results/paired_rows_h100.txt).
 FORWARD_TILES = {

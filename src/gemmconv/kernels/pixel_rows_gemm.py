@@ -34,7 +34,6 @@ from gemmconv.kernels.launch import LaunchCache, PreparedLaunch, TensorSlot
 
 # The operand checks, launch keys and dot precision of the patch GEMMs hold here too.
 from gemmconv.kernels.patch_gemm import (
-    TileConfig,
     _check,
     _meta,
     _precision,
@@ -42,6 +41,7 @@ from gemmconv.kernels.patch_gemm import (
 )
 from gemmconv.kernels.patch_index import DeviceHelper
 from gemmconv.kernels.program_order import grouped_tile
+from gemmconv.kernels.tiles import TileConfig
 
 # Tiles per dtype: for half precision the fastest of six on an H100 for ViT-B/16's rows
 # at batch 256 (bench/probes/pixel_rows_bench.py: forward 1.45x cuBLAS's GEMM, against
