@@ -18,20 +18,17 @@ descriptors need 16-byte aligned bases. No solver runs it yet.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from gemmconv.kernels.launch import PreparedLaunch, TensorSlot
+from gemmconv.kernels import compiled
 from gemmconv.kernels.program_order import grouped_tile
-from gemmconv.kernels.tiles import TileConfig, fits
+from gemmconv.kernels.tiles import TileConfig
 
 # TMA's rule for a box's global memory: the base and every stride but the innermost
 # 16-byte aligned.
 TMA_ALIGNMENT = 16
-TMA_CAPABILITY = (9, 0)
 
 
 def _rows_kernel(
@@ -91,67 +88,6 @@ def bases_aligned(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % TMA_ALIGNMENT == 0 for t in tensors)
 
 
-def device_has_tma(device: torch.device) -> bool:
-    """Whether ``device`` is a GPU with TMA (a CUDA device of compute capability 9.0 or
-    later) whose shared memory holds the widest tiles' pipeline."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return _has_tma(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _has_tma(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= TMA_CAPABILITY and fits(
-        WIDE_TILES, 2, torch.device("cuda", index)
-    )
-
-
-class _DescriptorLaunch(PreparedLaunch):
-    """A prepared launch whose first two slots take tensor descriptors (Triton's
-    launcher turns each into its TMA map per call)."""
-
-    @staticmethod
-    def _aligned(values) -> tuple[bool, ...]:
-        return tuple(
-            v is not None and getattr(v, "base", v).data_ptr() % TMA_ALIGNMENT == 0 for v in values
-        )
-
-
-class RowsLaunch:
-    """The rows forward bound to operands of one set of sizes and strides, called with
-    (x_rows, weight_rows, bias, out): builds both descriptors and launches."""
-
-    def __init__(
-        self,
-        x_rows: torch.Tensor,
-        weight_rows: torch.Tensor,
-        bias: torch.Tensor | None,
-        out: torch.Tensor,
-        device: torch.device,
-    ) -> None:
-        m, reduction = x_rows.shape
-        kout = weight_rows.shape[0]
-        self.cfg = cfg = rows_tiles(kout)
-        self._x = ([m, reduction], [x_rows.stride(0), 1], [cfg.block_m, cfg.block_k])
-        self._w = ([kout, reduction], [weight_rows.stride(0), 1], [cfg.block_n, cfg.block_k])
-        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(kout, cfg.block_n),)
-        # A missing bias is never read (HAS_BIAS); the output stands in for the pointer.
-        bias_slot = TensorSlot(2) if bias is not None else TensorSlot(3)
-        args = (TensorSlot(0), TensorSlot(1), bias_slot, TensorSlot(3), m, kout, reduction,
-                out.stride(0), out.stride(1), 1 if bias is None else bias.stride(0))  # fmt: skip
-        constants = {"HAS_BIAS": bias is not None, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                     "BLOCK_K": cfg.block_k, "GROUP_M": 8}  # fmt: skip
-        self._launch = _DescriptorLaunch(_rows_kernel, grid, args, constants,
-                                         cfg.launch_options(), device)  # fmt: skip
-
-    def __call__(self, x_rows, weight_rows, bias, out) -> None:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        x_desc = TensorDescriptor(x_rows, *self._x)
-        w_desc = TensorDescriptor(weight_rows, *self._w)
-        self._launch(x_desc, w_desc, bias, out)
-
-
 def boxed_rows_forward(
     x_rows: torch.Tensor,
     weight_rows: torch.Tensor,
@@ -175,17 +111,29 @@ def boxed_rows_forward(
         raise ValueError(f"out {tuple(out.shape)}: expected [{m}, {kout}]")
     if bias is not None and bias.shape != (kout,):
         raise ValueError(f"bias {tuple(bias.shape)}: expected [{kout}]")
-    RowsLaunch(x_rows, weight_rows, bias, out, x_rows.device)(x_rows, weight_rows, bias, out)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    cfg = rows_tiles(kout)
+    x_desc = TensorDescriptor(x_rows, [m, reduction], [x_rows.stride(0), 1],
+                              [cfg.block_m, cfg.block_k])  # fmt: skip
+    w_desc = TensorDescriptor(weight_rows, [kout, reduction], [weight_rows.stride(0), 1],
+                              [cfg.block_n, cfg.block_k])  # fmt: skip
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(kout, cfg.block_n),)
+    compiled(_rows_kernel, x_rows.device)[grid](
+        x_desc, w_desc, out if bias is None else bias, out,
+        m, kout, reduction, out.stride(0), out.stride(1), 1 if bias is None else bias.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=8, **cfg.launch_options(),
+    )  # fmt: skip
     return out
 
 
 __all__ = [
     "NARROW_TILES",
+    "TMA_ALIGNMENT",
     "WIDE_TILES",
-    "RowsLaunch",
     "bases_aligned",
     "boxed_rows_forward",
-    "device_has_tma",
     "rows_apply",
     "rows_tiles",
 ]
