@@ -134,6 +134,12 @@ def test_quick_table_writes_every_row_with_same_run_ratios(quick_table):
         assert r["speedup_vs_torch"] == pytest.approx(r["torch_ms"] / r["gemmconv_ms"])
         assert r["speedup_vs_linear"] == pytest.approx(r["linear_ms"] / r["gemmconv_ms"])
         assert r["find_ms"] > 0  # gemmconv's call in find mode, beside the default's
+        # Batch invariance changes the forward only: its cost is a forward row's.
+        if r["kind"] == "fwd":
+            assert r["invariant_ms"] > 0
+            assert r["invariance_cost"] == pytest.approx(r["invariant_ms"] / r["gemmconv_ms"])
+        else:
+            assert r["invariant_ms"] is None and r["invariance_cost"] is None
         # On the CPU torch's own convolution is as fast as a GEMM on a many-pixel patch
         # embed (device_rates.CPU), and far behind one where each sample is one patch.
         expected = ("vendor",) if r["case"] == "tiny_vit_b16_b2" else ("patch", "point_output")
@@ -144,6 +150,14 @@ def test_quick_table_writes_every_row_with_same_run_ratios(quick_table):
         and "| ViT-B/16 patch embed, 2x3x32x32 -> 16, k=s=16 | cf | forward |" in text
     )
     assert "Target: every row >= 0.95 x torch" in text
+    forward, backward = (f"| {_cost_of(rows, kind)} |" for kind in ("fwd", "fwd_bwd"))
+    assert forward in text and backward == "| — |" and "| — |" in text
+
+
+def _cost_of(rows: list[dict], kind: str) -> str:
+    """The invariant column's text of the first row of ``kind``."""
+    cost = next(r["invariance_cost"] for r in rows if r["kind"] == kind)
+    return "—" if cost is None else f"{cost:.2f}x"
 
 
 @pytest.mark.parametrize(("bound", "met"), [(float("inf"), False), (0.0, True)])

@@ -15,12 +15,14 @@ for the tests.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -44,6 +46,7 @@ from gemmconv.bench.suite import (
     quick_name,
     select_named,
 )
+from gemmconv.core.invariance import batch_invariant
 from gemmconv.core.problem import Direction
 from gemmconv.measuring.measure import operand_sets
 from gemmconv.measuring.timing import time_interleaved
@@ -138,7 +141,14 @@ def run_row(
 
         with finding():
             calls["gemmconv_find"] = public_calls(p, kind, operands)["gemmconv"]
-        times = time_interleaved(calls, device, reps=reps, settings={"gemmconv_find": finding})
+        settings = {"gemmconv_find": finding}
+        if kind == "fwd":
+            # The switch changes the forward only: its cost beside the default call.
+            with _quiet_invariance():
+                calls["gemmconv_invariant"] = public_calls(p, kind, operands)["gemmconv"]
+            settings["gemmconv_invariant"] = _quiet_invariance
+        times = time_interleaved(calls, device, reps=reps, settings=settings)
+    invariant_ms = times["gemmconv_invariant"].median_ms if kind == "fwd" else None
     row = {
         "case": case.shown_name(quick),
         "title": case.title,
@@ -151,6 +161,10 @@ def run_row(
         "linear_ms": times["linear"].median_ms if "linear" in times else None,
         "gemmconv_ms": times["gemmconv"].median_ms,
         "find_ms": times["gemmconv_find"].median_ms,
+        "invariant_ms": invariant_ms,
+        "invariance_cost": None
+        if invariant_ms is None
+        else invariant_ms / times["gemmconv"].median_ms,
         "reps": reps,
         "solvers": solvers_of(p, operands[0]),
         "rms_vs_torch": disagreement,
@@ -161,6 +175,16 @@ def run_row(
     row["speedup_vs_torch"] = row["torch_ms"] / row["gemmconv_ms"]
     row["speedup_vs_linear"] = row["linear_ms"] / row["gemmconv_ms"] if linear_applies(p) else None
     return row
+
+
+@contextlib.contextmanager
+def _quiet_invariance() -> Iterator[None]:
+    """gemmconv.batch_invariant(), its warning for a forward it cannot make invariant
+    silenced (the table times the call as it runs either way)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        with batch_invariant():
+            yield
 
 
 def disagreement_with_torch(calls: dict[str, Sequence[Callable[[], object]]]) -> dict[str, float]:
@@ -228,6 +252,10 @@ def _ratio(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
 
 
+def _cost(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
 def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
@@ -278,11 +306,12 @@ def markdown(results: dict) -> str:
         "default selection. 'x torch' = torch ms / gemmconv ms and 'x linear' = linear ms / "
         "gemmconv ms: above 1 gemmconv is faster. Solver: forward / backward-data / "
         "backward-weights as they apply to the row. 'find ms': gemmconv's call in find "
-        "mode, after find has run.",
+        "mode, after find has run. 'invariant': a forward's call under "
+        "gemmconv.batch_invariant() over the default call (— for other calls).",
         "",
         "| problem | layout | call | torch ms | linear ms | gemmconv ms | x torch | x linear "
-        "| solver | find ms |",
-        "|---|---|---|---:|---:|---:|---:|---:|---|---:|",
+        "| solver | find ms | invariant |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in results["rows"]:
         lines.append(
@@ -290,7 +319,8 @@ def markdown(results: dict) -> str:
             f"| {KIND_TITLES[r['kind']]} | {_ms(r['torch_ms'])} "
             f"| {_ms(r['linear_ms'])} | {_ms(r['gemmconv_ms'])} "
             f"| {_ratio(r['speedup_vs_torch'])} | {_ratio(r['speedup_vs_linear'])} "
-            f"| {_solver_text(r)} | {_ms(r.get('find_ms'))} |"
+            f"| {_solver_text(r)} | {_ms(r.get('find_ms'))} "
+            f"| {_cost(r.get('invariance_cost'))} |"
         )
     slower = slower_rows(results)
     lines += [
