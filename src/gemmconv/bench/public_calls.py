@@ -15,14 +15,12 @@ for the tests.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import tempfile
 import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -35,6 +33,7 @@ from gemmconv.bench.call_timing import (
     solvers_of,
 )
 from gemmconv.bench.host_probe import cpu_model, host_fields, host_lines
+from gemmconv.bench.invariance_cost import quiet_batch_invariant
 from gemmconv.bench.report import check_status, default_stem, targets_line
 from gemmconv.bench.suite import (
     DTYPES,
@@ -46,7 +45,6 @@ from gemmconv.bench.suite import (
     quick_name,
     select_named,
 )
-from gemmconv.core.invariance import batch_invariant
 from gemmconv.core.problem import Direction
 from gemmconv.measuring.measure import operand_sets
 from gemmconv.measuring.timing import time_interleaved
@@ -144,9 +142,9 @@ def run_row(
         settings = {"gemmconv_find": finding}
         if kind == "fwd":
             # The switch changes the forward only: its cost beside the default call.
-            with _quiet_invariance():
+            with quiet_batch_invariant():
                 calls["gemmconv_invariant"] = public_calls(p, kind, operands)["gemmconv"]
-            settings["gemmconv_invariant"] = _quiet_invariance
+            settings["gemmconv_invariant"] = quiet_batch_invariant
         times = time_interleaved(calls, device, reps=reps, settings=settings)
     invariant_ms = times["gemmconv_invariant"].median_ms if kind == "fwd" else None
     row = {
@@ -175,16 +173,6 @@ def run_row(
     row["speedup_vs_torch"] = row["torch_ms"] / row["gemmconv_ms"]
     row["speedup_vs_linear"] = row["linear_ms"] / row["gemmconv_ms"] if linear_applies(p) else None
     return row
-
-
-@contextlib.contextmanager
-def _quiet_invariance() -> Iterator[None]:
-    """gemmconv.batch_invariant(), its warning for a forward it cannot make invariant
-    silenced (the table times the call as it runs either way)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        with batch_invariant():
-            yield
 
 
 def disagreement_with_torch(calls: dict[str, Sequence[Callable[[], object]]]) -> dict[str, float]:
