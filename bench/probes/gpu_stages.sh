@@ -17,11 +17,12 @@
 #   bash bench/probes/gpu_stages.sh suite-in-place  # the suite with that GEMM switched on
 #   bash bench/probes/gpu_stages.sh precision # the GEMMs with cuBLAS's half-precision reductions on/off
 #   bash bench/probes/gpu_stages.sh node      # point 2D's public backward calls per solver, profiled
+#   bash bench/probes/gpu_stages.sh find-gap  # find's trials against the call it decides
 #   OLD_TREE=old bash bench/probes/gpu_stages.sh ab   # order vs machine, below
 set -u
 : "${OUT:?set OUT to the folder for the results}"
 export PYTHONPATH=src
-stage=${1:?stage: tests, probe, compiled, suite, fp8, fp8-scale, invariance, tiles, boxed, suite-in-place, models, gap, rows, precision, node or ab}
+stage=${1:?stage: tests, probe, compiled, suite, fp8, fp8-scale, invariance, tiles, boxed, suite-in-place, models, gap, rows, precision, node, find-gap or ab}
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 # A copied tree can report an older HEAD than the files it holds (an H200's copy
 # reported 6ce0d30 while holding 22a735c's files): a digest of src/'s Python files says
@@ -197,6 +198,13 @@ node)
         done
     done
     ;;
+find-gap)
+    # Rows whose find-mode call ran 1.16-1.31x immediate mode's though find's trial had
+    # timed its pick ahead (H100 at a17f7c4): each candidate's trial, the decided call
+    # and immediate's, timed with their kernels and find's log.
+    timeout 400 python3 bench/probes/find_trial_gap.py --out "$OUT/find_trial_gap.jsonl" \
+        >"$OUT/find_trial_gap.txt" 2>&1
+    ;;
 ab)
     # Whether the suite's backward calls moved with the machine or with the order of
     # the interleaved calls: the same rows, alternating processes, in the shuffled
@@ -222,7 +230,7 @@ ab)
     ;;
 *)
     echo "stage=$stage: expected tests, probe, compiled, suite, fp8, fp8-scale, invariance, tiles, boxed, suite-in-place, models, gap," \
-        "rows, precision, node or ab" >&2
+        "rows, precision, node, find-gap or ab" >&2
     exit 2
     ;;
 esac
