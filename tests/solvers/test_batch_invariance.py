@@ -138,6 +138,90 @@ def test_invariant_with_gradients_and_modules(case):
     torch.testing.assert_close(xg.grad, reference.grad, atol=1e-4, rtol=1e-4)
 
 
+@pytest.fixture
+def per_sample_products(monkeypatch):
+    """Every case of several pixels a sample takes the CPU's per-sample form
+    (invariant.cpu_sample_products), however small its product; yields the shapes of
+    the products the invariant GEMMs run, as they run."""
+    shapes = []
+    product = invariant._product
+
+    def recording(a, b, bias, out):
+        shapes.append(tuple(out.shape))
+        return product(a, b, bias, out)
+
+    monkeypatch.setattr(invariant, "SAMPLE_MACS", 1)
+    monkeypatch.setattr(invariant, "_product", recording)
+    dispatch.clear_cache()  # plans and prepared runs decided the form when made
+    yield shapes
+    dispatch.clear_cache()
+
+
+MULTI_PIXEL_CASES = [case for case in CASES if not case[0].startswith("point_output")]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: v.value)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("case", MULTI_PIXEL_CASES, ids=lambda c: c[0])
+def test_cpu_per_sample_form(case, dtype, layout, per_sample_products):
+    """Where each sample is multiplied alone, every product is one sample's [K, P] (a
+    channels-first y, written in place) or [P, K] (channels-last rows), and the public
+    call stays batch-invariant and right."""
+    label, c, k, spatial, kernel, stride = case
+    x, w, b = _operands(c, k, spatial, kernel, dtype, layout)
+    tolerance = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}[dtype]
+    check_invariant_forward(x, w, b, stride, layout, tolerance)
+    pixels = math.prod(ConvProblem.from_tensors(x, w, b, stride).output_spatial)
+    assert per_sample_products
+    assert set(per_sample_products) <= {(k, pixels), (pixels, k)}, label
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: v.value)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_cpu_per_sample_solvers_agree_bitwise(dtype, layout, per_sample_products):
+    """patch and pointwise both serve a 1x1, each through its own method and its
+    prepared run: every sample meets one product of the same canonical operands, so a
+    batch size whose selection picks another of them gives the same bits."""
+    c, k, spatial = 8, 6, (5, 5)
+    x, w, b = _operands(c, k, spatial, (1, 1), dtype, layout, full=12)
+    results = {}
+    for sid in ("pointwise", "patch"):
+        solver = get_solver(sid)
+        for n in (12, 3):
+            q = ConvProblem.from_sizes(n, c, k, spatial, 1, 1, layout=layout, dtype=dtype,
+                                       device_type="cpu", has_bias=True)  # fmt: skip
+            t = ConvTensors(input=_in_layout(x[-n:].clone(), layout), weight=w, bias=b)
+            with gemmconv.batch_invariant():
+                assert solver.is_applicable(q) and not solver.invariance_reasons(q)
+                assert invariant.cpu_sample_products(q)
+                results[sid, n] = solver.run(q, t)
+                results[sid, n, "prepared"] = solver.prepare(q, t)(t)
+    reference = results["pointwise", 12]
+    for key, y in results.items():
+        assert torch.equal(y, reference[-y.shape[0] :]), key
+
+
+def test_cpu_per_sample_operands_take_one_alignment():
+    """A sample's operands are brought to one form wherever they lie: a view at an odd
+    element (another address modulo the cache line), a strided y, a padded weight."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4 * 6 * 7 + 1, generator=g)[1:].view(4, 6, 7)  # one element off
+    wm = torch.randn(5, 8, generator=g)[:, :6]  # rows of a wider matrix
+    bias = torch.randn(5, generator=g)
+    patches = x.permute(0, 2, 1).unsqueeze(2)  # [N, O=7, <patch>=(6, 1)] of a 1-D x
+    expected = torch.addmm(bias.view(5, 1).double(), wm.double(), x[2].double())
+    p = ConvProblem.from_sizes(4, 6, 5, (7,), 1, 1, device_type="cpu", has_bias=True)
+    dense = invariant.store_invariant_samples(x.new_empty(4, 5, 7), patches, wm, bias, p)
+    torch.testing.assert_close(dense[2].double(), expected, atol=1e-5, rtol=1e-5)
+    strided = x.new_empty(4, 7, 5).transpose(1, 2)  # y's memory not its blocks
+    assert torch.equal(invariant.store_invariant_samples(strided, patches, wm, bias, p), dense)
+    aligned = x.clone()
+    again = invariant.store_invariant_samples(
+        x.new_empty(4, 5, 7), aligned.permute(0, 2, 1).unsqueeze(2), wm.contiguous(), bias, p
+    )
+    assert torch.equal(again, dense)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 def test_invariant_rows_gemm_every_row_count(dtype):
     """The invariant GEMM gives each row the same bits for every row count, the

@@ -23,8 +23,13 @@ from gemmconv.core.precision import (
 )
 from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors, Solver
-from gemmconv.solvers.invariant import cuda_batched_gemm, store_invariant_rows
-from gemmconv.solvers.patch.mapping import transposed_pixels
+from gemmconv.solvers.invariant import (
+    cpu_sample_products,
+    cuda_batched_gemm,
+    store_invariant_rows,
+    store_invariant_samples,
+)
+from gemmconv.solvers.patch.mapping import channels_last_columns, patch_view, transposed_pixels
 from gemmconv.solvers.views import (
     batched_view,
     result_buffer,
@@ -145,7 +150,13 @@ class PointwiseSolver(Solver):
         """y from the pixels ``x`` reads (the source), batch-invariant: the invariant GEMM
         over x's rows [pixels, C] (solvers/invariant.py), or on CUDA, for a
         channels-first y with several pixels a sample, W @ x[n] per sample in batched
-        products of a fixed sample count (no transpose of x or y)."""
+        products of a fixed sample count (no transpose of x or y); on the CPU, where a
+        sample's product is large enough, each sample alone, as the patch solvers
+        multiply the same problem's (cpu_sample_products)."""
+        if cpu_sample_products(p):
+            ones = (1,) * p.dims
+            pixels = patch_view(x, p.output_spatial, ones, channels_last_columns(p))
+            return store_invariant_samples(y, pixels, w, bias, p)
         if p.device_type == "cuda" and transposed_pixels(p) > 0:
             y3 = batched_view(y)
             target = y3 if y3 is not None else y.new_empty(p.n, p.k, math.prod(p.output_spatial))

@@ -21,7 +21,13 @@ import torch
 from gemmconv.core.precision import reduction_mm
 from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors
-from gemmconv.solvers.invariant import aligned_width, cuda_rows_chunk, store_invariant_rows
+from gemmconv.solvers.invariant import (
+    aligned_width,
+    cpu_sample_products,
+    cuda_rows_chunk,
+    store_invariant_rows,
+    store_invariant_samples,
+)
 from gemmconv.solvers.patch import prepared, rows_path
 from gemmconv.solvers.patch.columns import ColumnSource
 from gemmconv.solvers.patch.cost import output_rows_bytes, torch_permute_slowdown, uncovered_bytes
@@ -33,6 +39,7 @@ from gemmconv.solvers.patch.mapping import (
     covered_extent,
     padded_reduction,
     padded_weight_rows,
+    patches,
     transposed_pixels,
 )
 from gemmconv.solvers.views import (
@@ -178,6 +185,8 @@ class ColumnGemmSolver(PatchFamilySolver):
         ld = self.reduction_width(p)
         wm = padded_weight_rows(t.weight, column_layout(p), ld)
         if self.runs_invariant(p):
+            if cpu_sample_products(p):
+                return store_invariant_samples(y, patches(x, p), wm, t.bias, p)
             col = self.columns.gather(x, p, ld)
             return store_invariant_rows(y, col, wm, t.bias, p.device_type)
         y3 = batched_view(y) if rows_view(y) is None else None

@@ -25,12 +25,17 @@ from gemmconv.core.memory_format import empty_in
 from gemmconv.core.precision import reduction_mm_of
 from gemmconv.core.problem import ConvProblem, Direction
 from gemmconv.solvers.base import ConvTensors
-from gemmconv.solvers.invariant import store_invariant_rows
+from gemmconv.solvers.invariant import (
+    cpu_sample_products,
+    store_invariant_rows,
+    store_invariant_samples,
+)
 from gemmconv.solvers.patch import rows_path
 from gemmconv.solvers.patch.mapping import (
     column_layout,
     covered_extent,
     padded_weight_rows,
+    patches,
 )
 from gemmconv.solvers.prepared_run import (
     ResultBuffer,
@@ -152,9 +157,21 @@ def _forward(solver, p: ConvProblem, ld: int, t: ConvTensors, result: ResultBuff
 
 def _invariant_forward(solver, p: ConvProblem, ld: int, t: ConvTensors, result: ResultBuffer):
     """The batch-invariant forward (solvers/invariant.py): the same columns, multiplied
-    in fixed-shape row chunks; y and the columns, as _forward's run returns them."""
-    columns = solver.columns.prepared_gather(t.input, p, ld)
+    in fixed-shape row chunks; y and the columns, as _forward's run returns them. On
+    the CPU, where each sample is multiplied alone, y from x's patches, and no columns
+    (the weight gradient gathers its own)."""
     weight_rows = _weight_rows(p, ld, t.weight)
+    if cpu_sample_products(p):
+        patch_view = ViewRecipe(patches(t.input, p), t.input).apply
+
+        def per_sample(
+            x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+        ) -> tuple[torch.Tensor, None]:
+            y = result(x)
+            return store_invariant_samples(y, patch_view(x), weight_rows(weight), bias, p), None
+
+        return per_sample
+    columns = solver.columns.prepared_gather(t.input, p, ld)
     device = p.device_type  # whose policy: the problem's device
 
     def forward(
