@@ -15,6 +15,9 @@ each call's fixed cost stays small beside its work (2^23 multiply-adds, at least
 Every batch-invariant CPU solver (patch, point_output, pointwise, strided_pointwise)
 multiplies the same column matrix (x's patches in x's memory order, unpadded) through
 this one function, so that which of them a batch size chooses does not change a bit.
+Where a sample has several pixels and its own product is at least a chunk's work, each
+sample is multiplied alone instead (store_invariant_samples), from x's patches, by the
+same rule for every solver.
 
 On CUDA the same holds by the same means (cuda_rows_gemm): cuBLAS picks its kernel
 (tile shape, split-K) from the product's shape, strides, dtype and the alignment of its
