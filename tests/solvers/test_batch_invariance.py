@@ -139,10 +139,8 @@ def test_invariant_with_gradients_and_modules(case):
 
 
 @pytest.fixture
-def per_sample_products(monkeypatch):
-    """Every case of several pixels a sample takes the CPU's per-sample form
-    (invariant.cpu_sample_products), however small its product; yields the shapes of
-    the products the invariant GEMMs run, as they run."""
+def products(monkeypatch):
+    """The shapes of the products the CPU's invariant GEMMs run, as they run."""
     shapes = []
     product = invariant._product
 
@@ -150,10 +148,18 @@ def per_sample_products(monkeypatch):
         shapes.append(tuple(out.shape))
         return product(a, b, bias, out)
 
-    monkeypatch.setattr(invariant, "SAMPLE_MACS", 1)
     monkeypatch.setattr(invariant, "_product", recording)
+    return shapes
+
+
+@pytest.fixture
+def per_sample_products(monkeypatch, products):
+    """Every case of several pixels a sample takes the CPU's per-sample form
+    (invariant.cpu_sample_products), however small its product; yields the shapes of
+    the products the invariant GEMMs run."""
+    monkeypatch.setattr(invariant, "SAMPLE_MACS", 1)
     dispatch.clear_cache()  # plans and prepared runs decided the form when made
-    yield shapes
+    yield products
     dispatch.clear_cache()
 
 
@@ -174,6 +180,20 @@ def test_cpu_per_sample_form(case, dtype, layout, per_sample_products):
     pixels = math.prod(ConvProblem.from_tensors(x, w, b, stride).output_spatial)
     assert per_sample_products
     assert set(per_sample_products) <= {(k, pixels), (pixels, k)}, label
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: v.value)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("float32", "bfloat16"))
+def test_cpu_per_sample_form_at_its_threshold(dtype, layout, products):
+    """A 1x1 whose sample's own product is SAMPLE_MACS (128 channels to 64 over 32x32
+    pixels), as the library ships: each sample is multiplied alone, and the public call
+    is batch-invariant and right."""
+    c, k, spatial = 128, 64, (32, 32)
+    assert math.prod(spatial) * c * k == invariant.SAMPLE_MACS
+    x, w, b = _operands(c, k, spatial, (1, 1), dtype, layout, full=72)
+    tolerance = {torch.float32: 1e-3, torch.bfloat16: 2e-1}[dtype]
+    check_invariant_forward(x, w, b, 1, layout, tolerance)
+    assert products and set(products) <= {(k, 1024), (1024, k)}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: v.value)
