@@ -1,10 +1,11 @@
 """Find's trial of a candidate against the call find then decides, a diagnostic.
 
-The suite's ``find_api_ms`` ran 1.16-1.31x immediate mode's call on rows where find's
-own timing of its pick, inside the public call (roads/in_call.py), had put that pick
-ahead (Qwen3-VL's backward-data: ``patch_implicit`` at 0.075 against
-``point_output``'s 0.087 ms in the trial, 0.136 against immediate's 0.104 in the call;
-H100 at a17f7c4). For each row this times, side by side in one interleaved run:
+The suite's ``find_api_ms`` ran 1.16-1.31x immediate mode's call on rows where find,
+timing its candidates inside the public call (roads/in_call.py), took another pick
+(Qwen3-VL's backward-data: ``patch_implicit``, 0.136 ms a call against immediate's
+0.104 with ``point_output``; H100 at a17f7c4). The suite records its candidates'
+prepared runs called from a node, not find's trials, so what find timed is not known.
+For each row this times, side by side in one interleaved run:
 
 - ``immediate``: the public call in immediate mode;
 - ``decided``: the public call in find mode once find has run (the suite's column);
@@ -42,9 +43,10 @@ from gemmconv.selection import dispatch
 from gemmconv.solvers import SOLVERS
 
 # Backward-data rows whose public call in the suite ran 1.3-5.4x its solver's device
-# time, and whose find trial timed the pick faster than its decided call (H100 at
-# a17f7c4: SD3 cf trial 116 us, call 164; DiT-XL/2 cf 109 and 189), and a weight
-# gradient where find's pick ran 1.18x immediate's call.
+# time, where find's pick ran 1.3x immediate's call (Qwen3-VL) or its call ran well
+# above the prepared run from a node (H100 at a17f7c4: SD3 cf `patch_implicit` 164 us
+# against 116, DiT-XL/2 cf 189 against 109), and a weight gradient where find's pick
+# ran 1.18x immediate's call.
 ROWS = (
     "qwen3vl:cf:bwd_data",
     "sd3_patchify:cf:bwd_data",
