@@ -158,11 +158,12 @@ SAMPLE_MACS = CHUNK_MACS
 def cpu_sample_products(p: ConvProblem) -> bool:
     """Whether the CPU's invariant forward of ``p`` multiplies each sample alone
     (store_invariant_samples), from the geometry alone: where a sample has several
-    pixels and its own [pixels, Kred] @ [Kred, K] product is at least SAMPLE_MACS. Each sample is
-    then one product of a fixed shape, which no other sample can change, and a
-    channels-first y (or a channels-first 1x1's x) needs no transpose: the row chunks
-    transposed both, 1.87x the default call on ResNet's channels-first 1x1 against 1.01x
-    per sample, 1.64x against 0.75x on SD3's patchify (2-core EPYC, fp32)."""
+    pixels and its own [pixels, Kred] @ [Kred, K] product is at least SAMPLE_MACS.
+    Each sample is then one product of a fixed shape, which no other sample can
+    change, and a channels-first y (or a channels-first 1x1's x) needs no transpose:
+    the row chunks transposed both. On a 2-core EPYC the invariant call over the
+    default fell from 1.67-1.80x to 1.12x on ResNet's channels-first 1x1 and from
+    1.66-1.76x to 0.81-0.85x on SD3's patchify (bench/results/cpu_invariance.md)."""
     pixels = math.prod(p.output_spatial)
     return p.device_type == "cpu" and pixels > 1 and pixels * p.gemm_k * p.k >= SAMPLE_MACS
 
@@ -202,10 +203,11 @@ def store_invariant_samples(
     the patch in wm's column order) and wm [K, C'], on the CPU, each sample in one
     product of its own fixed shape (cpu_sample_products): X_n [P, C'] @ W^T into a
     channels-last y's rows, else W [K, C'] @ X_n [C', P] into a channels-first y. The
-    layout torch gives p's y says which, never y's strides (one sample's channels-first y is also a
-    strided view of rows). Every operand is brought to one form first (each sample's
-    block dense, on a CPU_ALIGN_BYTES boundary), so the solver that passes the patches
-    (a view of x, or of a subsampled copy) changes no bit. Returns y."""
+    layout torch gives p's y says which, never y's strides (one sample's
+    channels-first y is also a strided view of rows). Every operand is brought to one
+    form first (each sample's block dense, on a CPU_ALIGN_BYTES boundary), so the
+    solver that passes the patches (a view of x, or of a subsampled copy) changes no
+    bit. Returns y."""
     n, k, *spatial = y.shape
     d = len(spatial)
     pixels = math.prod(spatial)

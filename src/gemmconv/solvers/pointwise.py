@@ -155,8 +155,8 @@ class PointwiseSolver(Solver):
         multiply the same problem's (cpu_sample_products)."""
         if cpu_sample_products(p):
             ones = (1,) * p.dims
-            pixels = patch_view(x, p.output_spatial, ones, channels_last_columns(p))
-            return store_invariant_samples(y, pixels, w, bias, p)
+            x_patches = patch_view(x, p.output_spatial, ones, channels_last_columns(p))
+            return store_invariant_samples(y, x_patches, w, bias, p)
         if p.device_type == "cuda" and transposed_pixels(p) > 0:
             y3 = batched_view(y)
             target = y3 if y3 is not None else y.new_empty(p.n, p.k, math.prod(p.output_spatial))
