@@ -169,27 +169,11 @@ def cpu_sample_products(p: ConvProblem) -> bool:
 
 
 def _cpu_blocks(t3: torch.Tensor) -> torch.Tensor:
-    """[N, A, B] with each sample's [A, B] block dense and every block on a
-    CPU_ALIGN_BYTES boundary: ``t3`` itself where it is, else one copy."""
+    """[N, A, B] with each sample's [A, B] block dense, the blocks a whole number of
+    CPU_ALIGN_BYTES apart from a CPU_ALIGN_BYTES boundary (_canonical_samples)."""
     n, a, b = t3.shape
-    size = t3.element_size()
-    dense = t3.stride()[1:] == (b, 1)
-    if dense and (t3.stride(0) * size) % CPU_ALIGN_BYTES == 0:
-        if t3.data_ptr() % CPU_ALIGN_BYTES == 0 or n == 0:
-            return t3
-    stride = round_up(a * b, max(1, CPU_ALIGN_BYTES // size))
-    block = _cpu_aligned_empty(n * stride, t3)
-    view = block.as_strided((n, a, b), (stride, b, 1))
-    view.copy_(t3)
-    return view
-
-
-def _cpu_aligned_empty(numel: int, like: torch.Tensor) -> torch.Tensor:
-    """``numel`` elements of ``like``'s dtype starting on a CPU_ALIGN_BYTES boundary."""
-    spare = CPU_ALIGN_BYTES // like.element_size()
-    block = like.new_empty(numel + spare)
-    skip = (-block.data_ptr() % CPU_ALIGN_BYTES) // like.element_size()
-    return block[skip : skip + numel]
+    stride = round_up(a * b, max(1, CPU_ALIGN_BYTES // t3.element_size()))
+    return _canonical_samples(t3, n, stride, CPU_ALIGN_BYTES)
 
 
 def store_invariant_samples(
@@ -215,8 +199,8 @@ def store_invariant_samples(
     if n == 0 or k == 0:
         return y
     wm = wm[:, :c]
-    if wm.stride() != (c, 1) or wm.data_ptr() % CPU_ALIGN_BYTES:
-        wm = _cpu_blocks(wm.unsqueeze(0))[0]
+    if wm.stride() != (c, 1) or not _aligned(wm, CPU_ALIGN_BYTES):
+        wm = wm.clone(memory_format=torch.contiguous_format)  # a fresh, aligned block
     rows_out = output_layout(p.layout, p.dims, p.dtype, p.device_type) is Layout.CHANNELS_LAST
     if rows_out:
         a3 = _cpu_blocks(patches.reshape(n, pixels, c))
@@ -230,9 +214,9 @@ def store_invariant_samples(
         out3, b, shift = batched_view(y), wm, None if bias is None else bias.view(k, 1)
         block = (k, pixels)
     direct = out3 is not None and out3.stride()[1:] == (block[1], 1)
-    direct = direct and out3.data_ptr() % CPU_ALIGN_BYTES == 0
+    direct = direct and _aligned(out3, CPU_ALIGN_BYTES)
     direct = direct and (out3.stride(0) * y.element_size()) % CPU_ALIGN_BYTES == 0
-    scratch = None if direct else _cpu_aligned_empty(k * pixels, y).view(block)
+    scratch = None if direct else y.new_empty(block)  # a fresh, aligned block
     for i in range(n):
         left, right = (a3[i], b) if rows_out else (b, a3[i])
         if direct:
@@ -316,8 +300,24 @@ def chunk_starts(total: int, chunk: int) -> list[int]:
     return starts
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    return t.data_ptr() % ALIGN_BYTES == 0
+def _aligned(t: torch.Tensor, align: int = ALIGN_BYTES) -> bool:
+    return t.data_ptr() % align == 0
+
+
+def _canonical_samples(
+    t3: torch.Tensor, count: int, stride: int, align: int = ALIGN_BYTES
+) -> torch.Tensor:
+    """[count, A, B] blocks with strides (stride, B, 1) on an ``align``-byte boundary:
+    ``t3`` itself where it already is (and count is its length), else a new block
+    holding ``t3``'s samples first and zeros after them. A new block is aligned as
+    torch's allocators align every block (64 bytes on the CPU, more on CUDA)."""
+    n, rows, cols = t3.shape
+    if count == n and t3.stride() == (stride, cols, 1) and _aligned(t3, align):
+        return t3
+    block = t3.new_zeros(count, stride) if count > n else t3.new_empty(count, stride)
+    view = block.as_strided((count, rows, cols), (stride, cols, 1))
+    view[:n].copy_(t3)
+    return view
 
 
 def _canonical_rows(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -390,19 +390,6 @@ def _rows_into_channels_first(product: torch.Tensor, y: torch.Tensor) -> None:
             strided_copy(y3.transpose(1, 2), src)
             return
     y.copy_(product.reshape(n, *spatial, k).movedim(-1, 1))
-
-
-def _canonical_samples(t3: torch.Tensor, count: int, stride: int) -> torch.Tensor:
-    """[count, A, B] blocks with strides (stride, B, 1) on an ALIGN_BYTES boundary: ``t3``
-    itself where it already is (and count is its length), else a new block holding
-    ``t3``'s samples first and zeros after them."""
-    n, rows, cols = t3.shape
-    if count == n and t3.stride() == (stride, cols, 1) and _aligned(t3):
-        return t3
-    block = t3.new_zeros(count, stride) if count > n else t3.new_empty(count, stride)
-    view = block.as_strided((count, rows, cols), (stride, cols, 1))
-    view[:n].copy_(t3)
-    return view
 
 
 def cuda_batched_gemm(
